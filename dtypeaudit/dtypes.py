@@ -1,0 +1,153 @@
+"""The dtype vocabulary: torch's names, their sizes, and how each file format spells them.
+
+No torch import here: scans must stay metadata-only. A test checks every entry against torch itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DType:
+    """One tensor element type."""
+
+    name: str
+    """torch's own name without the ``torch.`` prefix (``float16``, ``bfloat16``)."""
+    itemsize: int
+    """Bytes per element as torch stores it (packed sub-byte types count one byte)."""
+    family: str
+    """``float``, ``int``, ``bool``, ``complex``, ``quantized`` or ``bits``."""
+
+    @property
+    def is_floating(self) -> bool:
+        return self.family == "float"
+
+    @property
+    def is_float8(self) -> bool:
+        return self.name.startswith(("float8", "float4"))
+
+
+_TABLE: tuple[tuple[str, int, str], ...] = (
+    ("float64", 8, "float"),
+    ("float32", 4, "float"),
+    ("float16", 2, "float"),
+    ("bfloat16", 2, "float"),
+    ("float8_e4m3fn", 1, "float"),
+    ("float8_e4m3fnuz", 1, "float"),
+    ("float8_e5m2", 1, "float"),
+    ("float8_e5m2fnuz", 1, "float"),
+    ("float8_e8m0fnu", 1, "float"),
+    ("float4_e2m1fn_x2", 1, "float"),
+    ("complex32", 4, "complex"),
+    ("complex64", 8, "complex"),
+    ("complex128", 16, "complex"),
+    ("int64", 8, "int"),
+    ("int32", 4, "int"),
+    ("int16", 2, "int"),
+    ("int8", 1, "int"),
+    ("uint64", 8, "int"),
+    ("uint32", 4, "int"),
+    ("uint16", 2, "int"),
+    ("uint8", 1, "int"),
+    *((f"int{n}", 1, "int") for n in range(1, 8)),
+    *((f"uint{n}", 1, "int") for n in range(1, 8)),
+    ("bool", 1, "bool"),
+    ("qint8", 1, "quantized"),
+    ("quint8", 1, "quantized"),
+    ("qint32", 4, "quantized"),
+    ("quint4x2", 1, "quantized"),
+    ("quint2x4", 1, "quantized"),
+    ("bits8", 1, "bits"),
+    ("bits16", 2, "bits"),
+    ("bits1x8", 1, "bits"),
+    ("bits2x4", 1, "bits"),
+    ("bits4x2", 1, "bits"),
+)
+
+DTYPES: dict[str, DType] = {name: DType(name, size, fam) for name, size, fam in _TABLE}
+
+ALIASES: dict[str, str] = {
+    "fp16": "float16",
+    "half": "float16",
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+    "float": "float32",
+    "f32": "float32",
+    "fp64": "float64",
+    "double": "float64",
+    "f64": "float64",
+    "long": "int64",
+    "int": "int32",
+    "short": "int16",
+    "byte": "uint8",
+    "char": "int8",
+    "cfloat": "complex64",
+    "cdouble": "complex128",
+    "chalf": "complex32",
+}
+
+# torch.save names a storage by its legacy typed class (``torch.FloatStorage``).
+STORAGE_CLASSES: dict[str, str] = {
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+    "QInt8Storage": "qint8",
+    "QUInt8Storage": "quint8",
+    "QInt32Storage": "qint32",
+    "QUInt4x2Storage": "quint4x2",
+    "QUInt2x4Storage": "quint2x4",
+}
+STORAGE_CLASS_OF: dict[str, str] = {v: k for k, v in STORAGE_CLASSES.items()}
+
+# The safetensors header's dtype codes (see the format's README).
+SAFETENSORS_CODES: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "C64": "complex64",
+    "C128": "complex128",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+SAFETENSORS_CODE_OF: dict[str, str] = {v: k for k, v in SAFETENSORS_CODES.items()}
+
+
+def get(name: str) -> DType:
+    """The DType for a torch name; KeyError for anything else."""
+    return DTYPES[name]
+
+
+def canonical(spelling: str) -> str | None:
+    """torch's name for a user's spelling (``fp16``, ``torch.half``), or None if unknown."""
+    text = spelling.strip().lower()
+    text = text.removeprefix("torch.")
+    text = ALIASES.get(text, text)
+    return text if text in DTYPES else None
+
+
+def floating_names() -> list[str]:
+    return [d.name for d in DTYPES.values() if d.is_floating]

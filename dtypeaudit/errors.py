@@ -1,0 +1,50 @@
+"""One exception family. Each error renders as a single line that names the file and the problem."""
+
+from __future__ import annotations
+
+
+class DtypeAuditError(Exception):
+    """Base of every error the tool reports to the user (exit code 2)."""
+
+    def __init__(self, message: str, *, path: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+        self.hint = hint
+
+    def one_line(self) -> str:
+        text = f"{self.path}: {self.message}" if self.path else self.message
+        if self.hint:
+            text += f" ({self.hint})"
+        return text
+
+    def __str__(self) -> str:
+        return self.one_line()
+
+
+class CheckpointError(DtypeAuditError):
+    """The input is not a readable checkpoint (wrong kind of file, truncated, malformed, hostile)."""
+
+
+class LimitExceeded(CheckpointError):
+    """The input asks for more work or memory than any real checkpoint needs."""
+
+
+class PolicyError(DtypeAuditError):
+    """A policy file is invalid."""
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None, hint: str | None = None) -> None:
+        super().__init__(message, path=f"{path}:{line}" if path and line else path, hint=hint)
+        self.line = line
+
+
+class UsageError(DtypeAuditError):
+    """The command was misused (bad option combination, missing argument)."""
+
+
+class ConversionError(DtypeAuditError):
+    """A conversion could not be planned, written or verified."""
+
+
+class FactoryError(DtypeAuditError):
+    """A user-named script or factory could not build a model."""

@@ -1,0 +1,186 @@
+"""The data model every other module speaks: tensors found, findings raised, reports made.
+
+Frozen dataclasses, no torch: readers produce them, checks and renderers consume them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+Severity = Literal["error", "warning", "info"]
+SEVERITIES: tuple[Severity, ...] = ("info", "warning", "error")
+Kind = Literal["parameter", "buffer", "unknown"]
+Region = Literal["model", "optimizer"]
+
+
+def severity_rank(severity: str) -> int:
+    """info < warning < error."""
+    return SEVERITIES.index(severity)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor as the checkpoint describes it; nothing here needs the tensor's bytes."""
+
+    name: str
+    """Dotted key path from the checkpoint's root object (``model.fc.weight``)."""
+    dtype: str
+    """torch's dtype name without prefix (``float32``)."""
+    shape: tuple[int, ...]
+    """The tensor's size."""
+    nbytes: int
+    """Bytes of the tensor's own elements (numel x itemsize); 0 for meta tensors."""
+    kind: Kind = "unknown"
+    """``parameter`` where the file says so, ``buffer`` where it says so, else ``unknown``."""
+    file: str = ""
+    """The file that holds it, relative to the checkpoint path (``""`` for a single file)."""
+    storage: str | None = None
+    """Key of the storage it views; tensors with the same ``(file, storage)`` share memory."""
+    offset: int = 0
+    """Offset into that storage, in elements."""
+    stride: tuple[int, ...] | None = None
+    """Strides in elements, where the format records them."""
+    layout: str = "strided"
+    """``strided``, ``sparse_coo``, ``meta`` (no data), ``quantized``."""
+    region: Region = "model"
+    """``optimizer`` for tensors inside an optimizer state (``state``/``param_groups``), else ``model``."""
+    module: str | None = None
+    """Type name of the module that owns it (``BatchNorm2d``), where known."""
+    shares_with: tuple[str, ...] = ()
+    """Names of the other tensors that view the same storage (tied weights, views)."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def with_(self, **changes: object) -> TensorRecord:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Something a reader or a check wants the user to know."""
+
+    rule: str
+    """Stable identifier (``unsafe-global``, ``dtype-mismatch``)."""
+    severity: Severity
+    """``error``, ``warning`` or ``info``."""
+    message: str
+    """One sentence, for people."""
+    tensor: str | None = None
+    """The tensor concerned, if any."""
+    file: str | None = None
+    """The file concerned inside a directory checkpoint, if any."""
+    expected: tuple[str, ...] | None = None
+    """The dtypes a rule expected, for dtype findings."""
+    actual: str | None = None
+    """The dtype found, for dtype findings."""
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """Everything a reader learnt from one checkpoint."""
+
+    path: str
+    """The checkpoint as the user named it."""
+    format: str
+    """``torch-zip``, ``torchscript``, ``torch-legacy``, ``safetensors``, ``hf-directory``, ``dcp``, ``factory``."""
+    tensors: tuple[TensorRecord, ...]
+    """Every tensor, in file order."""
+    findings: tuple[Finding, ...] = ()
+    """What the reader noticed (unsafe globals, index disagreements)."""
+    metadata: Mapping[str, object] = field(default_factory=dict)
+    """Format-specific facts: ``config_dtype`` of a Hugging Face config, safetensors ``__metadata__``."""
+
+    def by_name(self) -> dict[str, TensorRecord]:
+        return {t.name: t for t in self.tensors}
+
+
+def link_shared_storage(tensors: Iterable[TensorRecord]) -> tuple[TensorRecord, ...]:
+    """Fill ``shares_with`` for tensors that view one storage."""
+    records = list(tensors)
+    groups: dict[tuple[str, str], list[str]] = {}
+    for t in records:
+        if t.storage is not None:
+            groups.setdefault((t.file, t.storage), []).append(t.name)
+    out = []
+    for t in records:
+        names = groups.get((t.file, t.storage), []) if t.storage is not None else []
+        others = tuple(n for n in names if n != t.name)
+        out.append(replace(t, shares_with=others) if others else t)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    """The outcome for one checkpoint: its inventory and findings, or why it could not be read."""
+
+    path: str
+    format: str | None
+    error: str | None
+    """None, or the one-line reason the checkpoint could not be read."""
+    inventory: Inventory | None
+    findings: tuple[Finding, ...] = ()
+
+    @property
+    def tensors(self) -> tuple[TensorRecord, ...]:
+        return self.inventory.tensors if self.inventory else ()
+
+
+@dataclass(frozen=True)
+class Report:
+    """One run over one or more checkpoints."""
+
+    checkpoints: tuple[CheckpointReport, ...]
+    fail_on: Severity = "error"
+    """Findings at or above this severity make the run fail."""
+    policy: str | None = None
+    """Where the policy came from (file or preset), if one was used."""
+
+    @property
+    def findings(self) -> list[Finding]:
+        return [f for c in self.checkpoints for f in c.findings]
+
+
+@dataclass(frozen=True)
+class DtypeTotals:
+    """Per-dtype totals for a summary line."""
+
+    dtype: str
+    tensors: int
+    numel: int
+    nbytes: int
+    share: float
+    """Fraction of the checkpoint's bytes."""
+
+
+def unique_tensors(tensors: Iterable[TensorRecord]) -> list[TensorRecord]:
+    """Tensors with one copy of each tensor that appears under several names (same storage and view)."""
+    seen: set[tuple[object, ...]] = set()
+    out = []
+    for t in tensors:
+        key = (t.file, t.storage, t.offset, t.shape, t.stride, t.dtype) if t.storage is not None else (id(t),)
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
+
+
+def dtype_summary(tensors: Iterable[TensorRecord]) -> list[DtypeTotals]:
+    """Totals by dtype, largest share first; a tensor under two names counts once."""
+    counts: dict[str, list[int]] = {}
+    for t in unique_tensors(tensors):
+        c = counts.setdefault(t.dtype, [0, 0, 0])
+        c[0] += 1
+        c[1] += t.numel
+        c[2] += t.nbytes
+    total = sum(c[2] for c in counts.values()) or 1
+    rows = [DtypeTotals(d, c[0], c[1], c[2], c[2] / total) for d, c in counts.items()]
+    return sorted(rows, key=lambda r: (-r.nbytes, -r.tensors, r.dtype))

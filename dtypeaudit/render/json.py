@@ -1,0 +1,88 @@
+"""The ``dtypeaudit.report/1`` JSON contract. Fields may be added; renaming or removing one is a new version."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .. import __version__
+from ..inventory import CheckpointReport, Finding, Report, TensorRecord, dtype_summary, unique_tensors
+
+SCHEMA = "dtypeaudit.report/1"
+
+
+def tensor_dict(t: TensorRecord) -> dict[str, Any]:
+    return {
+        "name": t.name,
+        "dtype": t.dtype,
+        "shape": list(t.shape),
+        "kind": t.kind,
+        "nbytes": t.nbytes,
+        "numel": t.numel,
+        "file": t.file or None,
+        "storage": t.storage,
+        "offset": t.offset,
+        "stride": list(t.stride) if t.stride is not None else None,
+        "layout": t.layout,
+        "region": t.region,
+        "module": t.module,
+        "shares_with": list(t.shares_with),
+    }
+
+
+def finding_dict(f: Finding) -> dict[str, Any]:
+    return {
+        "rule": f.rule,
+        "severity": f.severity,
+        "tensor": f.tensor,
+        "message": f.message,
+        "file": f.file,
+        "expected": list(f.expected) if f.expected is not None else None,
+        "actual": f.actual,
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+def checkpoint_dict(c: CheckpointReport) -> dict[str, Any]:
+    tensors = c.tensors
+    unique = unique_tensors(tensors)
+    return {
+        "path": c.path,
+        "format": c.format,
+        "error": c.error,
+        "summary": {
+            "tensors": len(tensors),
+            "numel": sum(t.numel for t in unique),
+            "nbytes": sum(t.nbytes for t in unique),
+            "by_dtype": [
+                {"dtype": r.dtype, "tensors": r.tensors, "numel": r.numel, "nbytes": r.nbytes, "share": round(r.share, 6)}
+                for r in dtype_summary(tensors)
+            ],
+        },
+        "tensors": [tensor_dict(t) for t in tensors],
+        "findings": [finding_dict(f) for f in c.findings],
+        "metadata": _jsonable(dict(c.inventory.metadata)) if c.inventory else {},
+    }
+
+
+def report_dict(report: Report) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "tool": {"name": "dtypeaudit", "version": __version__},
+        "fail_on": report.fail_on,
+        "policy": report.policy,
+        "checkpoints": [checkpoint_dict(c) for c in report.checkpoints],
+    }
+
+
+def render(report: Report) -> str:
+    return json.dumps(report_dict(report), indent=2) + "\n"

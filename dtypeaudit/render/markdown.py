@@ -1,0 +1,43 @@
+"""Markdown for a CI job summary ($GITHUB_STEP_SUMMARY) or a pull-request comment."""
+
+from __future__ import annotations
+
+from ..inventory import Report, dtype_summary, severity_rank
+from .humanize import group_tensors, human_bytes, human_count, shape_text
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render(report: Report, *, verbose: bool = False) -> str:
+    out = ["# dtypeaudit report", ""]
+    failing = [f for f in report.findings if severity_rank(f.severity) >= severity_rank(report.fail_on)]
+    unreadable = [c for c in report.checkpoints if c.error]
+    status = "❌ failed" if failing or unreadable else "✅ passed"
+    out.append(f"**{status}**: {len(report.checkpoints)} checkpoint(s), {len(report.findings)} finding(s), failing at `{report.fail_on}`.")
+    out.append("")
+    for c in report.checkpoints:
+        out.append(f"## `{c.path}`")
+        out.append("")
+        if c.error:
+            out += [f"**Unreadable:** {_cell(c.error)}", ""]
+            continue
+        out.append(f"Format `{c.format}`, {len(c.tensors)} tensors.")
+        out.append("")
+        if c.findings:
+            out += ["| severity | rule | tensor | message |", "|---|---|---|---|"]
+            for f in sorted(c.findings, key=lambda f: -severity_rank(f.severity)):
+                out.append(f"| {f.severity} | `{f.rule}` | {_cell(f.tensor or f.file or '')} | {_cell(f.message)} |")
+            out.append("")
+        out += ["| dtype | tensors | elements | bytes | share |", "|---|---:|---:|---:|---:|"]
+        for r in dtype_summary(c.tensors):
+            out.append(f"| `{r.dtype}` | {r.tensors} | {human_count(r.numel)} | {human_bytes(r.nbytes)} | {r.share:.1%} |")
+        out.append("")
+        if verbose:
+            out += ["<details><summary>Tensors</summary>", "", "| name | dtype | shape | kind |", "|---|---|---|---|"]
+            for g in group_tensors(c.tensors):
+                label = f"{g.label} ×{g.count}" if g.count > 1 else g.label
+                out.append(f"| `{_cell(label)}` | `{g.dtype}` | {shape_text(g.shape)} | {g.kind} |")
+            out += ["", "</details>", ""]
+    return "\n".join(out) + "\n"

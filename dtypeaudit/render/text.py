@@ -1,0 +1,138 @@
+"""The report for people: a Rich rendering, coloured on a terminal and plain in logs."""
+
+from __future__ import annotations
+
+import io
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ..inventory import CheckpointReport, Report, dtype_summary, severity_rank, unique_tensors
+from .humanize import group_tensors, human_bytes, human_count, shape_text
+
+SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+DTYPE_STYLE = {"float32": "blue", "float16": "green", "bfloat16": "magenta", "float64": "bright_blue"}
+FULL_LISTING_LIMIT = 60
+"""Up to this many tensors every one is listed; above it, layers that repeat are folded into one row."""
+
+
+def render(report: Report, *, color: bool = True, width: int = 120, verbose: bool = False) -> str:
+    buffer = io.StringIO()
+    console = Console(
+        file=buffer,
+        width=width,
+        force_terminal=color,
+        color_system="standard" if color else None,
+        no_color=not color,
+        highlight=False,
+        emoji=False,
+    )
+    for i, checkpoint in enumerate(report.checkpoints):
+        if i:
+            console.print()
+        _checkpoint(console, checkpoint, verbose=verbose)
+    if len(report.checkpoints) > 1 or report.findings:
+        console.print()
+    console.print(_verdict(report))
+    return buffer.getvalue()
+
+
+def _checkpoint(console: Console, c: CheckpointReport, *, verbose: bool) -> None:
+    title = Text(c.path, style="bold")
+    if c.error:
+        console.print(Text.assemble(title, "  ", ("unreadable", "bold red")))
+        console.print(Text(f"  {c.error}", style="red"))
+        return
+    tensors = c.tensors
+    unique = unique_tensors(tensors)
+    console.print(
+        Text.assemble(
+            title,
+            (f"  {c.format}", "dim"),
+            f"  {len(tensors)} tensors · {human_count(sum(t.numel for t in unique))} elements · {human_bytes(sum(t.nbytes for t in unique))}",
+        )
+    )
+    if c.findings:
+        console.print()
+        _findings(console, c)
+    if tensors:
+        console.print()
+        _summary(console, c)
+        console.print()
+        _tensors(console, c, verbose=verbose)
+
+
+def _findings(console: Console, c: CheckpointReport) -> None:
+    table = Table(box=box.SIMPLE_HEAD, title="Findings", title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
+    table.add_column("severity")
+    table.add_column("rule")
+    table.add_column("tensor", overflow="fold")
+    table.add_column("message", overflow="fold", ratio=1)
+    ordered = sorted(c.findings, key=lambda f: (-severity_rank(f.severity), f.rule))
+    for f in ordered:
+        where = f.tensor or (f.file or "")
+        table.add_row(Text(f.severity, style=SEVERITY_STYLE[f.severity]), f.rule, where, f.message)
+    console.print(table)
+
+
+def _summary(console: Console, c: CheckpointReport) -> None:
+    table = Table(box=box.SIMPLE_HEAD, title="By dtype", title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
+    for name, justify in (("dtype", "left"), ("tensors", "right"), ("elements", "right"), ("bytes", "right"), ("share", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for row in dtype_summary(c.tensors):
+        table.add_row(
+            Text(row.dtype, style=DTYPE_STYLE.get(row.dtype, "")),
+            str(row.tensors),
+            human_count(row.numel),
+            human_bytes(row.nbytes),
+            f"{row.share:.1%}",
+        )
+    console.print(table)
+
+
+def _tensors(console: Console, c: CheckpointReport, *, verbose: bool) -> None:
+    tensors = c.tensors
+    fold = not verbose and len(tensors) > FULL_LISTING_LIMIT
+    groups = group_tensors(tensors) if fold else None
+    title = "Tensors" + (f" ({len(tensors)}, repeated layers folded; --verbose lists each)" if fold else "")
+    table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
+    table.add_column("name", overflow="fold", ratio=1)
+    table.add_column("dtype")
+    table.add_column("shape")
+    table.add_column("kind")
+    table.add_column("size", justify="right")
+    show_file = any(t.file for t in tensors)
+    if show_file:
+        table.add_column("file", overflow="fold")
+    if groups is not None:
+        for g in groups:
+            label = f"{g.label}  ×{g.count}" if g.count > 1 else g.label
+            row = [label, Text(g.dtype, style=DTYPE_STYLE.get(g.dtype, "")), shape_text(g.shape), g.kind, human_bytes(g.nbytes)]
+            if show_file:
+                row.append(g.members[0].file)
+            table.add_row(*row)
+    else:
+        for t in tensors:
+            name = t.name + (f"  (shares storage with {', '.join(t.shares_with)})" if t.shares_with and verbose else "")
+            row = [name, Text(t.dtype, style=DTYPE_STYLE.get(t.dtype, "")), shape_text(t.shape), t.kind, human_bytes(t.nbytes)]
+            if show_file:
+                row.append(t.file)
+            table.add_row(*row)
+    console.print(table)
+
+
+def _verdict(report: Report) -> Text:
+    unreadable = sum(1 for c in report.checkpoints if c.error)
+    counts = {s: sum(1 for f in report.findings if f.severity == s) for s in ("error", "warning", "info")}
+    parts = [f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items() if n]
+    failing = [f for f in report.findings if severity_rank(f.severity) >= severity_rank(report.fail_on)]
+    scanned = f"{len(report.checkpoints)} checkpoint{'s' if len(report.checkpoints) != 1 else ''}"
+    if unreadable:
+        return Text(f"✗ {unreadable} of {scanned} could not be read" + (f"; {', '.join(parts)}" if parts else ""), style="bold red")
+    if failing:
+        return Text(f"✗ {scanned}: {', '.join(parts)} (failing at --fail-on {report.fail_on})", style="bold red")
+    if parts:
+        return Text(f"✓ {scanned}: {', '.join(parts)}, none at or above --fail-on {report.fail_on}", style="green")
+    return Text(f"✓ {scanned}: no findings", style="green")

@@ -1,0 +1,87 @@
+"""Every rule a finding can carry: its id, default severity and what it means. SARIF's driver lists these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    severity: str
+    summary: str
+    help: str
+
+
+RULES: dict[str, Rule] = {
+    r.id: r
+    for r in (
+        Rule(
+            "unsafe-global",
+            "error",
+            "The pickle references a global that is not a tensor-rebuilding one.",
+            "Loading this file with torch.load(weights_only=False) would import and possibly call it. "
+            "dtypeaudit never does. Re-save the checkpoint as a plain state_dict or safetensors.",
+        ),
+        Rule(
+            "foreign-global",
+            "warning",
+            "The pickle references a plain data class (argparse.Namespace, Lightning's AttributeDict, numpy scalars).",
+            "torch.load(weights_only=True) refuses it unless allow-listed with torch.serialization.add_safe_globals.",
+        ),
+        Rule(
+            "index-mismatch",
+            "error",
+            "A sharded checkpoint's index and its shards disagree.",
+            "Regenerate the index, or re-download the shards it names.",
+        ),
+        Rule("unreadable", "error", "The checkpoint could not be read.", "The message says why; fix or re-download the file."),
+        Rule(
+            "dtype-mismatch",
+            "error",
+            "A tensor's dtype is not what the policy expects.",
+            "Convert the checkpoint (dtypeaudit convert) or change the policy rule that matched; --explain NAME shows which.",
+        ),
+        Rule(
+            "module-dtype-mix",
+            "error",
+            "Tensors of one module disagree in floating dtype.",
+            "A forward pass fails with 'expected scalar type Half but found Float'; convert the module's tensors together.",
+        ),
+        Rule(
+            "tied-dtype-conflict",
+            "error",
+            "Tensors that share storage are required to have different dtypes.",
+            "Tied weights are one tensor: give their names the same expected dtype in the policy.",
+        ),
+        Rule(
+            "config-dtype-mismatch",
+            "warning",
+            "config.json's torch_dtype disagrees with the weights.",
+            "Update config.json's torch_dtype (or dtype) to the dtype the weights hold.",
+        ),
+        Rule(
+            "fp16-overflow",
+            "error",
+            "Values beyond float16's range (+-65504) would become inf.",
+            "Use bfloat16, keep the tensor in float32 (--keep-unsafe) or saturate (--clamp).",
+        ),
+        Rule(
+            "fp16-underflow",
+            "warning",
+            "Non-zero values below float16's smallest subnormal (2^-24) would become zero.",
+            "Use bfloat16 or keep the tensor in float32.",
+        ),
+        Rule(
+            "fp16-subnormal",
+            "info",
+            "Values in float16's subnormal range lose precision.",
+            "Usually harmless; keep the tensor in float32 if its small values matter.",
+        ),
+        Rule("non-finite", "error", "The tensor already holds NaN or Inf.", "Find where training diverged; the values are lost."),
+    )
+}
+
+
+def rule(rule_id: str) -> Rule:
+    return RULES.get(rule_id) or Rule(rule_id, "error", rule_id, "")
