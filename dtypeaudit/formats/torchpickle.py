@@ -164,7 +164,7 @@ def _rebuild_sparse(args: tuple[Any, ...]) -> TensorRef:
     if not parts or not sizes:
         raise CheckpointError("sparse tensor without values or size")
     values = parts[-1]
-    layout = args[0] if isinstance(args[0], str) else "sparse"
+    layout = args[0].removeprefix("torch.") if isinstance(args[0], str) else "sparse"
     shape = _ints(sizes[-1], "size")
     return TensorRef(None, values.dtype, 0, shape, None, layout=layout, nbytes=sum(p.nbytes for p in parts))
 

@@ -1,0 +1,102 @@
+"""module:factory targets build the model on the meta device; --model gives checkpoint tensors their kinds."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtypeaudit.errors import FactoryError
+from dtypeaudit.formats import factory, read_checkpoint
+
+SCRIPT = '''
+import torch
+from torch import nn
+
+BUILT_ON = []
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 2).half()
+
+def build_model():
+    model = Net()
+    BUILT_ON.append(model.conv.weight.device.type)
+    return model
+
+def broken():
+    raise RuntimeError("no GPU here")
+
+def not_a_module():
+    return 42
+'''
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "net.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_script_factory_inventory(script: Path) -> None:
+    inv = factory.inventory(f"{script}:build_model")
+    model_facts = {t.name: (t.kind, t.dtype, t.module) for t in inv.tensors}
+    assert model_facts == {
+        "conv.weight": ("parameter", "float32", "Conv2d"),
+        "conv.bias": ("parameter", "float32", "Conv2d"),
+        "bn.weight": ("parameter", "float32", "BatchNorm2d"),
+        "bn.bias": ("parameter", "float32", "BatchNorm2d"),
+        "head.weight": ("parameter", "float16", "Linear"),
+        "head.bias": ("parameter", "float16", "Linear"),
+        "bn.running_mean": ("buffer", "float32", "BatchNorm2d"),
+        "bn.running_var": ("buffer", "float32", "BatchNorm2d"),
+        "bn.num_batches_tracked": ("buffer", "int64", "BatchNorm2d"),
+    }
+
+
+def test_factory_builds_on_meta(script: Path) -> None:
+    factory.build(f"{script}:build_model")
+    import sys
+
+    mod = next(m for n, m in sys.modules.items() if n.startswith("_dtypeaudit_user_") and hasattr(m, "BUILT_ON"))
+    assert mod.BUILT_ON[-1] == "meta"
+
+
+def test_package_module_factory() -> None:
+    inv = factory.inventory("tests.conftest:TinyLM")
+    by = inv.by_name()
+    assert by["lm_head.weight"].shares_with == ("embed.weight",)
+    assert by["norm.weight"].module == "LayerNorm"
+
+
+@pytest.mark.parametrize(
+    ("attr", "message"),
+    [("broken", "calling 'broken()' failed: RuntimeError: no GPU here"), ("not_a_module", "returned a int"), ("missing", "has no callable")],
+)
+def test_factory_errors_are_one_line(script: Path, attr: str, message: str) -> None:
+    with pytest.raises(FactoryError, match=re.escape(message)):
+        factory.build(f"{script}:{attr}")
+
+
+def test_attach_kinds_through_wrapper_prefix(lightning_ckpt: Path) -> None:
+    ckpt = read_checkpoint(lightning_ckpt)
+    model = factory.inventory("tests.conftest:LitModule")
+    by = factory.attach(ckpt, model).by_name()
+    assert (by["state_dict.net.bn.running_var"].kind, by["state_dict.net.bn.running_var"].module) == ("buffer", "BatchNorm2d")
+    assert (by["state_dict.net.fc.weight"].kind, by["state_dict.net.fc.weight"].module) == ("parameter", "Linear")
+    # Optimizer moments keep their unknown kind: they belong to no module.
+    assert by["optimizer_states.0.state.0.exp_avg"].kind == "unknown"
+
+
+def test_plain_state_dict_attach(tmp_path: Path, script: Path) -> None:
+    net = factory.build(f"{script}:build_model").to_empty(device="cpu")
+    path = tmp_path / "sd.pt"
+    torch.save({"model": net.state_dict()}, path)
+    by = factory.attach(read_checkpoint(path), factory.inventory(f"{script}:build_model")).by_name()
+    assert by["model.bn.num_batches_tracked"].kind == "buffer"
