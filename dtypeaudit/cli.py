@@ -76,6 +76,13 @@ def emit(text: str, output: Optional[Path]) -> None:
     typer.echo(f"dtypeaudit: report written to {output}", err=True)
 
 
+def _log_unreadable(report: Report) -> None:
+    """One line on stderr per input that could not be read, whatever format stdout carries."""
+    for c in report.checkpoints:
+        if c.error:
+            typer.echo(f"dtypeaudit: error: {c.error}", err=True)
+
+
 def run_guarded(fn, debug: bool) -> None:  # type: ignore[no-untyped-def]
     """Run a command body: one-line errors with exit 2, 130 on Ctrl-C, tracebacks only under --debug."""
     try:
@@ -147,9 +154,10 @@ def scan(
         from .scan import scan as run_scan
 
         severity = _severity(fail_on)
-        report: Report = run_scan(targets, model=model, fail_on=severity, jobs=jobs)
+        report: Report = run_scan(targets, model=model, fail_on=severity, jobs=jobs, raise_errors=debug)
         chosen = fmt or (OutputFormat.plain if output else default_format())
         emit(renderer_for(chosen, width=_terminal_width(), verbose=verbose)(report), output)
+        _log_unreadable(report)
         raise typer.Exit(exitcodes.for_report(report))
 
     run_guarded(body, debug)

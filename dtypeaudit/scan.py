@@ -64,6 +64,10 @@ def _read_safely(target: str) -> Inventory | str:
         return exc.one_line()
 
 
+def _read_raising(target: str) -> Inventory | str:
+    return read_target(target)
+
+
 def scan(
     targets: Sequence[str],
     *,
@@ -72,16 +76,21 @@ def scan(
     fail_on: Severity = "error",
     policy_name: str | None = None,
     jobs: int | None = None,
+    raise_errors: bool = False,
 ) -> Report:
-    """Read every target, attach the model's kinds if given, run the checks, and report."""
+    """Read every target, attach the model's kinds if given, run the checks, and report.
+
+    An unreadable checkpoint becomes an entry with ``error`` set, unless ``raise_errors``.
+    """
+    reader = _read_raising if raise_errors else _read_safely
     paths = expand(targets)
     model_inv = factory_mod.inventory(model) if model else None
     results: list[Inventory | str]
     if len(paths) >= PARALLEL_THRESHOLD and (jobs or os.cpu_count() or 1) > 1 and jobs != 1:
         with ProcessPoolExecutor(max_workers=jobs or min(len(paths), os.cpu_count() or 1)) as pool:
-            results = list(pool.map(_read_safely, paths))
+            results = list(pool.map(reader, paths))
     else:
-        results = [_read_safely(p) for p in paths]
+        results = [reader(p) for p in paths]
     reports = []
     for path, result in zip(paths, results, strict=True):
         if isinstance(result, str):

@@ -89,6 +89,9 @@ class Trace:
     """Every global called (REDUCE, NEWOBJ, INST, OBJ) with the offset of its first call."""
 
 
+_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+
+
 class _Mark:
     __slots__ = ()
 
@@ -182,6 +185,8 @@ class PickleVM:
             raise self._fail(f"memo entry {index} is read before it is written") from None
 
     def _global(self, module: str, name: str) -> Global:
+        # Python 2 spellings, as CPython's unpickler maps them for old protocols.
+        module = _PY2_MODULES.get(module, module)
         g = Global(module, name)
         self.trace.globals.setdefault(g.qualname, self.pos)
         return g

@@ -216,6 +216,19 @@ def _plain(kind: type) -> Reducer:
     return build
 
 
+def _bytes(args: tuple[Any, ...]) -> bytes:
+    # Only the spellings pickle itself writes: bytes() and bytes(bytes). bytes(n) would allocate n bytes.
+    if not args:
+        return b""
+    if len(args) == 1 and isinstance(args[0], (bytes, bytearray)):
+        return bytes(args[0])
+    raise CheckpointError("unexpected bytes() call")
+
+
+def _bytearray(args: tuple[Any, ...]) -> bytearray:
+    return bytearray(_bytes(args))
+
+
 def _device(args: tuple[Any, ...]) -> str:
     return ":".join(str(a) for a in args)
 
@@ -239,7 +252,8 @@ REDUCERS: dict[str, Reducer] = {
     "builtins.frozenset": _plain(frozenset),
     "builtins.complex": _plain(complex),
     "builtins.slice": lambda args: tuple(args),
-    "builtins.bytearray": _plain(bytearray),
+    "builtins.bytearray": _bytearray,
+    "builtins.bytes": _bytes,
     "torch.jit._pickle.build_intlist": _first,
     "torch.jit._pickle.build_doublelist": _first,
     "torch.jit._pickle.build_boollist": _first,
@@ -396,7 +410,6 @@ _DANGEROUS_EXACT = frozenset(
             "eval", "exec", "compile", "getattr", "setattr", "delattr", "__import__", "open",
             "globals", "locals", "vars", "breakpoint", "input", "apply", "execfile",
         )),  # fmt: skip
-        *(f"__builtin__.{n}" for n in ("eval", "exec", "getattr", "__import__", "open", "apply", "execfile")),
         "functools.partial",
         "functools.reduce",
         "operator.attrgetter",
