@@ -5,7 +5,6 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from .errors import DtypeAuditError, UsageError
@@ -87,6 +86,8 @@ def scan(
     model_inv = factory_mod.inventory(model) if model else None
     results: list[Inventory | str]
     if len(paths) >= PARALLEL_THRESHOLD and (jobs or os.cpu_count() or 1) > 1 and jobs != 1:
+        from concurrent.futures import ProcessPoolExecutor
+
         with ProcessPoolExecutor(max_workers=jobs or min(len(paths), os.cpu_count() or 1)) as pool:
             results = list(pool.map(reader, paths))
     else:

@@ -7,6 +7,7 @@ opened. Where the index and the shards disagree, the report says so tensor by te
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,8 +64,18 @@ def shard_files(path: Path) -> list[Path]:
     return sorted(p for p in path.glob("pytorch_model*.bin") if p.is_file())
 
 
+_SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.(safetensors|bin)$")
+
+
 def is_model_directory(path: Path) -> bool:
-    return find_index(path) is not None or bool(shard_files(path))
+    """An index, or shard files with a config.json or numbered like ``model-00001-of-00004``.
+
+    A folder that merely holds a few unrelated checkpoints is not one model.
+    """
+    if find_index(path) is not None:
+        return True
+    shards = shard_files(path)
+    return bool(shards) and ((path / "config.json").is_file() or all(_SHARD_NAME.search(s.name) for s in shards))
 
 
 def read(path: Path, read_file: Callable[[Path], Inventory]) -> Inventory:

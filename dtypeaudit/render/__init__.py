@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import Enum
+from importlib import import_module
 
 from ..inventory import Report
 
@@ -24,16 +25,18 @@ Renderer = Callable[[Report], str]
 
 
 def renderer_for(fmt: OutputFormat, *, width: int = 120, verbose: bool = False) -> Renderer:
-    """The renderer for a format; every OutputFormat has one (a test holds this exhaustive)."""
-    from . import github, json, junit, markdown, sarif, text
+    """The renderer for a format; every OutputFormat has one (a test holds this exhaustive).
 
-    table: dict[OutputFormat, Renderer] = {
-        OutputFormat.table: lambda r: text.render(r, color=True, width=width, verbose=verbose),
-        OutputFormat.plain: lambda r: text.render(r, color=False, width=width, verbose=verbose),
-        OutputFormat.json: json.render,
-        OutputFormat.sarif: sarif.render,
-        OutputFormat.github: github.render,
-        OutputFormat.junit: junit.render,
-        OutputFormat.markdown: lambda r: markdown.render(r, verbose=verbose),
-    }
-    return table[fmt]
+    Each renderer module is imported only when chosen: a JSON run never loads Rich.
+    """
+    if fmt in (OutputFormat.table, OutputFormat.plain):
+        from . import text
+
+        color = fmt is OutputFormat.table
+        return lambda r: text.render(r, color=color, width=width, verbose=verbose)
+    if fmt is OutputFormat.markdown:
+        from . import markdown
+
+        return lambda r: markdown.render(r, verbose=verbose)
+    module = import_module(f"{__name__}.{fmt.value}")
+    return module.render  # type: ignore[no-any-return]
