@@ -108,7 +108,8 @@ FormatOpt = Annotated[
 ]
 OutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to FILE instead of stdout.")]
 FailOnOpt = Annotated[
-    str, typer.Option("--fail-on", help="Lowest finding severity that makes the run exit 1: error, warning or info.")
+    Optional[str],
+    typer.Option("--fail-on", help="Lowest finding severity that makes the run exit 1: error, warning or info. Default: the policy's, else error."),
 ]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show Python tracebacks for errors.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="List every tensor and every detail.")]
@@ -120,6 +121,21 @@ def _severity(value: str) -> Severity:
     return value  # type: ignore[return-value]
 
 
+PolicyOpt = Annotated[Optional[str], typer.Option("--policy", "-p", help="A YAML policy file (see README: Policies).")]
+PresetOpt = Annotated[
+    Optional[str], typer.Option("--preset", help="A shipped policy by name: fp32, fp16, fp16-mixed, bf16, bf16-mixed.")
+]
+
+
+def _policy(policy: Optional[str], preset: Optional[str]):  # type: ignore[no-untyped-def]
+    from .policy import load_policy
+
+    if policy and preset:
+        raise UsageError("give --policy or --preset, not both (a policy file can say `extends: PRESET`)")
+    spec = policy or preset
+    return load_policy(spec) if spec else None
+
+
 @app.command()
 def scan(
     targets: Annotated[
@@ -129,36 +145,182 @@ def scan(
             show_default=False,
         ),
     ],
+    policy: PolicyOpt = None,
+    preset: PresetOpt = None,
     fmt: FormatOpt = None,
     output: OutputOpt = None,
     model: Annotated[
         Optional[str],
         typer.Option("--model", "-m", help="A factory (file.py:func or module:func) whose parameters and buffers give each tensor its kind and module type."),
     ] = None,
-    fail_on: FailOnOpt = "error",
+    fail_on: FailOnOpt = None,
+    explain: Annotated[Optional[str], typer.Option("--explain", help="Show which policy rule decides tensor NAME, and why.")] = None,
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Checkpoints read in parallel (default: one per core).")] = None,
     verbose: VerboseOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """List every tensor's dtype, shape and kind, reading only metadata, and report anything suspicious.
+    """List every tensor's dtype, shape and kind, reading only metadata, and check it against a policy.
 
     \b
     Examples:
       dtypeaudit scan model.pt
       dtypeaudit scan ./Llama-3-8B/ --format json
-      dtypeaudit scan checkpoints/ --fail-on warning
+      dtypeaudit scan model.pt --preset fp16-mixed
+      dtypeaudit scan ckpts/ --policy policy.yaml --format sarif -o dtypeaudit.sarif
+      dtypeaudit scan model.pt --policy policy.yaml --explain lm_head.weight
       dtypeaudit scan mymodels/net.py:build_model
     """
 
     def body() -> None:
+        from .check import checks_for
         from .scan import scan as run_scan
 
-        severity = _severity(fail_on)
-        report: Report = run_scan(targets, model=model, fail_on=severity, jobs=jobs, raise_errors=debug)
+        pol = _policy(policy, preset)
+        severity = _severity(fail_on or (pol.fail_on if pol else None) or "error")
+        if explain is not None:
+            _explain(targets, pol, explain, model)
+        progress = _progress_callback()
+        report: Report = run_scan(
+            targets,
+            checks=checks_for(pol),
+            model=model,
+            fail_on=severity,
+            policy_name=pol.source if pol else None,
+            jobs=jobs,
+            raise_errors=debug,
+            progress=progress,
+        )
         chosen = fmt or (OutputFormat.plain if output else default_format())
         emit(renderer_for(chosen, width=_terminal_width(), verbose=verbose)(report), output)
         _log_unreadable(report)
         raise typer.Exit(exitcodes.for_report(report))
+
+    run_guarded(body, debug)
+
+
+def _progress_callback():  # type: ignore[no-untyped-def]
+    """A progress line on stderr for long multi-checkpoint scans, only when stderr is a terminal."""
+    if not sys.stderr.isatty():
+        return None
+    from rich.console import Console
+
+    console = Console(stderr=True)
+
+    def update(done: int, total: int, path: str) -> None:
+        if total >= 4:
+            console.print(f"[dim]scanned {done}/{total}: {path}[/dim]", end="\r" if done < total else "\n", highlight=False)
+
+    return update
+
+
+def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:  # type: ignore[no-untyped-def]
+    from .formats import factory
+    from .render import explain as explain_render
+    from .scan import expand, read_target
+
+    if pol is None:
+        raise UsageError("--explain needs --policy or --preset")
+    model_inv = factory.inventory(model) if model else None
+    code = exitcodes.CLEAN
+    found = False
+    for path in expand(targets):
+        inv = read_target(path)
+        if model_inv is not None:
+            inv = factory.attach(inv, model_inv)
+        t = inv.by_name().get(name)
+        if t is None:
+            continue
+        found = True
+        sys.stdout.write(f"{path}\n" + explain_render.render(pol, t))
+        from .policy import decide
+
+        if not decide(pol, t).ok:
+            code = exitcodes.FINDINGS
+    if not found:
+        raise UsageError(f"no tensor named '{name}' in {', '.join(targets)}")
+    raise typer.Exit(code)
+
+
+policy_app = typer.Typer(help="Write, check and list dtype policies.", no_args_is_help=True)
+app.add_typer(policy_app, name="policy")
+
+
+@policy_app.command("init")
+def policy_init(
+    checkpoint: Annotated[str, typer.Argument(help="The checkpoint whose dtypes become the baseline.", show_default=False)],
+    output: OutputOpt = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Write a policy that CHECKPOINT passes exactly, folded into patterns: lock today's dtypes as the baseline.
+
+    \b
+    Example:
+      dtypeaudit policy init blessed.pt > policy.yaml
+      dtypeaudit scan candidate.pt --policy policy.yaml
+    """
+
+    def body() -> None:
+        from .baseline import render_baseline
+        from .scan import read_target
+
+        emit(render_baseline(read_target(checkpoint)), output)
+
+    run_guarded(body, debug)
+
+
+@policy_app.command("validate")
+def policy_validate(
+    files: Annotated[list[str], typer.Argument(help="Policy files or preset names.", show_default=False)],
+    debug: DebugOpt = False,
+) -> None:
+    """Check policy files: exit 0 if all are valid, 2 with file:line and the valid choices if not."""
+
+    def body() -> None:
+        from .policy import load_policy
+
+        for f in files:
+            pol = load_policy(f)
+            extends = f", extends {' -> '.join(pol.extends)}" if pol.extends else ""
+            typer.echo(f"{f}: valid ({len(pol.rules)} rules{extends})")
+
+    run_guarded(body, debug)
+
+
+@policy_app.command("presets")
+def policy_presets() -> None:
+    """List the shipped presets and their first comment line."""
+    from .policy import PRESET_DIR, preset_names
+
+    for name in preset_names():
+        first = (PRESET_DIR / f"{name}.yaml").read_text(encoding="utf-8").splitlines()[0].lstrip("# ")
+        typer.echo(f"{name:12} {first}")
+
+
+@app.command()
+def diff(
+    a: Annotated[str, typer.Argument(help="The checkpoint before.", show_default=False)],
+    b: Annotated[str, typer.Argument(help="The checkpoint after.", show_default=False)],
+    fmt: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
+    output: OutputOpt = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Compare two checkpoints: tensors added or removed, dtype and shape changes, size. Exit 1 if they differ.
+
+    \b
+    Example:
+      dtypeaudit diff model.pt model.fp16.pt
+    """
+
+    def body() -> None:
+        from .diff import diff as run_diff
+        from .render.diff import render_json, render_text
+        from .scan import read_target
+
+        if fmt not in ("text", "json"):
+            raise UsageError(f"--format must be text or json, not '{fmt}'")
+        result = run_diff(read_target(a), read_target(b))
+        emit((render_json if fmt == "json" else render_text)(result), output)
+        raise typer.Exit(exitcodes.FINDINGS if result.differs else exitcodes.CLEAN)
 
     run_guarded(body, debug)
 

@@ -30,7 +30,10 @@ def expand(targets: Iterable[str]) -> list[str]:
             raise UsageError(f"no file matches '{target}'")
         for m in matches:
             out.extend(_expand_one(Path(m)))
-    return list(dict.fromkeys(out))
+    unique: dict[str, str] = {}
+    for p in out:
+        unique.setdefault(os.path.realpath(p) if os.path.exists(p) else p, p)
+    return list(unique.values())
 
 
 def _expand_one(path: Path) -> list[str]:
@@ -76,6 +79,7 @@ def scan(
     policy_name: str | None = None,
     jobs: int | None = None,
     raise_errors: bool = False,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> Report:
     """Read every target, attach the model's kinds if given, run the checks, and report.
 
@@ -89,9 +93,17 @@ def scan(
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(max_workers=jobs or min(len(paths), os.cpu_count() or 1)) as pool:
-            results = list(pool.map(reader, paths))
+            results = []
+            for i, result in enumerate(pool.map(reader, paths)):
+                results.append(result)
+                if progress:
+                    progress(i + 1, len(paths), paths[i])
     else:
-        results = [reader(p) for p in paths]
+        results = []
+        for i, p in enumerate(paths):
+            results.append(reader(p))
+            if progress:
+                progress(i + 1, len(paths), p)
     reports = []
     for path, result in zip(paths, results, strict=True):
         if isinstance(result, str):

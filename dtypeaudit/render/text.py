@@ -56,7 +56,7 @@ def _checkpoint(console: Console, c: CheckpointReport, *, verbose: bool) -> None
     )
     if c.findings:
         console.print()
-        _findings(console, c)
+        _findings(console, c, verbose=verbose)
     if tensors:
         console.print()
         _summary(console, c)
@@ -64,17 +64,25 @@ def _checkpoint(console: Console, c: CheckpointReport, *, verbose: bool) -> None
         _tensors(console, c, verbose=verbose)
 
 
-def _findings(console: Console, c: CheckpointReport) -> None:
+def _findings(console: Console, c: CheckpointReport, *, verbose: bool) -> None:
+    """Findings, worst first; findings that say the same thing about several tensors share one row."""
     table = Table(box=box.SIMPLE_HEAD, title="Findings", title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
     table.add_column("severity")
     table.add_column("rule")
-    table.add_column("tensor", overflow="fold")
-    table.add_column("message", overflow="fold", ratio=1)
-    ordered = sorted(c.findings, key=lambda f: (-severity_rank(f.severity), f.rule))
-    for f in ordered:
-        where = f.tensor or (f.file or "")
-        table.add_row(Text(f.severity, style=SEVERITY_STYLE[f.severity]), f.rule, where, f.message)
+    table.add_column("where", overflow="fold", ratio=2)
+    table.add_column("message", overflow="fold", ratio=3)
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for f in sorted(c.findings, key=lambda f: -severity_rank(f.severity)):
+        groups.setdefault((f.severity, f.rule, f.message), []).append(f.tensor or f.file or "")
+    for (severity, rule, message), places in groups.items():
+        table.add_row(Text(severity, style=SEVERITY_STYLE[severity]), rule, _places(places, verbose), message)
     console.print(table)
+
+
+def _places(places: list[str], verbose: bool, shown: int = 3) -> str:
+    if verbose or len(places) <= shown + 1:
+        return ", ".join(places)
+    return f"{', '.join(places[:shown])} and {len(places) - shown} more"
 
 
 def _summary(console: Console, c: CheckpointReport) -> None:

@@ -1,0 +1,78 @@
+"""``policy init``: a policy that a checkpoint passes exactly, folded into patterns where dtypes are uniform."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections import Counter
+from collections.abc import Iterator
+
+import yaml
+
+from . import dtypes
+from .inventory import Inventory, TensorRecord
+
+_DIGITS = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
+
+
+def _is_floating(t: TensorRecord) -> bool:
+    return t.dtype in dtypes.DTYPES and dtypes.get(t.dtype).is_floating
+
+
+def _literal(name: str) -> str:
+    return f"re:^{re.escape(name)}$" if any(c in name for c in "*?[]") or name.startswith("re:") else name
+
+
+def _candidates(name: str) -> Iterator[str]:
+    """Patterns for ``name``, broadest first."""
+    parts = name.split(".")
+    if len(parts) > 1:
+        yield "*." + parts[-1]
+    if len(parts) > 2:
+        yield "*." + _DIGITS.sub("*", ".".join(parts[-2:]))
+    starred = _DIGITS.sub("*", name)
+    if starred != name:
+        yield starred
+    yield _literal(name)
+
+
+def _matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.search(pattern[3:], name) is not None
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def baseline(inv: Inventory) -> dict[str, object]:
+    """The policy as data: default = the commonest floating dtype, one rule per other dtype."""
+    floating = [t for t in inv.tensors if _is_floating(t)]
+    counts = Counter(t.dtype for t in floating)
+    default = max(counts, key=lambda d: (counts[d], d)) if counts else None
+    patterns: dict[str, list[str]] = {}
+    for t in inv.tensors:
+        if t.dtype == default and _is_floating(t):
+            continue
+        covered = patterns.get(t.dtype, [])
+        if any(_matches(p, t.name) for p in covered):
+            continue
+        for pattern in _candidates(t.name):
+            claimed = [o for o in inv.tensors if _matches(pattern, o.name)]
+            if all(o.dtype == t.dtype for o in claimed):
+                patterns.setdefault(t.dtype, []).append(pattern)
+                break
+    policy: dict[str, object] = {"version": 1}
+    if default is not None:
+        policy["default"] = default
+    policy["check_integers"] = True
+    policy["rules"] = [
+        {"name": f"baseline-{dtype}", "match": pats if len(pats) > 1 else pats[0], "dtype": dtype} for dtype, pats in patterns.items()
+    ]
+    return policy
+
+
+def render_baseline(inv: Inventory) -> str:
+    header = (
+        f"# Baseline for {inv.path} ({inv.format}, {len(inv.tensors)} tensors), written by `dtypeaudit policy init`.\n"
+        "# The checkpoint passes it exactly. Loosen what may change, then check with\n"
+        "#   dtypeaudit scan CHECKPOINT --policy THIS_FILE\n"
+    )
+    return header + yaml.safe_dump(baseline(inv), sort_keys=False, width=120)

@@ -1,0 +1,33 @@
+"""``--explain NAME``: which rule decided a tensor's expected dtype, and why the others did not."""
+
+from __future__ import annotations
+
+from ..inventory import TensorRecord
+from ..policy import Policy, decide
+from .humanize import shape_text
+
+
+def render(policy: Policy, t: TensorRecord) -> str:
+    d = decide(policy, t)
+    lines = [
+        f"{t.name}: {t.dtype} {shape_text(t.shape)}, kind {t.kind}, region {t.region}, module {t.module or 'unknown'}",
+        f"policy: {policy.source}" + (f" (extends {' -> '.join(policy.extends)})" if policy.extends else ""),
+    ]
+    if d.skipped:
+        lines.append(f"not checked: {d.skipped}")
+        return "\n".join(lines) + "\n"
+    for r in policy.rules:
+        why = r.why_not(t)
+        if why is None:
+            lines.append(f"  ✓ {r.label}: matches, expects {_dt(r.dtypes)}" + (f" ({r.reason})" if r.reason else ""))
+            break
+        lines.append(f"  · {r.label}: skipped, {why}")
+    else:
+        lines.append(f"  ✓ no rule matched: the default applies, expecting {_dt(policy.default)}")
+    verdict = "passes" if d.ok else f"fails ({d.severity})"
+    lines.append(f"verdict: {t.dtype} {verdict}")
+    return "\n".join(lines) + "\n"
+
+
+def _dt(expected: frozenset[str] | None) -> str:
+    return "any dtype" if expected is None else " or ".join(sorted(expected))
