@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
@@ -57,10 +58,8 @@ def default_format(stream: object = None) -> OutputFormat:
 
 
 def _terminal_width() -> int:
-    try:
-        return max(80, min(os.get_terminal_size().columns, 200))
-    except OSError:
-        return 120
+    """The terminal's width (or $COLUMNS), kept between 80 and 200 columns; 120 when unknown."""
+    return max(80, min(shutil.get_terminal_size((120, 24)).columns, 200))
 
 
 def emit(text: str, output: Optional[Path]) -> None:
