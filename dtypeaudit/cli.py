@@ -154,6 +154,10 @@ def scan(
     ] = None,
     fail_on: FailOnOpt = None,
     explain: Annotated[Optional[str], typer.Option("--explain", help="Show which policy rule decides tensor NAME, and why.")] = None,
+    values: Annotated[
+        bool, typer.Option("--values", help="Also read tensor values: NaN/Inf, and what a cast to --values-to would overflow or flush to zero.")
+    ] = False,
+    values_to: Annotated[str, typer.Option("--values-to", help="The dtype --values checks against: fp16 or bf16.")] = "fp16",
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Checkpoints read in parallel (default: one per core).")] = None,
     verbose: VerboseOpt = False,
     debug: DebugOpt = False,
@@ -167,6 +171,7 @@ def scan(
       dtypeaudit scan model.pt --preset fp16-mixed
       dtypeaudit scan ckpts/ --policy policy.yaml --format sarif -o dtypeaudit.sarif
       dtypeaudit scan model.pt --policy policy.yaml --explain lm_head.weight
+      dtypeaudit scan model.pt --values
       dtypeaudit scan mymodels/net.py:build_model
     """
 
@@ -179,9 +184,14 @@ def scan(
         if explain is not None:
             _explain(targets, pol, explain, model)
         progress = _progress_callback()
+        checks = checks_for(pol)
+        if values:
+            from .convert import value_findings
+
+            checks.append(lambda inv: value_findings(inv, values_to))
         report: Report = run_scan(
             targets,
-            checks=checks_for(pol),
+            checks=checks,
             model=model,
             fail_on=severity,
             policy_name=pol.source if pol else None,
@@ -322,6 +332,101 @@ def diff(
         raise typer.Exit(exitcodes.FINDINGS if result.differs else exitcodes.CLEAN)
 
     run_guarded(body, debug)
+
+
+@app.command()
+def convert(
+    source: Annotated[str, typer.Argument(help="A torch.save file (.pt .pth .bin .ckpt), a safetensors file or a Hugging Face directory.", show_default=False)],
+    to: Annotated[str, typer.Option("--to", "-t", help="Target dtype: fp16, bf16 or fp32.", show_default=False)],
+    output: Annotated[
+        Optional[Path], typer.Option("--output", "-o", help="Where to write (default: beside the source, e.g. model.fp16.pt). A .safetensors name changes the format.")
+    ] = None,
+    policy: PolicyOpt = None,
+    preset: PresetOpt = None,
+    keep: Annotated[Optional[list[str]], typer.Option("--keep", "-k", help="Keep tensors matching this glob (or re:regex) as they are. Repeatable.")] = None,
+    include_optimizer: Annotated[bool, typer.Option("--include-optimizer", help="Cast optimizer state too (it is left as is by default).")] = False,
+    strip_optimizer: Annotated[bool, typer.Option("--strip-optimizer", help="Drop optimizer state, for a release artefact.")] = False,
+    clamp: Annotated[bool, typer.Option("--clamp", help="Saturate values beyond the target's range instead of refusing.")] = False,
+    keep_unsafe: Annotated[bool, typer.Option("--keep-unsafe", help="Keep tensors with unsafe values at their precision instead of refusing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show the plan and the value checks; write nothing.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    in_place: Annotated[bool, typer.Option("--in-place", help="Replace the source itself (atomically).")] = False,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
+    verbose: VerboseOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Rewrite a checkpoint in fp16, bf16 or fp32, keeping every non-tensor byte, ties and views.
+
+    Values are checked first: overflow, NaN/Inf or heavy underflow refuse the conversion (exit 1)
+    unless --clamp or --keep-unsafe. The output is written to a temporary file, verified against
+    torch's own cast of the source, then renamed into place. The source is never touched.
+
+    \b
+    Examples:
+      dtypeaudit convert model.pt --to fp16
+      dtypeaudit convert ./llama-dir --to bf16 -o ./llama-bf16
+      dtypeaudit convert model.bin --to fp16 -o model.safetensors
+      dtypeaudit convert model.pt --to fp16 --preset fp16-mixed
+      dtypeaudit convert model.pt --to fp16 --dry-run
+    """
+
+    def body() -> None:
+        from .convert import convert as run_convert
+        from .render.convert import render_json, render_text
+
+        if fmt not in ("text", "json"):
+            raise UsageError(f"--format must be text or json, not '{fmt}'")
+        if in_place and output is not None:
+            raise UsageError("give --in-place or --output, not both")
+        result = run_convert(
+            source,
+            to,
+            output=output,
+            policy=_policy(policy, preset),
+            keep=tuple(keep or ()),
+            include_optimizer=include_optimizer,
+            strip_optimizer=strip_optimizer,
+            clamp=clamp,
+            keep_unsafe=keep_unsafe,
+            dry_run=dry_run,
+            force=force,
+            in_place=in_place,
+            progress_factory=_byte_progress(),
+        )
+        emit(render_json(result) if fmt == "json" else render_text(result, verbose=verbose), None)
+        raise typer.Exit(exitcodes.FINDINGS if result.unsafe else exitcodes.CLEAN)
+
+    run_guarded(body, debug)
+
+
+def _byte_progress():  # type: ignore[no-untyped-def]
+    """A Rich progress bar on stderr (bytes, rate, ETA) for long work; None when stderr is not a terminal."""
+    if not sys.stderr.isatty():
+        return None
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    bar = Progress(
+        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+        console=Console(stderr=True), transient=True,
+    )
+    labels = iter(("checking values", "writing"))
+
+    def start(total: int):  # type: ignore[no-untyped-def]
+        if not bar.live.is_started:
+            bar.start()
+        task = bar.add_task(next(labels, "working"), total=total)
+
+        def advance(n: int) -> None:
+            bar.advance(task, n)
+            if bar.tasks[task].finished:
+                bar.remove_task(task)
+                if not bar.tasks:
+                    bar.stop()
+
+        return advance
+
+    return start
 
 
 def main() -> None:

@@ -44,10 +44,12 @@ class Opaque:
     ``items``/``list_items`` what SETITEMS/APPENDS added (dict and list subclasses).
     """
 
-    __slots__ = ("callable", "args", "state", "items", "list_items")
+    __slots__ = ("callable", "args", "state", "items", "list_items", "new")
 
-    def __init__(self, callable_: Any, args: tuple[Any, ...]) -> None:
+    def __init__(self, callable_: Any, args: tuple[Any, ...], *, new: bool = False) -> None:
         self.callable = callable_
+        self.new = new
+        """True when built by NEWOBJ (``cls.__new__``) rather than REDUCE (a call)."""
         self.args = args
         self.state: Any = None
         self.items: dict[Any, Any] = {}
@@ -191,7 +193,7 @@ class PickleVM:
         self.trace.globals.setdefault(g.qualname, self.pos)
         return g
 
-    def _call(self, func: Any, args: Any) -> Any:
+    def _call(self, func: Any, args: Any, *, new: bool = False) -> Any:
         if not isinstance(args, tuple):
             raise self._fail("call arguments are not a tuple")
         if isinstance(func, Global):
@@ -199,7 +201,7 @@ class PickleVM:
             reducer = self.reducers.get(func.qualname)
             if reducer is not None:
                 return reducer(args)
-        return Opaque(func, args)
+        return Opaque(func, args, new=new)
 
     @staticmethod
     def _hashable(value: Any, what: str, fail: Callable[[str], CheckpointError]) -> Any:
@@ -518,7 +520,7 @@ class PickleVM:
     def op_newobj(self) -> None:
         args = self._pop()
         cls = self._pop()
-        self._push(self._call(cls, args))
+        self._push(self._call(cls, args, new=True))
 
     def op_newobj_ex(self) -> None:
         kwargs = self._pop()
@@ -526,7 +528,7 @@ class PickleVM:
         cls = self._pop()
         if not isinstance(kwargs, dict):
             raise self._fail("NEWOBJ_EX keyword arguments are not a dict")
-        obj = self._call(cls, args)
+        obj = self._call(cls, args, new=True)
         if isinstance(obj, Opaque) and kwargs:
             obj.state = {"__kwargs__": kwargs}
         self._push(obj)

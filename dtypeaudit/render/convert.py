@@ -1,0 +1,79 @@
+"""The conversion report: the plan (what changes, size before and after), value problems, errors per tensor."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..convert import Result
+from .humanize import human_bytes
+
+
+def render_text(result: Result, *, verbose: bool = False) -> str:
+    plan = result.plan
+    lines = []
+    head = "plan" if result.dry_run else ("refused" if result.unsafe else "converted")
+    where = f" -> {result.output}" if result.output else ""
+    lines.append(f"{head}: {plan.source.path}{where} (to {plan.target})")
+    counts = plan.counts()
+    parts = [f"{counts[a]} {label}" for a, label in (("cast", "cast"), ("keep", "kept by rule"), ("leave", "left as they are"), ("drop", "dropped")) if counts.get(a)]
+    before, after = plan.bytes_before, plan.bytes_after
+    ratio = f" ({after / before:.2f}x)" if before else ""
+    lines.append(f"tensors: {', '.join(parts) or 'none'}; size {human_bytes(before)} -> {human_bytes(after)}{ratio}")
+    reasons: dict[str, list[str]] = {}
+    for p in plan.tensors:
+        if p.action in ("keep", "leave", "drop") and p.reason:
+            reasons.setdefault(f"{p.action}: {p.reason}", []).append(p.tensor.name)
+    for reason, names in reasons.items():
+        shown = names if verbose or len(names) <= 4 else names[:3] + [f"and {len(names) - 3} more"]
+        lines.append(f"  {reason}: {', '.join(shown)}")
+    if verbose:
+        for p in plan.tensors:
+            if p.action == "cast":
+                lines.append(f"  cast: {p.tensor.name} {p.tensor.dtype} -> {p.target}")
+    if result.unsafe:
+        lines.append("unsafe values (nothing was written; --clamp saturates, --keep-unsafe keeps these tensors as they are):")
+        for s in result.unsafe:
+            lines.append(f"  {s.name}: {'; '.join(s.problems())}")
+    stats = sorted(plan.values.values(), key=lambda s: -s.max_rel_error)
+    if stats and not result.unsafe:
+        shown = stats if verbose else stats[:5]
+        lines.append(f"cast error ({'all' if verbose else 'worst'} {len(shown)} of {len(stats)}):")
+        for s in shown:
+            extra = f"; {'; '.join(s.problems())}" if s.problems() else ""
+            lines.append(f"  {s.name}: max abs error {s.max_abs_error:.3g}, max rel error {s.max_rel_error:.3g}{extra}")
+    lines.extend(f"note: {n}" for n in plan.notes)
+    if result.output and not result.dry_run:
+        lines.append("verified: names, shapes, dtypes, ties and bytes equal torch's own cast of the source")
+    return "\n".join(lines) + "\n"
+
+
+def render_json(result: Result) -> str:
+    plan = result.plan
+    doc: dict[str, Any] = {
+        "schema": "dtypeaudit.convert/1",
+        "source": plan.source.path,
+        "output": str(result.output) if result.output else None,
+        "target": plan.target,
+        "dry_run": result.dry_run,
+        "refused": bool(result.unsafe),
+        "nbytes": [plan.bytes_before, plan.bytes_after],
+        "tensors": [{"name": p.tensor.name, "from": p.tensor.dtype, "to": p.target, "action": p.action, "reason": p.reason} for p in plan.tensors],
+        "values": [
+            {
+                "tensors": s.name,
+                "numel": s.numel,
+                "nonfinite": s.nonfinite,
+                "overflow": s.overflow,
+                "underflow": s.underflow,
+                "subnormal": s.subnormal,
+                "max_abs_error": s.max_abs_error,
+                "max_rel_error": s.max_rel_error,
+                "unsafe": s.unsafe,
+            }
+            for s in plan.values.values()
+        ],
+        "unsafe": [s.name for s in result.unsafe],
+        "notes": plan.notes,
+    }
+    return json.dumps(doc, indent=2) + "\n"
