@@ -281,33 +281,39 @@ def _underflow_blocks(s: ValueStats) -> bool:
 # -- writing -------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where a written record's bytes came from, so verification can recompute them independently."""
+
+    src: Source
+    span: Span | None
+    """The source bytes; None for a view that had to be gathered (``tensor`` says which)."""
+    dtype: str
+    target: str
+    tensor: TensorRecord | None = None
+
+
 @dataclass
 class Written:
-    """What the writer produced, for verification: CRC-32 of each record it wrote, by record name."""
+    """What the writer produced: for each record (zip member or safetensors tensor), its origin."""
 
-    crcs: dict[str, int] = field(default_factory=dict)
+    origins: dict[str, Origin] = field(default_factory=dict)
 
 
-def _stream(src: Source, span: Span, dtype: str, target: str, clamp: bool, sink: Callable[[bytes | memoryview], None], progress: Progress | None) -> int:
-    """Write ``span`` cast from ``dtype`` to ``target`` into ``sink``; returns the CRC-32 of what was written."""
-    crc = 0
+def _stream(src: Source, span: Span, dtype: str, target: str, clamp: bool, sink: Callable[[bytes | memoryview], None], progress: Progress | None) -> None:
+    """Write ``span`` cast from ``dtype`` to ``target`` into ``sink``, a chunk at a time."""
     if dtype == target:
         for start in range(0, span.length, 16 << 20):
             piece = src.mm[span.offset + start : span.offset + min(span.length, start + (16 << 20))]
             sink(piece)
-            crc = zlib.crc32(piece, crc)
             if progress:
                 progress(len(piece))
-        return crc
+        return
     itemsize = dtypes.get(dtype).itemsize
     for x in chunks(src.mm, dtype, span.offset, span.length // itemsize, itemsize):
-        y = cast_chunk(x, target, clamp=clamp)
-        data = _tensor_bytes(y)
-        sink(data)
-        crc = zlib.crc32(data, crc)
+        sink(_tensor_bytes(cast_chunk(x, target, clamp=clamp)))
         if progress:
             progress(x.numel() * itemsize)
-    return crc
 
 
 def _tensor_bytes(y: Any) -> memoryview:
@@ -409,12 +415,17 @@ def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip_optimizer: bool
         if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage" and isinstance(pid[1], Global)):
             raise ConversionError("unexpected persistent id in the pickle", path=str(src.path))
         key = str(pid[2])
-        source_dtype = "uint8" if pid[1].name == "UntypedStorage" else dtypes.STORAGE_CLASSES.get(pid[1].name, "")
-        target = storage_target.get(key, source_dtype)
+        if pid[1].name == "UntypedStorage":  # bytes for dtypes with no typed storage class (float8, uint16...): copied
+            source_dtype = target = "uint8"
+        else:
+            source_dtype = dtypes.STORAGE_CLASSES.get(pid[1].name, "")
+            target = storage_target.get(key, source_dtype)
+        if not source_dtype:
+            raise ConversionError(f"unknown storage type {pid[1].qualname}", path=str(src.path))
         cls = pid[1] if target == source_dtype else Global("torch", dtypes.STORAGE_CLASS_OF[target])
         ref.pid = ("storage", cls, key, pid[3], pid[4])
         keys[key] = source_dtype
-        storage_target.setdefault(key, target)
+        storage_target[key] = target
 
     _walk_graph(root, retype)
     written = Written()
@@ -428,7 +439,8 @@ def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip_optimizer: bool
             target = storage_target[key]
             size = span.length // dtypes.get(dtype).itemsize * dtypes.get(target).itemsize
             with _open_aligned(zf, f"{prefix}data/{key}", size) as fh:
-                written.crcs[f"{prefix}data/{key}"] = _stream(src, span, dtype, target, plan.clamp, fh.write, progress)
+                _stream(src, span, dtype, target, plan.clamp, fh.write, progress)
+            written.origins[f"{prefix}data/{key}"] = Origin(src, span, dtype, target)
         for name, data in extras.items():
             if name not in (".format_version", ".storage_alignment", "byteorder"):
                 zf.writestr(zipfile.ZipInfo(prefix + name, date_time=(1980, 1, 1, 0, 0, 0)), data)
@@ -475,14 +487,12 @@ def write_safetensors(plan: Plan, src: Source, out: Path, *, progress: Progress 
         for p, span in entries:
             t = p.tensor
             if span is not None:
-                crc = _stream(src, span, t.dtype, p.target, plan.clamp, fh.write, progress)
+                _stream(src, span, t.dtype, p.target, plan.clamp, fh.write, progress)
             else:
-                data = _tensor_bytes(cast_chunk(_materialize(src, t), p.target, clamp=plan.clamp))
-                fh.write(data)
-                crc = zlib.crc32(data)
+                fh.write(_tensor_bytes(cast_chunk(_materialize(src, t), p.target, clamp=plan.clamp)))
                 if progress:
                     progress(t.nbytes)
-            written.crcs[t.name] = crc
+            written.origins[t.name] = Origin(src, span, t.dtype, p.target, t)
     return written
 
 
@@ -635,32 +645,47 @@ def verify(plan: Plan, out: Path, written: Written, *, label: str = "") -> None:
         out_groups = {frozenset((t.name, *t.shares_with)) for t in got.tensors if t.shares_with}
         if {g for g in src_groups if len(g) > 1} != out_groups:
             raise ConversionError("verification failed: storage sharing (ties, views) differs from the source", path=str(out))
+        from .formats.storage import zip_record_span
+
         with zipfile.ZipFile(out) as zf:
-            for name, crc in written.crcs.items():
-                if _crc_of(out, zf.getinfo(name)) != crc:
-                    raise ConversionError(f"verification failed: {name} on disk differs from torch's cast of the source", path=str(out))
+            spans = {name: zip_record_span(out, zf.getinfo(name)) for name in written.origins}
     elif got.format == "safetensors":
         _, start = st_reader.read_header(out)
-        with out.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            for t in got.tensors:
-                if t.name in written.crcs and zlib.crc32(mm[start + t.offset : start + t.offset + t.nbytes]) != written.crcs[t.name]:
-                    raise ConversionError(f"verification failed: '{t.name}' on disk differs from torch's cast of the source", path=str(out))
+        spans = {t.name: Span(start + t.offset, t.nbytes) for t in got.tensors if t.name in written.origins}
+    else:
+        spans = {}
+    with out.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        for name, span in spans.items():
+            if _crc(mm, span) != _expected_crc(written.origins[name], plan.clamp):
+                raise ConversionError(f"verification failed: {name} on disk differs from torch's cast of the source", path=str(out))
 
 
-def _crc_of(path: Path, info: zipfile.ZipInfo) -> int:
-    from .formats.storage import zip_record_span
-
-    span = zip_record_span(path, info)
+def _crc(buffer: Any, span: Span) -> int:
     crc = 0
-    with path.open("rb") as fh:
-        fh.seek(span.offset)
-        left = span.length
-        while left:
-            piece = fh.read(min(left, 16 << 20))
-            if not piece:
-                break
-            crc = zlib.crc32(piece, crc)
-            left -= len(piece)
+    for start in range(0, span.length, 16 << 20):
+        crc = zlib.crc32(buffer[span.offset + start : span.offset + min(span.length, start + (16 << 20))], crc)
+    return crc
+
+
+def _expected_crc(origin: Origin, clamp: bool) -> int:
+    """CRC-32 of torch's own ``tensor.to(target)`` of the source, computed afresh from the source file."""
+    import torch
+
+    target = getattr(torch, origin.target)
+
+    def cast(x: Any) -> bytes:
+        if clamp and x.dtype != target:
+            limit = float(torch.finfo(target).max)
+            x = torch.clamp(x, -limit, limit)
+        return bytes(x.to(target).contiguous().view(torch.uint8).numpy())
+
+    if origin.span is None:
+        assert origin.tensor is not None
+        return zlib.crc32(cast(_materialize(origin.src, origin.tensor)))
+    itemsize = dtypes.get(origin.dtype).itemsize
+    crc = 0
+    for x in chunks(origin.src.mm, origin.dtype, origin.span.offset, origin.span.length // itemsize, itemsize):
+        crc = zlib.crc32(cast(x), crc)
     return crc
 
 

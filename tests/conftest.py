@@ -100,7 +100,10 @@ def _attribute_dict_class() -> type:
 
         class AttributeDict(dict):  # type: ignore[type-arg]
             def __getattr__(self, key: str) -> object:
-                return self[key]
+                try:
+                    return self[key]
+                except KeyError:
+                    raise AttributeError(key) from None
 
         AttributeDict.__module__ = mod.__name__
         AttributeDict.__qualname__ = "AttributeDict"
