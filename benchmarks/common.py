@@ -53,21 +53,42 @@ def _write_checkpoint(path: Path, hidden: int, layers: int, vocab: int) -> None:
 class Measurement:
     wall_s: float
     peak_rss_mb: float
+    peak_anon_mb: float
+    """Peak anonymous memory (RssAnon, polled): RSS less the file pages an mmap maps in."""
+
+
+def _anon_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def measure(cmd: list[str], *, repeat: int = 3) -> Measurement:
-    """Median wall time and the largest peak RSS over ``repeat`` runs of a whole process."""
-    walls, peaks = [], []
+    """Median wall time, largest peak RSS and largest peak anonymous memory over ``repeat`` whole-process runs."""
+    walls, peaks, anons = [], [], []
     for _ in range(repeat):
+        os.sync()  # start each run without another run's dirty pages to flush
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        _, status, usage = os.wait4(proc.pid, 0)
+        anon = 0
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            anon = max(anon, _anon_kb(proc.pid))
+            time.sleep(0.01)
         walls.append(time.perf_counter() - start)
         if os.waitstatus_to_exitcode(status) not in (0, 1):
             err = proc.stderr.read().decode() if proc.stderr else ""
             raise SystemExit(f"command failed: {' '.join(cmd)}\n{err}")
         peaks.append(usage.ru_maxrss / 1024)
-    return Measurement(statistics.median(walls), max(peaks))
+        anons.append(anon / 1024)
+    return Measurement(statistics.median(walls), max(peaks), max(anons))
 
 
 def python() -> str:

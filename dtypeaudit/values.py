@@ -5,12 +5,17 @@ Reads storages through mmap in chunks, so memory stays bounded by the chunk, not
 
 from __future__ import annotations
 
+import functools
+import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 1 << 20
+"""For reductions: small enough that temporaries reuse heap memory instead of faulting in fresh pages."""
+WRITE_CHUNK_BYTES = 8 << 20
+"""For writing: fewer, larger writes; the only temporary is the cast chunk."""
 UNDERFLOW_BLOCK_FRACTION = 0.01
 """A tensor blocks conversion when more than this share of its non-zero values would become zero."""
 
@@ -59,10 +64,18 @@ class ValueStats:
         return out
 
 
+@functools.lru_cache(maxsize=None)
 def _max(target: str) -> float:
     import torch
 
     return float(torch.finfo(getattr(torch, target)).max)
+
+
+@functools.lru_cache(maxsize=None)
+def _smallest_normal(target: str) -> float:
+    import torch
+
+    return float(torch.finfo(getattr(torch, target)).smallest_normal)
 
 
 def _tiny(target: str) -> float:
@@ -80,9 +93,9 @@ def frombuffer(buffer: Any, dtype: str, count: int, offset: int) -> Any:
         return torch.frombuffer(buffer, dtype=getattr(torch, dtype), count=count, offset=offset)
 
 
-def chunks(buffer: Any, dtype: str, offset: int, numel: int, itemsize: int) -> Iterator[Any]:
+def chunks(buffer: Any, dtype: str, offset: int, numel: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
     """Tensors over consecutive pieces of ``numel`` elements at ``offset`` in ``buffer``."""
-    step = max(1, CHUNK_BYTES // itemsize)
+    step = max(1, chunk_bytes // itemsize)
     for start in range(0, numel, step):
         count = min(step, numel - start)
         yield frombuffer(buffer, dtype, count, offset + start * itemsize)
@@ -99,28 +112,46 @@ def cast_chunk(x: Any, target: str, *, clamp: bool) -> Any:
 
 
 def update(stats: ValueStats, x: Any, *, clamp: bool = False) -> Any:
-    """Fold one chunk into ``stats``; returns the cast chunk."""
+    """Fold one chunk into the range statistics (NaN/Inf, overflow, underflow, subnormals); returns the cast chunk.
+
+    Cheap on purpose: reductions that allocate nothing chunk-sized, and masks only on the rare paths
+    (a chunk that overflows or holds NaN/Inf).
+    """
     import torch
 
     y = cast_chunk(x, stats.target, clamp=clamp)
-    xf = x.to(torch.float64) if x.dtype != torch.float64 else x
-    finite = torch.isfinite(xf)
-    stats.numel += x.numel()
-    stats.nonfinite += int((~finite).sum())
-    nonzero = xf != 0
-    stats.nonzero += int(nonzero.sum())
-    yf = y.to(torch.float64)
-    stats.overflow += int((torch.isinf(yf) & finite).sum())
-    stats.underflow += int(((yf == 0) & nonzero & finite).sum())
-    tiny_normal = float(torch.finfo(y.dtype).smallest_normal)
-    stats.subnormal += int(((yf != 0) & (yf.abs() < tiny_normal)).sum())
-    ok = finite & torch.isfinite(yf)
-    if bool(ok.any()):
-        xs, ys = xf[ok], yf[ok]
-        stats.max_abs = max(stats.max_abs, float(xs.abs().max()))
-        err = (ys - xs).abs()
-        stats.max_abs_error = max(stats.max_abs_error, float(err.max()))
-        nz = xs != 0
-        if bool(nz.any()):
-            stats.max_rel_error = max(stats.max_rel_error, float((err[nz] / xs[nz].abs()).max()))
+    n = x.numel()
+    if not n:
+        return y
+    stats.numel += n
+    low, high = torch.aminmax(x)
+    peak = max(abs(float(low)), abs(float(high)))
+    if not math.isfinite(peak):
+        finite = torch.isfinite(x)
+        stats.nonfinite += n - int(finite.sum())
+        peak = float(x[finite].abs().max()) if bool(finite.any()) else 0.0
+    stats.max_abs = max(stats.max_abs, peak)
+    if peak > _max(stats.target) and not clamp:
+        stats.overflow += int((torch.isinf(y) & torch.isfinite(x)).sum())
+    nonzero_x = int(torch.count_nonzero(x))
+    nonzero_y = int(torch.count_nonzero(y))
+    stats.nonzero += nonzero_x
+    stats.underflow += nonzero_x - nonzero_y
+    stats.subnormal += int(torch.count_nonzero(y.abs() < _smallest_normal(stats.target))) - (n - nonzero_y)
     return y
+
+
+def errors(stats: ValueStats, x: Any, y: Any) -> None:
+    """Fold the cast's max absolute and relative error for one chunk (x the source, y its cast)."""
+    import torch
+
+    if not x.numel():
+        return
+    diff = y.to(x.dtype).sub_(x).abs_()
+    worst = float(diff.max())
+    if not math.isfinite(worst):  # NaN/Inf in the source (clamped or kept): measure the finite values only
+        diff = torch.where(torch.isfinite(diff), diff, torch.zeros((), dtype=diff.dtype))
+        worst = float(diff.max())
+    stats.max_abs_error = max(stats.max_abs_error, worst)
+    rel = diff.div_(x.abs().clamp_min_(float(torch.finfo(x.dtype).tiny)))
+    stats.max_rel_error = max(stats.max_rel_error, float(rel.max()))

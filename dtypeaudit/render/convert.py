@@ -35,13 +35,17 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
         lines.append("unsafe values (nothing was written; --clamp saturates, --keep-unsafe keeps these tensors as they are):")
         for s in result.unsafe:
             lines.append(f"  {s.name}: {'; '.join(s.problems())}")
-    stats = sorted(plan.values.values(), key=lambda s: -s.max_rel_error)
-    if stats and not result.unsafe:
-        shown = stats if verbose else stats[:5]
-        lines.append(f"cast error ({'all' if verbose else 'worst'} {len(shown)} of {len(stats)}):")
-        for s in shown:
-            extra = f"; {'; '.join(s.problems())}" if s.problems() else ""
-            lines.append(f"  {s.name}: max abs error {s.max_abs_error:.3g}, max rel error {s.max_rel_error:.3g}{extra}")
+    if not result.unsafe:
+        noted = [s for s in plan.values.values() if s.problems()]
+        if noted:
+            lines.append("value notes (not blocking):")
+            lines.extend(f"  {s.name}: {'; '.join(s.problems())}" for s in (noted if verbose else noted[:5]))
+        if plan.values:
+            stats = sorted(plan.values.values(), key=lambda s: -s.max_rel_error)
+            shown = stats if verbose else stats[:5]
+            lines.append(f"cast error ({'all' if verbose else 'worst'} {len(shown)} of {len(stats)}):")
+            for s in shown:
+                lines.append(f"  {s.name}: max abs error {s.max_abs_error:.3g}, max rel error {s.max_rel_error:.3g}")
     lines.extend(f"note: {n}" for n in plan.notes)
     if result.output and not result.dry_run:
         lines.append("verified: names, shapes, dtypes, ties and bytes equal torch's own cast of the source")

@@ -1,0 +1,44 @@
+"""dtypeaudit convert --to fp16 versus what a user writes today, and versus cp (the I/O floor), in one run.
+
+Baseline: ``sd = torch.load(p, weights_only=True); torch.save({k: v.half() for k, v in sd.items()}, out)``.
+Targets (issue 4): wall time <= 0.5x the naive script, peak anonymous memory <= 0.25x of it.
+
+    python benchmarks/bench_convert.py        # uses the ~1.9 GB checkpoint under benchmarks/_work
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common import WORK, make_transformer_checkpoint, measure, python
+
+NAIVE = (
+    "import sys, torch\n"
+    "sd = torch.load(sys.argv[1], weights_only=True)\n"
+    "torch.save({k: v.half() if v.is_floating_point() else v for k, v in sd.items()}, sys.argv[2])\n"
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    src = make_transformer_checkpoint(WORK / "llama_like_big.pt", hidden=1024, layers=24)
+    out = WORK / "converted.pt"
+    ours = measure([python(), "-m", "dtypeaudit", "convert", str(src), "--to", "fp16", "-o", str(out), "--force"], repeat=args.repeat)
+    naive = measure([python(), "-c", NAIVE, str(src), str(WORK / "naive.pt")], repeat=args.repeat)
+    cp = measure(["cp", str(src), str(WORK / "copy.pt")], repeat=args.repeat)
+    gb = src.stat().st_size / 1e9
+    print(f"checkpoint: {src.name} ({gb:.2f} GB fp32 -> {out.stat().st_size / 1e9:.2f} GB fp16)")
+    print(f"{'':32}{'wall s':>9}{'peak RSS MB':>13}{'peak anon MB':>14}")
+    for label, m in (("naive torch.load + half + save", naive), ("dtypeaudit convert", ours), ("cp (I/O floor)", cp)):
+        print(f"{label:32}{m.wall_s:9.2f}{m.peak_rss_mb:13.0f}{m.peak_anon_mb:14.0f}")
+    print(f"wall ratio        {ours.wall_s / naive.wall_s:.3f}x   (target <= 0.5x)")
+    print(f"anon memory ratio {ours.peak_anon_mb / naive.peak_anon_mb:.3f}x   (target <= 0.25x)")
+    print(f"versus cp         {ours.wall_s / cp.wall_s:.2f}x")
+    for p in (WORK / "naive.pt", WORK / "copy.pt"):
+        p.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    main()
