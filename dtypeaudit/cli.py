@@ -348,6 +348,9 @@ def convert(
     strip_optimizer: Annotated[bool, typer.Option("--strip-optimizer", help="Drop optimizer state, for a release artefact.")] = False,
     clamp: Annotated[bool, typer.Option("--clamp", help="Saturate values beyond the target's range instead of refusing.")] = False,
     keep_unsafe: Annotated[bool, typer.Option("--keep-unsafe", help="Keep tensors with unsafe values at their precision instead of refusing.")] = False,
+    max_shard_size: Annotated[
+        Optional[str], typer.Option("--max-shard-size", help="Re-shard a safetensors directory into shards of at most this size (5GB, 500MB).")
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show the plan and the value checks; write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     in_place: Annotated[bool, typer.Option("--in-place", help="Replace the source itself (atomically).")] = False,
@@ -392,6 +395,7 @@ def convert(
             force=force,
             in_place=in_place,
             progress_factory=_byte_progress(),
+            max_shard_size=max_shard_size,
         )
         emit(render_json(result) if fmt == "json" else render_text(result, verbose=verbose), None)
         raise typer.Exit(exitcodes.FINDINGS if result.unsafe else exitcodes.CLEAN)

@@ -470,10 +470,17 @@ def write_safetensors(plan: Plan, src: Source, out: Path, *, progress: Progress 
     """Tensors only; a tensor under several names (tied weights) is written once, the aliases kept in metadata."""
     if src.inv.format in ("torch-zip", "torch-legacy"):
         _refuse_non_tensor_content(src)
-    entries: list[tuple[TensorPlan, Span | None]] = []
+    meta = dict(src.inv.metadata.get("safetensors_metadata") or {"format": "pt"})  # type: ignore[call-overload]
+    return _write_safetensors_file([(p, src) for p in plan.tensors], out, meta, clamp=plan.clamp, progress=progress)
+
+
+def _write_safetensors_file(
+    items: list[tuple[TensorPlan, Source]], out: Path, meta: dict[str, str], *, clamp: bool, progress: Progress | None
+) -> Written:
+    entries: list[tuple[TensorPlan, Source, Span | None]] = []
     aliases: dict[str, str] = {}
     first_of: dict[tuple[object, ...], str] = {}
-    for p in plan.tensors:
+    for p, src in items:
         if p.action == "drop":
             continue
         t = p.tensor
@@ -481,35 +488,34 @@ def write_safetensors(plan: Plan, src: Source, out: Path, *, progress: Progress 
             raise ConversionError(f"tensor '{t.name}' is {t.layout}; safetensors holds dense tensors only", path=str(src.path))
         if t.dtype not in dtypes.SAFETENSORS_CODE_OF or p.target not in dtypes.SAFETENSORS_CODE_OF:
             raise ConversionError(f"tensor '{t.name}' is {t.dtype}, which safetensors cannot store", path=str(src.path))
-        tie = (t.file, t.storage, t.offset, t.shape, t.stride) if t.storage is not None else None
+        tie = (str(src.path), t.storage, t.offset, t.shape, t.stride) if t.storage is not None else None
         if tie is not None and tie in first_of:
             aliases[t.name] = first_of[tie]
             continue
         if tie is not None:
             first_of[tie] = t.name
-        entries.append((p, _contiguous_span(src, t)))
+        entries.append((p, src, _contiguous_span(src, t)))
     header: dict[str, Any] = {}
     offset = 0
-    for p, _ in entries:
+    for p, _, _ in entries:
         size = p.tensor.numel * dtypes.get(p.target).itemsize
         header[p.tensor.name] = {"dtype": dtypes.SAFETENSORS_CODE_OF[p.target], "shape": list(p.tensor.shape), "data_offsets": [offset, offset + size]}
         offset += size
-    meta = dict(src.inv.metadata.get("safetensors_metadata") or {"format": "pt"})  # type: ignore[call-overload]
+    meta = dict(meta)
     if aliases:
         meta["dtypeaudit.aliases"] = json.dumps(aliases, sort_keys=True)
-    header = {"__metadata__": meta, **header}
-    text = json.dumps(header, separators=(",", ":")).encode()
+    text = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
     text += b" " * ((-len(text)) % 8)
     written = Written()
     with out.open("wb") as fh:
         fh.write(struct.pack("<Q", len(text)) + text)
-        for p, span in entries:
+        for p, src, span in entries:
             t = p.tensor
             sink = _crc_sink(fh.write, written.crcs, t.name)
             if span is not None:
-                _stream(src, span, t.dtype, p.target, plan.clamp, sink, progress)
+                _stream(src, span, t.dtype, p.target, clamp, sink, progress)
             else:
-                sink(_tensor_bytes(cast_chunk(_materialize(src, t), p.target, clamp=plan.clamp)))
+                sink(_tensor_bytes(cast_chunk(_materialize(src, t), p.target, clamp=clamp)))
                 if progress:
                     progress(t.nbytes)
             written.origins[t.name] = Origin(src, span, t.dtype, p.target, t, names=(t.name,))
@@ -765,6 +771,7 @@ def convert(
     force: bool = False,
     in_place: bool = False,
     progress_factory: Callable[[int], Progress] | None = None,
+    max_shard_size: str | None = None,
 ) -> Result:
     """Plan, check values, write atomically and verify. Unsafe values block (see ``Result.unsafe``)."""
     src_path = Path(source)
@@ -776,6 +783,8 @@ def convert(
     out_format = output_format(inv.format, dest, src_path)
     if out_format == "safetensors" and not output and not in_place:
         dest = default_output(src_path, plan.target, "safetensors")
+    if max_shard_size and out_format != "hf-directory":
+        raise UsageError("--max-shard-size applies to Hugging Face directories")
     if strip_optimizer and out_format != "torch-zip":
         plan.notes.append("safetensors output holds no optimizer state anyway")
     with ExitStack() as stack:
@@ -791,7 +800,10 @@ def convert(
         progress = progress_factory(total) if progress_factory else None
         if out_format == "hf-directory":
             with atomic_output(dest, mode_from=src_path, is_dir=True) as tmp:
-                _write_directory(plan, src_path, sources, tmp, strip_optimizer=strip_optimizer, progress=progress)
+                _write_directory(
+                    plan, src_path, sources, tmp, strip_optimizer=strip_optimizer, progress=progress,
+                    max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
+                )
         else:
             (label, src), = sources.items()
             with atomic_output(dest, mode_from=src_path) as tmp:
@@ -816,24 +828,47 @@ def _write_file(plan: Plan, src: Source, out: Path, out_format: str, *, strip_op
     return write_torch_zip(plan, src, out, strip_optimizer=strip_optimizer, progress=progress)
 
 
-def _write_directory(plan: Plan, src_dir: Path, sources: dict[str, Source], out_dir: Path, *, strip_optimizer: bool, progress: Progress | None) -> None:
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB``, ``10KB`` or a plain byte count, as transformers' max_shard_size reads them."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", text, re.I)
+    if not m:
+        raise UsageError(f"--max-shard-size must look like 5GB, 500MB or 2GiB, not '{text}'")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def _write_directory(
+    plan: Plan,
+    src_dir: Path,
+    sources: dict[str, Source],
+    out_dir: Path,
+    *,
+    strip_optimizer: bool,
+    progress: Progress | None,
+    max_shard_size: int | None = None,
+) -> None:
     total = 0
-    for label, src in sources.items():
-        sub = Plan(src.inv, plan.target, [_relabel(p) for p in plan.tensors if p.tensor.file == label], clamp=plan.clamp)
-        out = out_dir / label
-        written = _write_file(sub, src, out, "safetensors" if src.inv.format == "safetensors" else "torch-zip", strip_optimizer=strip_optimizer, progress=progress)
-        verify(sub, out, written)
-        total += sub.bytes_after
-    index_name = src_dir.joinpath(hfdir.INDEX_NAMES[0]) if (src_dir / hfdir.INDEX_NAMES[0]).exists() else src_dir / hfdir.INDEX_NAMES[1]
+    weight_map: dict[str, str] | None = None
+    if max_shard_size is not None:
+        if any(src.inv.format != "safetensors" for src in sources.values()):
+            raise UsageError("--max-shard-size re-shards safetensors directories only")
+        weight_map, total = _reshard(plan, sources, out_dir, max_shard_size, progress)
+    else:
+        for label, src in sources.items():
+            sub = Plan(src.inv, plan.target, [_relabel(p) for p in plan.tensors if p.tensor.file == label], clamp=plan.clamp)
+            out = out_dir / label
+            written = _write_file(sub, src, out, "safetensors" if src.inv.format == "safetensors" else "torch-zip", strip_optimizer=strip_optimizer, progress=progress)
+            verify(sub, out, written)
+            total += sub.bytes_after
+    index_name = hfdir.INDEX_NAMES[0] if (src_dir / hfdir.INDEX_NAMES[0]).exists() or weight_map is not None else hfdir.INDEX_NAMES[1]
     for item in src_dir.iterdir():
-        if item.name in sources or item.name.startswith("."):
+        if item.name in sources or item.name.startswith(".") or item.name in hfdir.INDEX_NAMES:
             continue
         dest = out_dir / item.name
-        if item.name == index_name.name and item.is_file():
-            index = json.loads(item.read_text(encoding="utf-8"))
-            index.setdefault("metadata", {})["total_size"] = total
-            dest.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        elif item.name == "config.json" and item.is_file():
+        if item.name == "config.json" and item.is_file():
             config = json.loads(item.read_text(encoding="utf-8"))
             for key in ("torch_dtype", "dtype"):
                 if key in config or key == "torch_dtype":
@@ -843,6 +878,38 @@ def _write_directory(plan: Plan, src_dir: Path, sources: dict[str, Source], out_
             shutil.copytree(item, dest, symlinks=True)
         else:
             shutil.copy2(item, dest)
+    source_index = src_dir / index_name
+    if weight_map is not None or source_index.is_file():
+        index = json.loads(source_index.read_text(encoding="utf-8")) if source_index.is_file() else {}
+        index.setdefault("metadata", {})["total_size"] = total
+        if weight_map is not None:
+            index["weight_map"] = weight_map
+        (out_dir / index_name).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
+def _reshard(plan: Plan, sources: dict[str, Source], out_dir: Path, limit: int, progress: Progress | None) -> tuple[dict[str, str], int]:
+    """Pack tensors, in order, into shards of at most ``limit`` bytes (a larger tensor gets a shard of its own)."""
+    groups: list[list[TensorPlan]] = [[]]
+    size = 0
+    for p in plan.tensors:
+        if p.action == "drop":
+            continue
+        if groups[-1] and size + p.out_nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += p.out_nbytes
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, group in enumerate(groups):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        items = [(_relabel(p), sources[p.tensor.file]) for p in group]
+        written = _write_safetensors_file(items, out_dir / name, {"format": "pt"}, clamp=plan.clamp, progress=progress)
+        sub = Plan(plan.source, plan.target, [p for p, _ in items], clamp=plan.clamp)
+        verify(sub, out_dir / name, written)
+        weight_map.update({p.tensor.name: name for p in group})
+        total += sub.bytes_after
+    return weight_map, total
 
 
 def _relabel(p: TensorPlan) -> TensorPlan:

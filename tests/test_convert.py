@@ -363,3 +363,25 @@ def test_preset_policy_object_api(tmp_path: Path) -> None:
     kept = {p.tensor.name for p in result.plan.tensors if p.action == "keep"}
     assert {"norm.weight", "norm.bias", "layers.0.norm.weight"} <= kept
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_max_shard_size_reshards(hf_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    out = tmp_path / "resharded"
+    convert(hf_dir, "fp16", output=out, max_shard_size="200B")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 3 and all((out / s).is_file() for s in shards)
+    assert not any((out / p.name).exists() for p in hf_dir.glob("model-*.safetensors") if p.name not in shards)
+    src: dict[str, torch.Tensor] = {}
+    for shard in hf_dir.glob("*.safetensors"):
+        src |= load_file(str(shard))
+    got: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        part = load_file(str(out / shard))
+        assert sum(t.numel() * t.element_size() for t in part.values()) <= 200 or len(part) == 1
+        got |= part
+    assert got.keys() == src.keys() and all(torch.equal(got[k], v.half()) for k, v in src.items())
+    assert index["metadata"]["total_size"] == sum(v.numel() * 2 for v in src.values())
+    assert run_cli("scan", str(out), "-f", "json").returncode == 0
