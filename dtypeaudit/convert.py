@@ -190,6 +190,8 @@ class Source:
             self.mm.madvise(mmap.MADV_SEQUENTIAL)  # read ahead: every pass walks the file front to back
         self.spans: dict[str, Span] = {}
         if inv.format == "torch-zip":
+            if inv.metadata.get("byteorder", "little") != "little":
+                raise ConversionError("big-endian archives are not supported for conversion", path=str(path))
             self.spans = zip_storage_spans(path)
         elif inv.format == "torch-legacy":
             self.spans = _legacy_spans(path)
@@ -707,6 +709,9 @@ def _matches_cast(mm: Any, span: Span, origin: Origin, clamp: bool) -> bool:
     """
     import torch
 
+    if origin.dtype == origin.target and origin.span is not None:
+        # A copied record (quantized, complex, ints...): its bytes must be the source's, byte for byte.
+        origin = Origin(origin.src, origin.span, "uint8", "uint8", origin.tensor, origin.names)
     target = getattr(torch, origin.target)
 
     def cast(x: Any) -> Any:

@@ -35,6 +35,12 @@ RULES: dict[str, Rule] = {
             "A sharded checkpoint's index and its shards disagree.",
             "Regenerate the index, or re-download the shards it names.",
         ),
+        Rule(
+            "trailing-data",
+            "warning",
+            "Bytes follow the pickle that loaders ignore.",
+            "A second pickle hidden after the first is a known smuggling trick; its globals are reported too.",
+        ),
         Rule("unreadable", "error", "The checkpoint could not be read.", "The message says why; fix or re-download the file."),
         Rule(
             "dtype-mismatch",

@@ -19,7 +19,10 @@ def facts(inv: Inventory) -> dict[str, tuple[str, tuple[int, ...], str]]:
 
 
 def sharing(inv: Inventory) -> set[frozenset[str]]:
-    return {frozenset((t.name, *t.shares_with)) for t in inv.tensors if t.shares_with}
+    """Groups of names sharing a storage, leaving out empty tensors (as the oracle must)."""
+    empty = {t.name for t in inv.tensors if t.numel == 0}
+    groups = {frozenset((t.name, *t.shares_with)) - empty for t in inv.tensors if t.shares_with and t.name not in empty}
+    return {g for g in groups if len(g) > 1}
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -46,8 +46,8 @@ def sharing(tensors: dict[str, torch.Tensor]) -> set[frozenset[str]]:
     """Groups of names (two or more) whose tensors share one storage."""
     groups: dict[int, set[str]] = {}
     for name, t in tensors.items():
-        if t.layout != torch.strided or t.is_meta:
-            continue
+        if t.layout != torch.strided or t.is_meta or t.numel() == 0:
+            continue  # empty tensors have no memory to share (their data pointers are all null)
         groups.setdefault(t.untyped_storage().data_ptr(), set()).add(name)
     return {frozenset(g) for g in groups.values() if len(g) > 1}
 

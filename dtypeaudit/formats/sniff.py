@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 
-_LEGACY_PREFIX = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+# Legacy torch.save starts with a pickled 10-byte integer (its magic number); the reader checks the value.
+_LEGACY_PREFIX = b"\x80\x02\x8a\x0a"
 
 # Things people end up holding instead of a checkpoint, and what to tell them.
 _NOT_CHECKPOINTS: tuple[tuple[bytes, str], ...] = (

@@ -318,7 +318,7 @@ def _is_optimizer_state(d: Mapping[Any, Any]) -> bool:
     return "state" in d and "param_groups" in d
 
 
-def walk(root: Any, *, max_visits: int = 5_000_000, max_depth: int = 200) -> Iterator[Found]:
+def walk(root: Any, *, max_visits: int = 1_000_000, max_depth: int = 200) -> Iterator[Found]:
     """Every tensor under ``root`` with its dotted key path, in pickle order.
 
     Shared sub-objects are walked once per path, as torch.load would show them; the visit and

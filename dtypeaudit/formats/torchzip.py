@@ -145,8 +145,9 @@ def read_zip(path: Path) -> Inventory:
         data = _read_member(zf, f"{prefix}data.pkl", path)
         storages: list[StorageRef] = []
         vm = PickleVM(data, reducers=REDUCERS, persistent_load=storage_loader(storages.append), source=str(path))
-        root, _ = vm.load()
+        root, end = vm.load()
         found = list(walk(root))
+        trailing = _trailing_findings(data, end, path)
         _check_storages(zf, prefix, storages, path)
         if torchscript:
             kinds = _torchscript_kinds(zf, prefix, path)
@@ -160,8 +161,28 @@ def read_zip(path: Path) -> Inventory:
 
             tensors = _records(found, module_of=module_of)
             findings = global_findings(vm.trace, also_safe=lambda q: q.startswith("__torch__."))
-            return Inventory(str(path), "torchscript", tensors, tuple(findings), metadata)
-        return Inventory(str(path), "torch-zip", _records(found), tuple(global_findings(vm.trace)), metadata)
+            return Inventory(str(path), "torchscript", tensors, tuple(findings + trailing), metadata)
+        return Inventory(str(path), "torch-zip", _records(found), tuple(global_findings(vm.trace) + trailing), metadata)
+
+
+def _trailing_findings(data: bytes, end: int, path: Path, limit: int = 16) -> list[Finding]:
+    """Bytes after the pickle's STOP: loaders ignore them, so a second pickle there is a smuggling attempt.
+
+    Each further pickle is interpreted (never executed) for its globals, so what it would call is reported.
+    """
+    if end >= len(data):
+        return []
+    out = [Finding("trailing-data", "warning", f"{len(data) - end} bytes follow the pickle; torch.load ignores them, so something is hidden there")]
+    for _ in range(limit):
+        if end >= len(data):
+            break
+        vm = PickleVM(data, persistent_load=lambda pid: None, source=str(path))
+        try:
+            _, end = vm.load(end)
+        except CheckpointError:
+            break
+        out.extend(global_findings(vm.trace))
+    return out
 
 
 # -- legacy (pre-1.6) stream --------------------------------------------------------------------
@@ -228,8 +249,9 @@ def read_pickle(path: Path) -> Inventory:
     if len(data) > MAX_PICKLE_BYTES:
         raise LimitExceeded("bare pickle is over the 1 GiB cap", path=str(path))
     vm = PickleVM(data, reducers=REDUCERS, persistent_load=_no_persistent(path), source=str(path))
-    root, _ = vm.load()
-    return Inventory(str(path), "pickle", _records(list(walk(root))), tuple(global_findings(vm.trace)), {})
+    root, end = vm.load()
+    findings = global_findings(vm.trace) + _trailing_findings(data, end, path)
+    return Inventory(str(path), "pickle", _records(list(walk(root))), tuple(findings), {})
 
 
 def _no_persistent(path: Path) -> Callable[[Any], Any]:
