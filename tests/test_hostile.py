@@ -36,6 +36,7 @@ def rejected(path: Path, code: int, *keywords: str, args: tuple[str, ...] = ()) 
     if code == 2:
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and str(path) in lines[0], proc.stderr
+        assert "internal error" not in lines[0], lines[0]
         for k in keywords:
             assert k in lines[0], (k, lines[0])
     else:
@@ -430,3 +431,28 @@ def test_inventory_of_hostile_pickle_still_lists_tensors(tmp_path: Path, canary:
     assert facts(inv) == {"w": ("float32", (2,), "unknown")}
     assert not canary.exists()
     assert struct  # keep the import honest for readers of this module
+
+
+# -- crashes the fuzzer found (fuzz/fuzz_readers.py), kept as tests -------------------------------
+
+
+def test_fuzz_zip_version_field(tmp_path: Path, valid_zip: bytes) -> None:
+    blob = bytearray(valid_zip)
+    central = blob.index(b"PK\x01\x02")
+    blob[central + 6 : central + 8] = b"\xff\x00"  # "version needed to extract" 25.5
+    path = tmp_path / "version.pt"
+    path.write_bytes(bytes(blob))
+    rejected(path, 2, "corrupt zip archive", "zip file version")
+
+
+def test_fuzz_zip_name_not_utf8(tmp_path: Path, valid_zip: bytes) -> None:
+    blob = bytearray(valid_zip)
+    first_name = names(valid_zip)[0].encode()
+    central = blob.index(b"PK\x01\x02" + blob[blob.index(b"PK\x01\x02") + 4 : blob.index(b"PK\x01\x02") + 6])
+    blob[central + 8 : central + 10] = (int.from_bytes(blob[central + 8 : central + 10], "little") | 0x0800).to_bytes(2, "little")
+    local = blob.index(b"PK\x03\x04")
+    assert blob[local + 30 : local + 30 + len(first_name)] == first_name
+    blob[local + 30] = 0xFF  # the local header's copy of the name is no longer UTF-8
+    path = tmp_path / "name.pt"
+    path.write_bytes(bytes(blob))
+    rejected(path, 2, "cannot read", "can't decode")

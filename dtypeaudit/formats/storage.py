@@ -41,8 +41,10 @@ def zip_record_span(path: Path, info: zipfile.ZipInfo) -> Span:
 
 def zip_storage_spans(path: Path) -> dict[str, Span]:
     """Storage key -> span, for every ``<prefix>/data/<key>`` record of a torch.save archive."""
+    from .torchzip import zip_errors
+
     out: dict[str, Span] = {}
-    with zipfile.ZipFile(path) as zf:
+    with zip_errors(path), zipfile.ZipFile(path) as zf:
         for info in zf.infolist():
             parts = info.filename.split("/")
             if len(parts) == 3 and parts[1] == "data":

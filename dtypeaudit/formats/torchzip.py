@@ -9,7 +9,9 @@ import mmap
 import re
 import struct
 import zipfile
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +50,26 @@ def _records(found: list[Found], *, module_of: Callable[[Found], tuple[str | Non
 
 # -- zip archives -------------------------------------------------------------------------------
 
+# What Python's zipfile raises on a damaged archive (found by fuzz/fuzz_readers.py): each becomes one line.
+ZIP_ERRORS = (zipfile.BadZipFile, NotImplementedError, UnicodeDecodeError, struct.error, ValueError, OverflowError, EOFError, zlib.error)
+
+
+@contextmanager
+def zip_errors(path: Path) -> Iterator[None]:
+    """Turn zipfile's many failure modes on a damaged archive into one CheckpointError line."""
+    try:
+        yield
+    except ZIP_ERRORS as exc:
+        raise CheckpointError(f"corrupt zip archive ({type(exc).__name__}: {exc})", path=str(path)) from None
+
 
 def _open_zip(path: Path) -> zipfile.ZipFile:
     try:
         return zipfile.ZipFile(path)
     except zipfile.BadZipFile as exc:
         raise CheckpointError(f"truncated or corrupt zip archive ({exc}); an incomplete download?", path=str(path)) from None
-    except (OSError, ValueError, EOFError, struct.error) as exc:
-        raise CheckpointError(f"unreadable zip archive ({exc})", path=str(path)) from None
+    except ZIP_ERRORS as exc:
+        raise CheckpointError(f"corrupt zip archive ({type(exc).__name__}: {exc})", path=str(path)) from None
 
 
 def _prefix(zf: zipfile.ZipFile, path: Path) -> str:
@@ -86,7 +100,7 @@ def _read_member(zf: zipfile.ZipFile, name: str, path: Path, cap: int = MAX_PICK
     try:
         with zf.open(info) as fh:
             data = fh.read(cap + 1)
-    except (zipfile.BadZipFile, OSError, EOFError, NotImplementedError, RuntimeError) as exc:
+    except (*ZIP_ERRORS, OSError, RuntimeError) as exc:
         raise CheckpointError(f"cannot read {name} ({exc})", path=str(path)) from None
     if len(data) > cap:
         raise LimitExceeded(f"{name} inflates past the {cap}-byte cap (a zip bomb?)", path=str(path))
@@ -132,7 +146,7 @@ def _module_type(qualname: str) -> str:
 
 
 def read_zip(path: Path) -> Inventory:
-    with _open_zip(path) as zf:
+    with zip_errors(path), _open_zip(path) as zf:
         prefix = _prefix(zf, path)
         names = set(zf.namelist())
         torchscript = any(n.startswith(prefix + "code/") for n in names) or f"{prefix}constants.pkl" in names
