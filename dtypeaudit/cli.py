@@ -82,7 +82,7 @@ def _log_unreadable(report: Report) -> None:
             typer.echo(f"dtypeaudit: error: {c.error}", err=True)
 
 
-def run_guarded(fn, debug: bool) -> None:  # type: ignore[no-untyped-def]
+def run_guarded(fn, debug: bool) -> None:
     """Run a command body: one-line errors with exit 2, 130 on Ctrl-C, tracebacks only under --debug."""
     try:
         fn()
@@ -108,7 +108,9 @@ FormatOpt = Annotated[
 OutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to FILE instead of stdout.")]
 FailOnOpt = Annotated[
     Optional[str],
-    typer.Option("--fail-on", help="Lowest finding severity that makes the run exit 1: error, warning or info. Default: the policy's, else error."),
+    typer.Option(
+        "--fail-on", help="Lowest finding severity that makes the run exit 1: error, warning or info. Default: the policy's, else error."
+    ),
 ]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show Python tracebacks for errors.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="List every tensor and every detail.")]
@@ -121,12 +123,10 @@ def _severity(value: str) -> Severity:
 
 
 PolicyOpt = Annotated[Optional[str], typer.Option("--policy", "-p", help="A YAML policy file (see README: Policies).")]
-PresetOpt = Annotated[
-    Optional[str], typer.Option("--preset", help="A shipped policy by name: fp32, fp16, fp16-mixed, bf16, bf16-mixed.")
-]
+PresetOpt = Annotated[Optional[str], typer.Option("--preset", help="A shipped policy by name: fp32, fp16, fp16-mixed, bf16, bf16-mixed.")]
 
 
-def _policy(policy: Optional[str], preset: Optional[str]):  # type: ignore[no-untyped-def]
+def _policy(policy: Optional[str], preset: Optional[str]):
     from .policy import load_policy
 
     if policy and preset:
@@ -150,12 +150,17 @@ def scan(
     output: OutputOpt = None,
     model: Annotated[
         Optional[str],
-        typer.Option("--model", "-m", help="A factory (file.py:func or module:func) whose parameters and buffers give each tensor its kind and module type."),
+        typer.Option(
+            "--model",
+            "-m",
+            help="A factory (file.py:func or module:func) whose parameters and buffers give each tensor its kind and module type.",
+        ),
     ] = None,
     fail_on: FailOnOpt = None,
     explain: Annotated[Optional[str], typer.Option("--explain", help="Show which policy rule decides tensor NAME, and why.")] = None,
     values: Annotated[
-        bool, typer.Option("--values", help="Also read tensor values: NaN/Inf, and what a cast to --values-to would overflow or flush to zero.")
+        bool,
+        typer.Option("--values", help="Also read tensor values: NaN/Inf, and what a cast to --values-to would overflow or flush to zero."),
     ] = False,
     values_to: Annotated[str, typer.Option("--values-to", help="The dtype --values checks against: fp16 or bf16.")] = "fp16",
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Checkpoints read in parallel (default: one per core).")] = None,
@@ -207,7 +212,7 @@ def scan(
     run_guarded(body, debug)
 
 
-def _progress_callback():  # type: ignore[no-untyped-def]
+def _progress_callback():
     """A progress line on stderr for long multi-checkpoint scans, only when stderr is a terminal."""
     if not sys.stderr.isatty():
         return None
@@ -222,7 +227,7 @@ def _progress_callback():  # type: ignore[no-untyped-def]
     return update
 
 
-def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:  # type: ignore[no-untyped-def]
+def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:
     from .formats import factory
     from .render import explain as explain_render
     from .scan import expand, read_target
@@ -336,20 +341,35 @@ def diff(
 
 @app.command()
 def convert(
-    source: Annotated[str, typer.Argument(help="A torch.save file (.pt .pth .bin .ckpt), a safetensors file or a Hugging Face directory.", show_default=False)],
+    source: Annotated[
+        str,
+        typer.Argument(help="A torch.save file (.pt .pth .bin .ckpt), a safetensors file or a Hugging Face directory.", show_default=False),
+    ],
     to: Annotated[str, typer.Option("--to", "-t", help="Target dtype: fp16, bf16 or fp32.", show_default=False)],
     output: Annotated[
-        Optional[Path], typer.Option("--output", "-o", help="Where to write (default: beside the source, e.g. model.fp16.pt). A .safetensors name changes the format.")
+        Optional[Path],
+        typer.Option(
+            "--output",
+            "-o",
+            help="Where to write (default: beside the source, e.g. model.fp16.pt). A .safetensors name changes the format.",
+        ),
     ] = None,
     policy: PolicyOpt = None,
     preset: PresetOpt = None,
-    keep: Annotated[Optional[list[str]], typer.Option("--keep", "-k", help="Keep tensors matching this glob (or re:regex) as they are. Repeatable.")] = None,
-    include_optimizer: Annotated[bool, typer.Option("--include-optimizer", help="Cast optimizer state too (it is left as is by default).")] = False,
+    keep: Annotated[
+        Optional[list[str]], typer.Option("--keep", "-k", help="Keep tensors matching this glob (or re:regex) as they are. Repeatable.")
+    ] = None,
+    include_optimizer: Annotated[
+        bool, typer.Option("--include-optimizer", help="Cast optimizer state too (it is left as is by default).")
+    ] = False,
     strip_optimizer: Annotated[bool, typer.Option("--strip-optimizer", help="Drop optimizer state, for a release artefact.")] = False,
     clamp: Annotated[bool, typer.Option("--clamp", help="Saturate values beyond the target's range instead of refusing.")] = False,
-    keep_unsafe: Annotated[bool, typer.Option("--keep-unsafe", help="Keep tensors with unsafe values at their precision instead of refusing.")] = False,
+    keep_unsafe: Annotated[
+        bool, typer.Option("--keep-unsafe", help="Keep tensors with unsafe values at their precision instead of refusing.")
+    ] = False,
     max_shard_size: Annotated[
-        Optional[str], typer.Option("--max-shard-size", help="Re-shard a safetensors directory into shards of at most this size (5GB, 500MB).")
+        Optional[str],
+        typer.Option("--max-shard-size", help="Re-shard a safetensors directory into shards of at most this size (5GB, 500MB)."),
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show the plan and the value checks; write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
@@ -403,7 +423,7 @@ def convert(
     run_guarded(body, debug)
 
 
-def _byte_progress():  # type: ignore[no-untyped-def]
+def _byte_progress():
     """A Rich progress bar on stderr (bytes, rate, ETA) for long work; None when stderr is not a terminal."""
     if not sys.stderr.isatty():
         return None
@@ -411,12 +431,17 @@ def _byte_progress():  # type: ignore[no-untyped-def]
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     bar = Progress(
-        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-        console=Console(stderr=True), transient=True,
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
     )
     labels = iter(("checking values", "writing"))
 
-    def start(total: int):  # type: ignore[no-untyped-def]
+    def start(total: int):
         if not bar.live.is_started:
             bar.start()
         task = bar.add_task(next(labels, "working"), total=total)

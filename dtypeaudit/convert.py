@@ -26,12 +26,12 @@ from .errors import CheckpointError, ConversionError, UsageError
 from .formats import directory as hfdir
 from .formats import read_checkpoint
 from .formats import safetensors as st_reader
-from .formats.picklevm import Global, Opaque, PickleVM
 from .formats.pickleout import Persistent, dumps, keep_persistent
+from .formats.picklevm import Global, Opaque, PickleVM
 from .formats.storage import Span, legacy_storage_spans, zip_storage_spans
-from .inventory import Inventory, TensorRecord
+from .inventory import Finding, Inventory, Severity, TensorRecord
 from .policy import Matcher, Policy, compile_matcher, decide
-from .values import WRITE_CHUNK_BYTES, ValueStats, cast_chunk, chunks, errors, frombuffer, update
+from .values import UNDERFLOW_BLOCK_FRACTION, WRITE_CHUNK_BYTES, ValueStats, cast_chunk, chunks, errors, frombuffer, update
 
 CASTABLE = frozenset({"float64", "float32", "float16", "bfloat16"})
 TARGETS = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
@@ -55,7 +55,13 @@ class TensorPlan:
 
     @property
     def out_nbytes(self) -> int:
-        return 0 if self.action == "drop" else self.tensor.numel * dtypes.get(self.target).itemsize if self.tensor.layout == "strided" else self.tensor.nbytes
+        return (
+            0
+            if self.action == "drop"
+            else self.tensor.numel * dtypes.get(self.target).itemsize
+            if self.tensor.layout == "strided"
+            else self.tensor.nbytes
+        )
 
 
 @dataclass
@@ -279,8 +285,6 @@ def apply_value_policy(plan: Plan, *, keep_unsafe: bool) -> list[ValueStats]:
 
 
 def _underflow_blocks(s: ValueStats) -> bool:
-    from .values import UNDERFLOW_BLOCK_FRACTION
-
     return s.underflow_fraction > UNDERFLOW_BLOCK_FRACTION
 
 
@@ -320,7 +324,9 @@ def _crc_sink(sink: Callable[[Any], Any], into: dict[str, int], name: str) -> Ca
     return write
 
 
-def _stream(src: Source, span: Span, dtype: str, target: str, clamp: bool, sink: Callable[[bytes | memoryview], None], progress: Progress | None) -> None:
+def _stream(
+    src: Source, span: Span, dtype: str, target: str, clamp: bool, sink: Callable[[bytes | memoryview], None], progress: Progress | None
+) -> None:
     """Write ``span`` cast from ``dtype`` to ``target`` into ``sink``, a chunk at a time."""
     if dtype == target:
         for start in range(0, span.length, WRITE_CHUNK_BYTES):
@@ -501,7 +507,11 @@ def _write_safetensors_file(
     offset = 0
     for p, _, _ in entries:
         size = p.tensor.numel * dtypes.get(p.target).itemsize
-        header[p.tensor.name] = {"dtype": dtypes.SAFETENSORS_CODE_OF[p.target], "shape": list(p.tensor.shape), "data_offsets": [offset, offset + size]}
+        header[p.tensor.name] = {
+            "dtype": dtypes.SAFETENSORS_CODE_OF[p.target],
+            "shape": list(p.tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     meta = dict(meta)
     if aliases:
@@ -533,8 +543,11 @@ def _contiguous_span(src: Source, t: TensorRecord) -> Span | None:
     for size in reversed(t.shape):
         expected.append(run)
         run *= size
-    if t.stride is not None and t.numel > 1 and tuple(s for s, d in zip(t.stride, t.shape, strict=True) if d > 1) != tuple(
-        s for s, d in zip(reversed(expected), t.shape, strict=True) if d > 1
+    if (
+        t.stride is not None
+        and t.numel > 1
+        and tuple(s for s, d in zip(t.stride, t.shape, strict=True) if d > 1)
+        != tuple(s for s, d in zip(reversed(expected), t.shape, strict=True) if d > 1)
     ):
         return None
     base = src.storage(t.storage)
@@ -603,7 +616,10 @@ def check_destination(source: Path, dest: Path, *, force: bool, in_place: bool) 
     if dest.exists() or dest.is_symlink():
         same = dest.exists() and os.path.samefile(source, dest)
         if same and not in_place:
-            raise ConversionError("output is the input itself (the same file by another name, link or hard link); pass --in-place to replace it", path=str(dest))
+            raise ConversionError(
+                "output is the input itself (the same file by another name, link or hard link); pass --in-place to replace it",
+                path=str(dest),
+            )
         if not same and not force:
             raise ConversionError("output already exists; pass --force to replace it", path=str(dest))
 
@@ -616,7 +632,7 @@ def atomic_output(dest: Path, *, mode_from: Path, is_dir: bool = False) -> Itera
         tmp.mkdir()
     try:
         yield tmp
-        for f in (tmp.rglob("*") if is_dir else [tmp]):
+        for f in tmp.rglob("*") if is_dir else [tmp]:
             if f.is_file():
                 with f.open("rb+") as fh:
                     os.fsync(fh.fileno())
@@ -659,7 +675,8 @@ def verify(plan: Plan, out: Path, written: Written) -> None:
     got = read_checkpoint(out)
     want = {p.tensor.name: p for p in plan.tensors if p.action != "drop"}
     have = got.by_name()
-    aliases = json.loads(str(got.metadata.get("safetensors_metadata", {}).get("dtypeaudit.aliases", "{}"))) if got.format == "safetensors" else {}  # type: ignore[union-attr]
+    st_meta = got.metadata.get("safetensors_metadata")
+    aliases = json.loads(st_meta.get("dtypeaudit.aliases", "{}")) if isinstance(st_meta, dict) else {}
     missing = [n for n in want if n not in have and n not in aliases]
     if missing:
         raise ConversionError(f"verification failed: {len(missing)} tensors missing from the output (first: {missing[0]})", path=str(out))
@@ -667,7 +684,9 @@ def verify(plan: Plan, out: Path, written: Written) -> None:
         t = have.get(aliases.get(name, name))
         assert t is not None
         if t.shape != p.tensor.shape or t.dtype != p.target:
-            raise ConversionError(f"verification failed: '{name}' is {t.dtype}{list(t.shape)}, planned {p.target}{list(p.tensor.shape)}", path=str(out))
+            raise ConversionError(
+                f"verification failed: '{name}' is {t.dtype}{list(t.shape)}, planned {p.target}{list(p.tensor.shape)}", path=str(out)
+            )
     if got.format == "torch-zip":
         src_groups = {frozenset((n, *want[n].tensor.shares_with)) & set(want) for n in want if want[n].tensor.shares_with}
         out_groups = {frozenset((t.name, *t.shares_with)) for t in got.tensors if t.shares_with}
@@ -806,11 +825,16 @@ def convert(
         if out_format == "hf-directory":
             with atomic_output(dest, mode_from=src_path, is_dir=True) as tmp:
                 _write_directory(
-                    plan, src_path, sources, tmp, strip_optimizer=strip_optimizer, progress=progress,
+                    plan,
+                    src_path,
+                    sources,
+                    tmp,
+                    strip_optimizer=strip_optimizer,
+                    progress=progress,
                     max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
                 )
         else:
-            (label, src), = sources.items()
+            ((label, src),) = sources.items()
             with atomic_output(dest, mode_from=src_path) as tmp:
                 written = _write_file(plan, src, tmp, out_format, strip_optimizer=strip_optimizer, progress=progress)
                 verify(plan, tmp, written)
@@ -821,7 +845,9 @@ def _source_files(path: Path, inv: Inventory) -> dict[str, tuple[Path, Inventory
     if inv.format != "hf-directory":
         return {"": (path, inv)}
     out: dict[str, tuple[Path, Inventory]] = {}
-    for shard in inv.metadata.get("shards", []):  # type: ignore[union-attr]
+    shards = inv.metadata.get("shards", [])
+    assert isinstance(shards, list)
+    for shard in shards:
         p = hfdir.confine(path, str(shard), origin=path)
         out[str(shard)] = (p, read_checkpoint(p))
     return out
@@ -865,7 +891,14 @@ def _write_directory(
         for label, src in sources.items():
             sub = Plan(src.inv, plan.target, [_relabel(p) for p in plan.tensors if p.tensor.file == label], clamp=plan.clamp)
             out = out_dir / label
-            written = _write_file(sub, src, out, "safetensors" if src.inv.format == "safetensors" else "torch-zip", strip_optimizer=strip_optimizer, progress=progress)
+            written = _write_file(
+                sub,
+                src,
+                out,
+                "safetensors" if src.inv.format == "safetensors" else "torch-zip",
+                strip_optimizer=strip_optimizer,
+                progress=progress,
+            )
             verify(sub, out, written)
             total += sub.bytes_after
     index_name = hfdir.INDEX_NAMES[0] if (src_dir / hfdir.INDEX_NAMES[0]).exists() or weight_map is not None else hfdir.INDEX_NAMES[1]
@@ -924,10 +957,8 @@ def _relabel(p: TensorPlan) -> TensorPlan:
 # -- scan --values -------------------------------------------------------------------------------
 
 
-def value_findings(inv: Inventory, to: str = "fp16") -> list:  # type: ignore[type-arg]
+def value_findings(inv: Inventory, to: str = "fp16") -> list[Finding]:
     """What a cast to ``to`` would do to each floating tensor, as findings (``scan --values``)."""
-    from .inventory import Finding
-
     if inv.format not in ("torch-zip", "torch-legacy", "safetensors", "hf-directory"):
         return []
     plan = make_plan(inv, to, include_optimizer=True)
@@ -940,12 +971,31 @@ def value_findings(inv: Inventory, to: str = "fp16") -> list:  # type: ignore[ty
             if stats.nonfinite:
                 out.append(Finding("non-finite", "error", f"{stats.nonfinite} NaN/Inf values already present", tensor=first))
             if stats.overflow:
-                out.append(Finding("fp16-overflow", "error", f"{stats.overflow} of {stats.numel} values would become inf in {plan.target} ({figures})", tensor=first))
-            if stats.underflow:
-                severity = "error" if stats.underflow_fraction > 0.01 else "warning"
                 out.append(
-                    Finding("fp16-underflow", severity, f"{stats.underflow} non-zero values ({stats.underflow_fraction:.2%}) would become 0 in {plan.target} ({figures})", tensor=first)  # type: ignore[arg-type]
+                    Finding(
+                        "fp16-overflow",
+                        "error",
+                        f"{stats.overflow} of {stats.numel} values would become inf in {plan.target} ({figures})",
+                        tensor=first,
+                    )
+                )
+            if stats.underflow:
+                severity: Severity = "error" if stats.underflow_fraction > UNDERFLOW_BLOCK_FRACTION else "warning"
+                out.append(
+                    Finding(
+                        "fp16-underflow",
+                        severity,
+                        f"{stats.underflow} non-zero values ({stats.underflow_fraction:.2%}) would become 0 in {plan.target} ({figures})",
+                        tensor=first,
+                    )
                 )
             if stats.subnormal and not stats.underflow:
-                out.append(Finding("fp16-subnormal", "info", f"{stats.subnormal} values land in {plan.target}'s subnormal range ({figures})", tensor=first))
+                out.append(
+                    Finding(
+                        "fp16-subnormal",
+                        "info",
+                        f"{stats.subnormal} values land in {plan.target}'s subnormal range ({figures})",
+                        tensor=first,
+                    )
+                )
     return out

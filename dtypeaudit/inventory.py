@@ -18,7 +18,7 @@ Region = Literal["model", "optimizer"]
 
 def severity_rank(severity: str) -> int:
     """info < warning < error."""
-    return SEVERITIES.index(severity)  # type: ignore[arg-type]
+    return SEVERITIES.index(severity)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ def _has_nested_repeat(pattern: str) -> bool:
     try:
         import re._parser as sre_parse  # type: ignore[import-not-found]
     except ImportError:  # Python 3.10
-        import sre_parse  # type: ignore[no-redef]
+        import sre_parse
 
     repeats = {sre_parse.MAX_REPEAT, sre_parse.MIN_REPEAT, getattr(sre_parse, "POSSESSIVE_REPEAT", None)}
 
@@ -252,7 +252,9 @@ def _load(path: Path, chain: tuple[str, ...]) -> Policy:
         parent = _load(resolve_source(parent_spec, relative_to=path), chain + (key,))
     except PolicyError as exc:
         if exc.line is None and exc.path is None:
-            raise PolicyError(f"extends '{parent_spec}': {exc.message}", path=str(path), line=lines.get(("extends",)), hint=exc.hint) from None
+            raise PolicyError(
+                f"extends '{parent_spec}': {exc.message}", path=str(path), line=lines.get(("extends",)), hint=exc.hint
+            ) from None
         raise
     rules = tuple(Rule(**{**r.__dict__, "index": i}) for i, r in enumerate(own.rules + parent.rules))
     return Policy(
@@ -287,10 +289,10 @@ def _parse(path: Path) -> tuple[dict[str, Any], Lines]:
     try:
         for event in yaml.parse(text, Loader=yaml.SafeLoader):
             if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-                raise PolicyError("YAML anchors and aliases are not allowed in a policy", path=str(path), line=event.start_mark.line + 1)
+                raise PolicyError("YAML anchors and aliases are not allowed in a policy", path=str(path), line=_line(event))
             tag = getattr(event, "tag", None)
             if tag and tag not in _CORE_TAGS:
-                raise PolicyError(f"YAML tag '{tag}' is not allowed in a policy", path=str(path), line=event.start_mark.line + 1)
+                raise PolicyError(f"YAML tag '{tag}' is not allowed in a policy", path=str(path), line=_line(event))
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -303,6 +305,11 @@ def _parse(path: Path) -> tuple[dict[str, Any], Lines]:
     if not isinstance(value, dict):
         raise PolicyError("a policy must be a mapping (version, default, rules, ...)", path=str(path), line=node.start_mark.line + 1)
     return value, lines
+
+
+def _line(event: yaml.Event) -> int | None:
+    mark = event.start_mark
+    return mark.line + 1 if mark is not None else None
 
 
 def _construct(node: yaml.Node, where: tuple[object, ...], lines: Lines, path: str) -> Any:
@@ -452,7 +459,7 @@ def _dtypes(value: Any, where: tuple[object, ...], fail: Fail) -> frozenset[str]
 def _severity(value: Any, where: tuple[object, ...], fail: Fail) -> Severity:
     if value not in SEVERITIES:
         raise fail(where, f"unknown severity {value!r}", hint="valid: error, warning, info")
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def _matchers(value: Any, where: tuple[object, ...], fail: Fail) -> tuple[Matcher, ...]:

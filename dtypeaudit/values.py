@@ -58,20 +58,23 @@ class ValueStats:
         if self.overflow:
             out.append(f"{self.overflow} values beyond ±{_max(self.target):g} would become inf (max |x| {self.max_abs:.4g})")
         if self.underflow:
-            out.append(f"{self.underflow} non-zero values below {_tiny(self.target):.3g} would become 0 ({self.underflow_fraction:.2%} of non-zero)")
+            out.append(
+                f"{self.underflow} non-zero values below {_tiny(self.target):.3g} would become 0"
+                f" ({self.underflow_fraction:.2%} of non-zero)"
+            )
         if self.subnormal:
             out.append(f"{self.subnormal} values fall in the subnormal range")
         return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _max(target: str) -> float:
     import torch
 
     return float(torch.finfo(getattr(torch, target)).max)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _smallest_normal(target: str) -> float:
     import torch
 

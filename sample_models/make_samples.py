@@ -1,6 +1,6 @@
 """Regenerate the shipped sample checkpoints (a few KB each) with the real writers.
 
-    python sample_models/make_samples.py
+python sample_models/make_samples.py
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def main() -> None:
 
     # 2. A transformer block in bf16 as safetensors, the way hubs ship weights (ties written once).
     block = TinyBlock().to(torch.bfloat16).state_dict()
-    save_file({k: v.contiguous() for k, v in block.items() if k != "lm_head.weight"}, str(HERE / "block_bf16.safetensors"), {"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in block.items() if k != "lm_head.weight"}, str(HERE / "block_bf16.safetensors"), {"format": "pt"}
+    )
 
     # 3. A half-finished fp16 conversion: one bias was left behind in fp32, the classic
     #    "expected scalar type Half but found Float" at the first forward pass.

@@ -29,9 +29,7 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
     """Run ``python -m dtypeaudit`` as a separate process, exactly as a CI step would."""
     full_env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "160", **(env or {})}
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
-    return subprocess.run(
-        [sys.executable, "-m", "dtypeaudit", *args], capture_output=True, text=True, cwd=cwd, env=full_env, timeout=300
-    )
+    return subprocess.run([sys.executable, "-m", "dtypeaudit", *args], capture_output=True, text=True, cwd=cwd, env=full_env, timeout=300)
 
 
 def json_report(*args: str, **kw: Any) -> tuple[int, dict[str, Any], str]:

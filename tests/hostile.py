@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import pickle
 import struct
 import zipfile
 from pathlib import Path
@@ -18,8 +17,16 @@ def torch_zip_bytes(state: object) -> bytes:
     return buf.getvalue()
 
 
-def rewrite_zip(src: bytes, dest: Path, *, drop: set[str] = frozenset(), replace: dict[str, bytes] | None = None,  # type: ignore[assignment]
-                add: list[tuple[str, bytes]] = (), compress: set[str] = frozenset(), rename: dict[str, str] | None = None) -> Path:  # type: ignore[assignment]
+def rewrite_zip(
+    src: bytes,
+    dest: Path,
+    *,
+    drop: set[str] = frozenset(),
+    replace: dict[str, bytes] | None = None,  # type: ignore[assignment]
+    add: list[tuple[str, bytes]] = (),
+    compress: set[str] = frozenset(),
+    rename: dict[str, str] | None = None,
+) -> Path:  # type: ignore[assignment]
     """Copy a zip member by member, dropping, replacing, renaming, adding or deflating some."""
     replace, rename = replace or {}, rename or {}
     with zipfile.ZipFile(io.BytesIO(src)) as zin, zipfile.ZipFile(dest, "w") as zout:
@@ -28,7 +35,11 @@ def rewrite_zip(src: bytes, dest: Path, *, drop: set[str] = frozenset(), replace
             if name in drop:
                 continue
             data = replace.get(name, zin.read(name))
-            zout.writestr(zipfile.ZipInfo(rename.get(name, name)), data, compress_type=zipfile.ZIP_DEFLATED if name in compress else zipfile.ZIP_STORED)
+            zout.writestr(
+                zipfile.ZipInfo(rename.get(name, name)),
+                data,
+                compress_type=zipfile.ZIP_DEFLATED if name in compress else zipfile.ZIP_STORED,
+            )
         for name, data in add:
             zout.writestr(zipfile.ZipInfo(name), data)
     return dest

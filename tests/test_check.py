@@ -12,7 +12,7 @@ from dtypeaudit.check import config_dtype, module_dtype_mix, tied_conflicts
 from dtypeaudit.formats import read_checkpoint
 from dtypeaudit.policy import load_policy
 
-from .conftest import TinyCNN, TinyLM
+from .conftest import TinyCNN
 
 
 def test_half_linear_with_fp32_bias(tmp_path: Path) -> None:
@@ -64,4 +64,9 @@ def test_config_dtype_disagrees(hf_dir: Path, tmp_path: Path) -> None:
     shutil.copytree(hf_dir, d)
     (d / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
     (finding,) = config_dtype(read_checkpoint(d))
-    assert (finding.rule, finding.severity, finding.expected, finding.actual) == ("config-dtype-mismatch", "warning", ("bfloat16",), "float32")
+    assert (finding.rule, finding.severity, finding.expected, finding.actual) == (
+        "config-dtype-mismatch",
+        "warning",
+        ("bfloat16",),
+        "float32",
+    )

@@ -22,7 +22,12 @@ def test_json_contract(training_pt: Path) -> None:
     assert set(ckpt) >= {"path", "format", "error", "tensors", "findings"}
     assert ckpt["error"] is None and ckpt["format"] == "torch-zip"
     tensor = next(t for t in ckpt["tensors"] if t["name"] == "model.conv.weight")
-    assert {k: tensor[k] for k in ("dtype", "shape", "kind", "nbytes")} == {"dtype": "float32", "shape": [4, 3, 3, 3], "kind": "unknown", "nbytes": 432}
+    assert {k: tensor[k] for k in ("dtype", "shape", "kind", "nbytes")} == {
+        "dtype": "float32",
+        "shape": [4, 3, 3, 3],
+        "kind": "unknown",
+        "nbytes": 432,
+    }
     by_dtype = {row["dtype"]: row for row in ckpt["summary"]["by_dtype"]}
     assert by_dtype["float32"]["tensors"] == sum(1 for t in ckpt["tensors"] if t["dtype"] == "float32")
 
@@ -148,7 +153,9 @@ def test_report_to_file(training_pt: Path, tmp_path: Path) -> None:
     assert json.loads(out.read_text())["schema"] == "dtypeaudit.report/1"
 
 
-@pytest.mark.parametrize("fixture", ["all_dtypes_pt", "safetensors_file", "hf_dir", "legacy_pt", "torchscript_pt", "dcp_dir", "lightning_ckpt"])
+@pytest.mark.parametrize(
+    "fixture", ["all_dtypes_pt", "safetensors_file", "hf_dir", "legacy_pt", "torchscript_pt", "dcp_dir", "lightning_ckpt"]
+)
 def test_scans_never_import_torch(fixture: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(fixture)
     code = (

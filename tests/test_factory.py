@@ -11,7 +11,7 @@ import torch
 from dtypeaudit.errors import FactoryError
 from dtypeaudit.formats import factory, read_checkpoint
 
-SCRIPT = '''
+SCRIPT = """
 import torch
 from torch import nn
 
@@ -34,7 +34,7 @@ def broken():
 
 def not_a_module():
     return 42
-'''
+"""
 
 
 @pytest.fixture
@@ -77,7 +77,11 @@ def test_package_module_factory() -> None:
 
 @pytest.mark.parametrize(
     ("attr", "message"),
-    [("broken", "calling 'broken()' failed: RuntimeError: no GPU here"), ("not_a_module", "returned a int"), ("missing", "has no callable")],
+    [
+        ("broken", "calling 'broken()' failed: RuntimeError: no GPU here"),
+        ("not_a_module", "returned a int"),
+        ("missing", "has no callable"),
+    ],
 )
 def test_factory_errors_are_one_line(script: Path, attr: str, message: str) -> None:
     with pytest.raises(FactoryError, match=re.escape(message)):

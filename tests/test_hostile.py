@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from dtypeaudit.formats import read_checkpoint
+
 from . import oracle
 from .helpers import ROOT, facts, run_cli
 from .hostile import call, dict_pickle, global_op, reduce_pickle, rewrite_zip, safetensors_bytes, text, torch_zip_bytes, with_data_pkl
-
-from dtypeaudit.formats import read_checkpoint
 
 
 def rejected(path: Path, code: int, *keywords: str, args: tuple[str, ...] = ()) -> str:
@@ -67,7 +67,11 @@ def names(zip_bytes: bytes) -> list[str]:
         ("empty_file", b"", ["empty file"]),
         ("random_bytes", bytes(range(7, 256)) * 3, ["not a checkpoint"]),
         ("png_renamed_pt", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + b"\x00" * 64, ["PNG image"]),
-        ("git_lfs_pointer", b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 1234\n", ["Git LFS pointer", "git lfs pull"]),
+        (
+            "git_lfs_pointer",
+            b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 1234\n",
+            ["Git LFS pointer", "git lfs pull"],
+        ),
         ("html_error_page", b"<!DOCTYPE html>\n<html><head><title>403 Forbidden</title></head></html>", ["HTML page"]),
         ("gzip_data", b"\x1f\x8b\x08\x00" + b"\x00" * 40, ["gzip"]),
     ],
@@ -193,7 +197,13 @@ def test_partial_of_torch_load(tmp_path: Path) -> None:
 
 
 def test_stack_global_through_memo(tmp_path: Path, canary: Path) -> None:
-    body = b"\x8c\x02os\x94\x8c\x06system\x94h\x00h\x01\x93" + b"\x8c" + bytes([len(f"touch {canary}")]) + f"touch {canary}".encode() + b"\x85R"
+    body = (
+        b"\x8c\x02os\x94\x8c\x06system\x94h\x00h\x01\x93"
+        + b"\x8c"
+        + bytes([len(f"touch {canary}")])
+        + f"touch {canary}".encode()
+        + b"\x85R"
+    )
     data = b"\x80\x04}(\x8c\x01x" + body + b"u."
     rejected(with_data_pkl(tmp_path / "stack.pt", data), 1, "os.system")
     assert not canary.exists()
@@ -258,14 +268,34 @@ F32_2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
         ("length_over_cap", safetensors_bytes(b"{" + b" " * 20, length=200_000_000), ["over the 100000000-byte cap"]),
         ("non_utf8", safetensors_bytes(b'{"a\xff": 1}'), ["not UTF-8"]),
         ("non_json", safetensors_bytes(b"{not json}"), ["not JSON"]),
-        ("overlap", safetensors_bytes({"a": F32_2, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\x00" * 12), ["overlaps"]),
+        (
+            "overlap",
+            safetensors_bytes({"a": F32_2, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\x00" * 12),
+            ["overlaps"],
+        ),
         ("gap", safetensors_bytes({"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\x00" * 12), ["gap of 4 bytes"]),
         ("trailing", safetensors_bytes({"a": F32_2}, b"\x00" * 12), ["trailing bytes"]),
-        ("size_mismatch", safetensors_bytes({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\x00" * 8), ["= 12 bytes but its offsets span 8"]),
-        ("shape_overflow", safetensors_bytes({"a": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 8]}}, b"\x00" * 8), ["offsets span 8"]),
-        ("unknown_dtype", safetensors_bytes({"a": {"dtype": "F13", "shape": [2], "data_offsets": [0, 8]}}, b"\x00" * 8), ["unknown dtype 'F13'"]),
+        (
+            "size_mismatch",
+            safetensors_bytes({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\x00" * 8),
+            ["= 12 bytes but its offsets span 8"],
+        ),
+        (
+            "shape_overflow",
+            safetensors_bytes({"a": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 8]}}, b"\x00" * 8),
+            ["offsets span 8"],
+        ),
+        (
+            "unknown_dtype",
+            safetensors_bytes({"a": {"dtype": "F13", "shape": [2], "data_offsets": [0, 8]}}, b"\x00" * 8),
+            ["unknown dtype 'F13'"],
+        ),
         ("metadata_not_strings", safetensors_bytes({"__metadata__": {"a": 1}, "t": F32_2}, b"\x00" * 8), ["map strings to strings"]),
-        ("duplicate_names", safetensors_bytes(b'{"a": ' + json.dumps(F32_2).encode() + b', "a": ' + json.dumps(F32_2).encode() + b"}", b"\x00" * 8), ["names 'a' twice"]),
+        (
+            "duplicate_names",
+            safetensors_bytes(b'{"a": ' + json.dumps(F32_2).encode() + b', "a": ' + json.dumps(F32_2).encode() + b"}", b"\x00" * 8),
+            ["names 'a' twice"],
+        ),
     ],
 )
 def test_safetensors_headers(tmp_path: Path, label: str, content: bytes, keywords: list[str]) -> None:
@@ -332,7 +362,15 @@ def test_exotic_tensors_are_left_and_plain_ones_converted(tmp_path: Path) -> Non
     assert torch.equal(got["view"], base[2:5].half()) and got["view"].storage_offset() == 2
 
 
-@pytest.mark.parametrize(("values", "rule"), [([float("nan"), 1.0], "non-finite"), ([float("inf"), 1.0], "non-finite"), ([1e5, 1.0], "fp16-overflow"), ([1e-30, 1.0], "fp16-underflow")])
+@pytest.mark.parametrize(
+    ("values", "rule"),
+    [
+        ([float("nan"), 1.0], "non-finite"),
+        ([float("inf"), 1.0], "non-finite"),
+        ([1e5, 1.0], "fp16-overflow"),
+        ([1e-30, 1.0], "fp16-underflow"),
+    ],
+)
 def test_bad_values_block_conversion(tmp_path: Path, values: list[float], rule: str) -> None:
     src = tmp_path / "v.pt"
     torch.save({"w": torch.tensor(values)}, src)
@@ -407,7 +445,9 @@ def test_sigint_in_the_middle_of_a_write(tmp_path: Path) -> None:
     torch.save({f"w{i}": torch.randn(1024, 1024) for i in range(48)}, src)  # ~200 MB
     before_size, before_mtime = src.stat().st_size, src.stat().st_mtime_ns
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "dtypeaudit", "convert", str(src), "--to", "fp16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtypeaudit", "convert", str(src), "--to", "fp16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(p.name.endswith(".tmp") for p in tmp_path.iterdir()):
         time.sleep(0.002)

@@ -87,7 +87,13 @@ def test_integers_only_when_asked(tmp_path: Path) -> None:
 
 def test_ignore_and_severity(tmp_path: Path) -> None:
     pol = load_policy(
-        str(write(tmp_path, "default: {dtype: fp16, severity: warning}\nignore: ['optimizer.*']\nrules:\n  - match: 'x'\n    dtype: fp16\n    severity: info\n"))
+        str(
+            write(
+                tmp_path,
+                "default: {dtype: fp16, severity: warning}\nignore: ['optimizer.*']\n"
+                "rules:\n  - match: 'x'\n    dtype: fp16\n    severity: info\n",
+            )
+        )
     )
     assert decide(pol, rec("optimizer.state.0.exp_avg")).skipped
     assert decide(pol, rec("y")).severity == "warning"
@@ -148,7 +154,9 @@ def test_empty_and_huge_and_billion_laughs(tmp_path: Path) -> None:
         load_policy(str(write(tmp_path, "", "empty.yaml")))
     with pytest.raises(PolicyError, match="over the"):
         load_policy(str(write(tmp_path, "# pad\n" * 300_000, "huge.yaml")))
-    laughs = 'a: &a ["lol","lol"]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\nd: [*c,*c,*c,*c,*c,*c,*c,*c,*c]\n'
+    laughs = (
+        'a: &a ["lol","lol"]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\nd: [*c,*c,*c,*c,*c,*c,*c,*c,*c]\n'
+    )
     start = time.monotonic()
     with pytest.raises(PolicyError, match="aliases are not allowed"):
         load_policy(str(write(tmp_path, laughs, "laughs.yaml")))

@@ -67,7 +67,12 @@ def checkpoints(draw: st.DrawFn) -> object:
 @given(obj=checkpoints(), legacy=st.booleans())
 def test_inventory_equals_torch(tmp_path: Path, obj: object, legacy: bool) -> None:
     path = tmp_path / "random.pt"
-    if legacy and any(t.dtype in (torch.uint16, torch.uint32, torch.uint64, torch.bits8, torch.bits16, torch.complex32) or "float8" in str(t.dtype) or "float4" in str(t.dtype) for t in oracle.walk(obj).values()):
+    if legacy and any(
+        t.dtype in (torch.uint16, torch.uint32, torch.uint64, torch.bits8, torch.bits16, torch.complex32)
+        or "float8" in str(t.dtype)
+        or "float4" in str(t.dtype)
+        for t in oracle.walk(obj).values()
+    ):
         legacy = False  # the legacy format predates these dtypes
     torch.save(obj, path, _use_new_zipfile_serialization=not legacy)
     inv = read_checkpoint(path)
@@ -126,7 +131,10 @@ def test_mutations_give_a_clean_error_or_a_true_inventory(tmp_path: Path, data: 
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(blob=st.binary(max_size=2048), prefix=st.sampled_from([b"", b"PK\x03\x04", b"\x80\x02", b"\x80\x02\x8a\x0a", b"\x10\x00\x00\x00\x00\x00\x00\x00{"]))
+@given(
+    blob=st.binary(max_size=2048),
+    prefix=st.sampled_from([b"", b"PK\x03\x04", b"\x80\x02", b"\x80\x02\x8a\x0a", b"\x10\x00\x00\x00\x00\x00\x00\x00{"]),
+)
 def test_random_bytes_give_a_clean_answer(tmp_path: Path, blob: bytes, prefix: bytes) -> None:
     path = tmp_path / "random.bin"
     path.write_bytes(prefix + blob)

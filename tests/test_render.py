@@ -81,7 +81,9 @@ def test_junit_parses_back(sample_report: Report) -> None:
 def test_github_annotations(sample_report: Report) -> None:
     lines = renderer_for(OutputFormat.github)(sample_report).splitlines()
     assert any(line.startswith("::error file=sample_models/missing.pt,title=dtypeaudit unreadable::") for line in lines)
-    assert any(line.startswith("::error file=sample_models/cnn_half_converted.pt,title=dtypeaudit module-dtype-mix::model.fc: ") for line in lines)
+    assert any(
+        line.startswith("::error file=sample_models/cnn_half_converted.pt,title=dtypeaudit module-dtype-mix::model.fc: ") for line in lines
+    )
 
 
 def test_default_format_follows_the_terminal(monkeypatch: pytest.MonkeyPatch) -> None:

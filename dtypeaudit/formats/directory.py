@@ -101,7 +101,9 @@ def read(path: Path, read_file: Callable[[Path], Inventory]) -> Inventory:
         findings.extend(f if f.file else Finding(**{**f.__dict__, "file": label}) for f in inv.findings)
         for t in inv.tensors:
             if t.name in holder:
-                findings.append(Finding("index-mismatch", "error", f"tensor is stored in both {holder[t.name]} and {label}", tensor=t.name, file=label))
+                findings.append(
+                    Finding("index-mismatch", "error", f"tensor is stored in both {holder[t.name]} and {label}", tensor=t.name, file=label)
+                )
                 continue
             holder[t.name] = label
             tensors.append(t.with_(file=label, shares_with=()))
@@ -111,12 +113,30 @@ def read(path: Path, read_file: Callable[[Path], Inventory]) -> Inventory:
         for name, shard_name in weight_map.items():
             where = holder.get(name)
             if where is None:
-                findings.append(Finding("index-mismatch", "error", f"index lists it in {shard_name}, but no shard holds it", tensor=name, file=index_path.name))
+                findings.append(
+                    Finding(
+                        "index-mismatch",
+                        "error",
+                        f"index lists it in {shard_name}, but no shard holds it",
+                        tensor=name,
+                        file=index_path.name,
+                    )
+                )
             elif Path(shard_name).name != where:
-                findings.append(Finding("index-mismatch", "error", f"index says {shard_name}, but it is stored in {where}", tensor=name, file=index_path.name))
+                findings.append(
+                    Finding(
+                        "index-mismatch",
+                        "error",
+                        f"index says {shard_name}, but it is stored in {where}",
+                        tensor=name,
+                        file=index_path.name,
+                    )
+                )
         for name, where in holder.items():
             if name not in weight_map:
-                findings.append(Finding("index-mismatch", "warning", f"stored in {where} but missing from the index", tensor=name, file=where))
+                findings.append(
+                    Finding("index-mismatch", "warning", f"stored in {where} but missing from the index", tensor=name, file=where)
+                )
 
     metadata: dict[str, object] = {"shards": [s.name for s in shards]}
     if index_path is not None:

@@ -120,6 +120,9 @@ class PickleVM:
         self.source = source
         self.trace = Trace()
         self.pos = 0
+        self.stack: list[Any] = []
+        self.metastack: list[list[Any]] = []
+        self.memo: dict[int, Any] = {}
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -236,9 +239,9 @@ class PickleVM:
     def load(self, start: int = 0) -> tuple[Any, int]:
         """Interpret one pickle from ``start``; return its value and the offset just past STOP."""
         self.pos = start
-        self.stack: list[Any] = []
-        self.metastack: list[list[Any]] = []
-        self.memo: dict[int, Any] = {}
+        self.stack = []
+        self.metastack = []
+        self.memo = {}
         ops = 0
         data = self.data
         end = len(data)

@@ -39,7 +39,9 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
         if n > MAX_HEADER_BYTES:
             raise LimitExceeded(f"safetensors header claims {n} bytes, over the {MAX_HEADER_BYTES}-byte cap", path=str(path))
         if n > size - 8:
-            raise CheckpointError(f"safetensors header claims {n} bytes but the file has {size - 8} after the length (truncated?)", path=str(path))
+            raise CheckpointError(
+                f"safetensors header claims {n} bytes but the file has {size - 8} after the length (truncated?)", path=str(path)
+            )
         text = fh.read(n)
     try:
         header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)

@@ -12,7 +12,10 @@ _LEGACY_PREFIX = b"\x80\x02\x8a\x0a"
 
 # Things people end up holding instead of a checkpoint, and what to tell them.
 _NOT_CHECKPOINTS: tuple[tuple[bytes, str], ...] = (
-    (b"version https://git-lfs.github.com/spec", "a Git LFS pointer file, not the checkpoint itself; run `git lfs pull` to fetch the real file"),
+    (
+        b"version https://git-lfs.github.com/spec",
+        "a Git LFS pointer file, not the checkpoint itself; run `git lfs pull` to fetch the real file",
+    ),
     (b"\x89PNG", "a PNG image, not a checkpoint"),
     (b"\xff\xd8\xff", "a JPEG image, not a checkpoint"),
     (b"GIF8", "a GIF image, not a checkpoint"),
@@ -55,5 +58,7 @@ def sniff(path: Path) -> str:
     if text.startswith((b"{", b"[")):
         raise CheckpointError("is a JSON file, not a checkpoint", path=str(path))
     if len(head) >= 262 and head[257:262] == b"ustar":
-        raise CheckpointError("is a tar archive (torch.save's pre-0.4 format, not supported); re-save it with a current torch", path=str(path))
+        raise CheckpointError(
+            "is a tar archive (torch.save's pre-0.4 format, not supported); re-save it with a current torch", path=str(path)
+        )
     raise CheckpointError(f"is not a checkpoint: unrecognised content starting {head[:8]!r}", path=str(path))

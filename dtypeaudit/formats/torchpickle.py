@@ -102,7 +102,9 @@ def _check_bounds(storage: StorageRef, dtype: str, offset: int, shape: tuple[int
     itemsize = dtypes.get(dtype).itemsize
     last = offset + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
     if (last + 1) * itemsize > storage.nbytes:
-        raise CheckpointError(f"tensor of size {list(shape)} at offset {offset} reaches past its storage '{storage.key}' ({storage.nbytes} bytes)")
+        raise CheckpointError(
+            f"tensor of size {list(shape)} at offset {offset} reaches past its storage '{storage.key}' ({storage.nbytes} bytes)"
+        )
 
 
 # -- reducers: the only calls a torch pickle may make ---------------------------------------------
@@ -263,9 +265,7 @@ REDUCERS: dict[str, Reducer] = {
 }
 
 
-def storage_loader(
-    on_storage: Callable[[StorageRef], None] | None = None, *, legacy: bool = False
-) -> Callable[[Any], StorageRef]:
+def storage_loader(on_storage: Callable[[StorageRef], None] | None = None, *, legacy: bool = False) -> Callable[[Any], StorageRef]:
     """A persistent_load for torch's ``('storage', type, key, location, numel[, view])`` records."""
     cache: dict[tuple[str, str], StorageRef] = {}
 
@@ -406,10 +406,26 @@ _DANGEROUS_MODULES = (
 )  # fmt: skip
 _DANGEROUS_EXACT = frozenset(
     {
-        *(f"builtins.{n}" for n in (
-            "eval", "exec", "compile", "getattr", "setattr", "delattr", "__import__", "open",
-            "globals", "locals", "vars", "breakpoint", "input", "apply", "execfile",
-        )),  # fmt: skip
+        *(
+            f"builtins.{n}"
+            for n in (
+                "eval",
+                "exec",
+                "compile",
+                "getattr",
+                "setattr",
+                "delattr",
+                "__import__",
+                "open",
+                "globals",
+                "locals",
+                "vars",
+                "breakpoint",
+                "input",
+                "apply",
+                "execfile",
+            )
+        ),  # fmt: skip
         "functools.partial",
         "functools.reduce",
         "operator.attrgetter",
@@ -459,8 +475,10 @@ def classify_global(qualname: str) -> str:
     """``safe``, ``data`` (a plain data class) or ``dangerous``/``unknown`` (both unsafe)."""
     if qualname in _SAFE_EXACT or qualname.startswith(_SAFE_PREFIXES):
         return "safe"
-    if qualname in _DANGEROUS_EXACT or qualname.split(".")[0] in _DANGEROUS_MODULES or any(
-        qualname.startswith(m + ".") for m in _DANGEROUS_MODULES
+    if (
+        qualname in _DANGEROUS_EXACT
+        or qualname.split(".")[0] in _DANGEROUS_MODULES
+        or any(qualname.startswith(m + ".") for m in _DANGEROUS_MODULES)
     ):
         return "dangerous"
     if qualname in _DATA_CLASSES or qualname.startswith(("numpy.dtypes.", "omegaconf.")):
@@ -481,7 +499,8 @@ def global_findings(trace: Trace, *, also_safe: Callable[[str], bool] = lambda q
                 Finding(
                     "foreign-global",
                     "warning",
-                    f"references {qualname}, a plain data class that torch.load(weights_only=True) refuses unless allow-listed; it was not loaded",
+                    f"references {qualname}, a plain data class that torch.load(weights_only=True) refuses "
+                    "unless allow-listed; it was not loaded",
                     file=file,
                 )
             )

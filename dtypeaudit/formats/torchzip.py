@@ -115,7 +115,9 @@ def _check_storages(zf: zipfile.ZipFile, prefix: str, storages: list[StorageRef]
         except KeyError:
             raise CheckpointError(f"storage '{ref.key}' is missing from the archive (no {name})", path=str(path)) from None
         if info.compress_type != zipfile.ZIP_STORED:
-            raise CheckpointError(f"storage record {name} is compressed; torch writes them uncompressed, so it was not read", path=str(path))
+            raise CheckpointError(
+                f"storage record {name} is compressed; torch writes them uncompressed, so it was not read", path=str(path)
+            )
         if info.file_size < ref.nbytes:
             raise CheckpointError(
                 f"storage record {name} holds {info.file_size} bytes but the pickle needs {ref.nbytes}",
@@ -186,7 +188,11 @@ def _trailing_findings(data: bytes, end: int, path: Path, limit: int = 16) -> li
     """
     if end >= len(data):
         return []
-    out = [Finding("trailing-data", "warning", f"{len(data) - end} bytes follow the pickle; torch.load ignores them, so something is hidden there")]
+    out = [
+        Finding(
+            "trailing-data", "warning", f"{len(data) - end} bytes follow the pickle; torch.load ignores them, so something is hidden there"
+        )
+    ]
     for _ in range(limit):
         if end >= len(data):
             break

@@ -39,4 +39,4 @@ def renderer_for(fmt: OutputFormat, *, width: int = 120, verbose: bool = False) 
 
         return lambda r: markdown.render(r, verbose=verbose)
     module = import_module(f"{__name__}.{fmt.value}")
-    return module.render  # type: ignore[no-any-return]
+    return module.render

@@ -16,7 +16,11 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
     where = f" -> {result.output}" if result.output else ""
     lines.append(f"{head}: {plan.source.path}{where} (to {plan.target})")
     counts = plan.counts()
-    parts = [f"{counts[a]} {label}" for a, label in (("cast", "cast"), ("keep", "kept by rule"), ("leave", "left as they are"), ("drop", "dropped")) if counts.get(a)]
+    parts = [
+        f"{counts[a]} {label}"
+        for a, label in (("cast", "cast"), ("keep", "kept by rule"), ("leave", "left as they are"), ("drop", "dropped"))
+        if counts.get(a)
+    ]
     before, after = plan.bytes_before, plan.bytes_after
     ratio = f" ({after / before:.2f}x)" if before else ""
     lines.append(f"tensors: {', '.join(parts) or 'none'}; size {human_bytes(before)} -> {human_bytes(after)}{ratio}")
@@ -41,10 +45,10 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
             lines.append("value notes (not blocking):")
             lines.extend(f"  {s.name}: {'; '.join(s.problems())}" for s in (noted if verbose else noted[:5]))
         if plan.values:
-            stats = sorted(plan.values.values(), key=lambda s: -s.max_rel_error)
-            shown = stats if verbose else stats[:5]
-            lines.append(f"cast error ({'all' if verbose else 'worst'} {len(shown)} of {len(stats)}):")
-            for s in shown:
+            ranked = sorted(plan.values.values(), key=lambda s: -s.max_rel_error)
+            worst = ranked if verbose else ranked[:5]
+            lines.append(f"cast error ({'all' if verbose else 'worst'} {len(worst)} of {len(ranked)}):")
+            for s in worst:
                 lines.append(f"  {s.name}: max abs error {s.max_abs_error:.3g}, max rel error {s.max_rel_error:.3g}")
     lines.extend(f"note: {n}" for n in plan.notes)
     if result.output and not result.dry_run:
@@ -62,7 +66,9 @@ def render_json(result: Result) -> str:
         "dry_run": result.dry_run,
         "refused": bool(result.unsafe),
         "nbytes": [plan.bytes_before, plan.bytes_after],
-        "tensors": [{"name": p.tensor.name, "from": p.tensor.dtype, "to": p.target, "action": p.action, "reason": p.reason} for p in plan.tensors],
+        "tensors": [
+            {"name": p.tensor.name, "from": p.tensor.dtype, "to": p.target, "action": p.action, "reason": p.reason} for p in plan.tensors
+        ],
         "values": [
             {
                 "tensors": s.name,

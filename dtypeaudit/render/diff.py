@@ -45,6 +45,7 @@ def render_text(d: InventoryDiff) -> str:
         lines.append(f"~ {c.name}  {'; '.join(parts)}")
     before, after = d.bytes_before, d.bytes_after
     ratio = f" ({after / before:.2f}x)" if before else ""
-    summary = f"{len(d.added)} added, {len(d.removed)} removed, {len(d.changed)} changed; size {human_bytes(before)} -> {human_bytes(after)}{ratio}"
+    counts = f"{len(d.added)} added, {len(d.removed)} removed, {len(d.changed)} changed"
+    summary = f"{counts}; size {human_bytes(before)} -> {human_bytes(after)}{ratio}"
     lines.append(summary if d.differs else f"identical tensors; {summary}")
     return "\n".join(lines) + "\n"

@@ -51,7 +51,8 @@ def _checkpoint(console: Console, c: CheckpointReport, *, verbose: bool) -> None
         Text.assemble(
             title,
             (f"  {c.format}", "dim"),
-            f"  {len(tensors)} tensors · {human_count(sum(t.numel for t in unique))} elements · {human_bytes(sum(t.nbytes for t in unique))}",
+            f"  {len(tensors)} tensors · {human_count(sum(t.numel for t in unique))} elements"
+            f" · {human_bytes(sum(t.nbytes for t in unique))}",
         )
     )
     if c.findings:
@@ -117,14 +118,20 @@ def _tensors(console: Console, c: CheckpointReport, *, verbose: bool) -> None:
     if groups is not None:
         for g in groups:
             label = f"{g.label}  ×{g.count}" if g.count > 1 else g.label
-            row = [label, Text(g.dtype, style=DTYPE_STYLE.get(g.dtype, "")), shape_text(g.shape), g.kind, human_bytes(g.nbytes)]
+            row: list[str | Text] = [
+                label,
+                Text(g.dtype, style=DTYPE_STYLE.get(g.dtype, "")),
+                shape_text(g.shape),
+                g.kind,
+                human_bytes(g.nbytes),
+            ]
             if show_file:
                 row.append(g.members[0].file)
             table.add_row(*row)
     else:
         for t in tensors:
             name = t.name + (f"  (shares storage with {', '.join(t.shares_with)})" if t.shares_with and verbose else "")
-            row = [name, Text(t.dtype, style=DTYPE_STYLE.get(t.dtype, "")), shape_text(t.shape), t.kind, human_bytes(t.nbytes)]
+            row = [name, Text(t.dtype, style=DTYPE_STYLE.get(t.dtype, "")), shape_text(t.shape), t.kind, human_bytes(t.nbytes)]  # noqa: E501
             if show_file:
                 row.append(t.file)
             table.add_row(*row)
