@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from . import dtypes
 from .inventory import Finding, Inventory, TensorRecord
-from .policy import Decision, Policy, decide
+
+if TYPE_CHECKING:  # the policy module (and YAML) load only when a policy is in use
+    from .policy import Decision, Policy
 
 Check = Callable[[Inventory], list[Finding]]
 
@@ -32,6 +35,8 @@ def decision_message(d: Decision) -> str:
 
 
 def policy_findings(inv: Inventory, policy: Policy) -> list[Finding]:
+    from .policy import decide
+
     out = []
     for t in inv.tensors:
         d = decide(policy, t)
@@ -52,6 +57,8 @@ def policy_findings(inv: Inventory, policy: Policy) -> list[Finding]:
 
 def tied_conflicts(inv: Inventory, policy: Policy) -> list[Finding]:
     """Names that share one storage but whose rules allow no common dtype."""
+    from .policy import decide
+
     out = []
     seen: set[frozenset[str]] = set()
     by = inv.by_name()

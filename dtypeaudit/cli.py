@@ -6,13 +6,16 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
 import typer
 
 from . import __version__, exitcodes
 from .errors import DtypeAuditError, UsageError
 from .inventory import Report, Severity
+
+if TYPE_CHECKING:
+    from .policy import Policy
 from .render import OutputFormat, renderer_for
 
 app = typer.Typer(
@@ -126,13 +129,15 @@ PolicyOpt = Annotated[Optional[str], typer.Option("--policy", "-p", help="A YAML
 PresetOpt = Annotated[Optional[str], typer.Option("--preset", help="A shipped policy by name: fp32, fp16, fp16-mixed, bf16, bf16-mixed.")]
 
 
-def _policy(policy: Optional[str], preset: Optional[str]):
-    from .policy import load_policy
-
+def _policy(policy: Optional[str], preset: Optional[str]) -> Policy | None:
     if policy and preset:
         raise UsageError("give --policy or --preset, not both (a policy file can say `extends: PRESET`)")
     spec = policy or preset
-    return load_policy(spec) if spec else None
+    if not spec:
+        return None
+    from .policy import load_policy  # YAML loads only when a policy is asked for
+
+    return load_policy(spec)
 
 
 @app.command()

@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from . import dtypes
 from .errors import PolicyError
 from .inventory import SEVERITIES, Severity, TensorRecord
@@ -276,6 +274,8 @@ _CORE_TAGS = frozenset({"!", *(f"tag:yaml.org,2002:{t}" for t in ("str", "int", 
 
 def _parse(path: Path) -> tuple[dict[str, Any], Lines]:
     """safe YAML only: no aliases, no tags beyond the core schema, no duplicate keys, size capped."""
+    import yaml
+
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -307,12 +307,14 @@ def _parse(path: Path) -> tuple[dict[str, Any], Lines]:
     return value, lines
 
 
-def _line(event: yaml.Event) -> int | None:
+def _line(event: Any) -> int | None:
     mark = event.start_mark
     return mark.line + 1 if mark is not None else None
 
 
-def _construct(node: yaml.Node, where: tuple[object, ...], lines: Lines, path: str) -> Any:
+def _construct(node: Any, where: tuple[object, ...], lines: Lines, path: str) -> Any:
+    import yaml
+
     lines[where] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
