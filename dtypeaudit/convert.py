@@ -29,6 +29,7 @@ from .formats import safetensors as st_reader
 from .formats.pickleout import Persistent, dumps, keep_persistent
 from .formats.picklevm import Global, Opaque, PickleVM
 from .formats.storage import Span, legacy_storage_spans, zip_storage_spans
+from .formats.torchzip import legacy_header, legacy_storage_keys
 from .inventory import Finding, Inventory, Severity, TensorRecord
 from .policy import Matcher, Policy, compile_matcher, decide
 from .values import UNDERFLOW_BLOCK_FRACTION, WRITE_CHUNK_BYTES, ValueStats, cast_chunk, chunks, errors, frombuffer, update
@@ -216,19 +217,14 @@ def _legacy_spans(path: Path) -> dict[str, Span]:
     from .formats.torchpickle import REDUCERS, storage_loader
 
     with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        vm = PickleVM(mm)
-        _, pos = vm.load(0)
-        _, pos = vm.load(pos)
-        info, pos = vm.load(pos)
+        header = legacy_header(mm, path)
+        if not header.little_endian:
+            raise ConversionError("big-endian legacy files are not supported for conversion", path=str(path))
         storages: list[Any] = []
-        main = PickleVM(mm, reducers=REDUCERS, persistent_load=storage_loader(storages.append, legacy=True))
-        _, pos = main.load(pos)
-        keys, pos = PickleVM(mm).load(pos)
+        _, pos = PickleVM(mm, reducers=REDUCERS, persistent_load=storage_loader(storages.append, legacy=True)).load(header.main)
+        keys, data_start, _ = legacy_storage_keys(mm, pos, path)
     sizes = {s.key: dtypes.get(s.dtype).itemsize for s in storages}
-    little = bool(info.get("little_endian", True)) if isinstance(info, dict) else True
-    if not little:
-        raise ConversionError("big-endian legacy files are not supported for conversion", path=str(path))
-    return legacy_storage_spans(path, keys, sizes, pos, little=little)
+    return legacy_storage_spans(path, keys, sizes, data_start)
 
 
 # -- value checks --------------------------------------------------------------------------------
@@ -366,22 +362,24 @@ def _open_aligned(zf: zipfile.ZipFile, name: str, size: int) -> Any:
     return zf.open(info, "w", force_zip64=zip64)
 
 
-def _faithful_root(src: Source) -> tuple[Any, str, dict[str, bytes]]:
-    """The source's pickle as a faithful graph, its archive prefix, and its other small records."""
+def _main_pickle(src: Source) -> tuple[bytes | mmap.mmap, int, str, dict[str, bytes]]:
+    """Where the checkpoint's object graph is pickled (buffer, offset), its archive prefix, and its other small records."""
     if src.inv.format == "torch-zip":
         with zipfile.ZipFile(src.path) as zf:
             names = zf.namelist()
             prefix = next(n for n in names if n.endswith("/data.pkl") and n.count("/") == 1)[: -len("data.pkl")]
             data = zf.read(prefix + "data.pkl")
             extras = {n[len(prefix) :]: zf.read(n) for n in names if not n.startswith((prefix + "data/", prefix + "data.pkl"))}
-        root, _ = PickleVM(data, persistent_load=keep_persistent, source=str(src.path)).load()
-        return root, prefix, extras
-    vm = PickleVM(src.mm, source=str(src.path))
-    _, pos = vm.load(0)
-    _, pos = vm.load(pos)
-    _, pos = vm.load(pos)
-    root, _ = PickleVM(src.mm, persistent_load=keep_persistent, source=str(src.path)).load(pos)
-    return root, "archive/", {"byteorder": b"little", "version": b"3\n", ".format_version": b"1", ".storage_alignment": b"64"}
+        return data, 0, prefix, extras
+    legacy_extras = {"byteorder": b"little", "version": b"3\n", ".format_version": b"1", ".storage_alignment": b"64"}
+    return src.mm, legacy_header(src.mm, src.path).main, "archive/", legacy_extras
+
+
+def _faithful_root(src: Source) -> tuple[Any, str, dict[str, bytes]]:
+    """The source's pickle as a faithful graph, its archive prefix, and its other small records."""
+    buf, pos, prefix, extras = _main_pickle(src)
+    root, _ = PickleVM(buf, persistent_load=keep_persistent, source=str(src.path)).load(pos)
+    return root, prefix, extras
 
 
 def _walk_graph(obj: Any, visit: Callable[[Persistent], None], seen: set[int] | None = None) -> None:
@@ -567,16 +565,8 @@ def _refuse_non_tensor_content(src: Source) -> None:
     """safetensors stores tensors only: refuse rather than silently drop an epoch or hyper-parameters."""
     from .formats.torchpickle import REDUCERS, TensorRef, storage_loader
 
-    if src.inv.format == "torch-zip":
-        with zipfile.ZipFile(src.path) as zf:
-            data = zf.read(next(n for n in zf.namelist() if n.endswith("/data.pkl")))
-        root, _ = PickleVM(data, reducers=REDUCERS, persistent_load=storage_loader()).load()
-    else:
-        vm = PickleVM(src.mm)
-        _, pos = vm.load(0)
-        _, pos = vm.load(pos)
-        _, pos = vm.load(pos)
-        root, _ = PickleVM(src.mm, reducers=REDUCERS, persistent_load=storage_loader(legacy=True)).load(pos)
+    buf, pos, _, _ = _main_pickle(src)
+    root, _ = PickleVM(buf, reducers=REDUCERS, persistent_load=storage_loader(legacy=src.inv.format == "torch-legacy")).load(pos)
     extra: list[str] = []
 
     def walk(v: Any, name: str) -> None:

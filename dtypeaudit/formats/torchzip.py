@@ -12,12 +12,13 @@ import zipfile
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, LimitExceeded
 from ..inventory import Finding, Inventory, TensorRecord, link_shared_storage
-from .picklevm import Global, Opaque, PickleVM
+from .picklevm import Global, Opaque, PickleVM, Trace
 from .torchpickle import REDUCERS, Found, StorageRef, global_findings, storage_loader, walk
 
 MAX_PICKLE_BYTES = 1 << 30
@@ -216,28 +217,49 @@ def read_legacy(path: Path) -> Inventory:
         raise CheckpointError(f"cannot map the file ({exc})", path=str(path)) from None
 
 
-def _read_legacy(path: Path, mm: mmap.mmap) -> Inventory:
-    storages: list[StorageRef] = []
-    header_vm = PickleVM(mm, source=str(path))
-    magic, pos = header_vm.load(0)
+@dataclass(frozen=True)
+class LegacyHeader:
+    """The three small pickles a legacy file opens with: magic number, protocol, system info."""
+
+    main: int
+    """Offset of the main pickle (the checkpoint's object graph)."""
+    little_endian: bool
+    trace: Trace
+
+
+def legacy_header(buf: bytes | mmap.mmap, path: Path) -> LegacyHeader:
+    vm = PickleVM(buf, source=str(path))
+    magic, pos = vm.load(0)
     if magic != LEGACY_MAGIC or isinstance(magic, bool):
         raise CheckpointError("starts like a legacy torch.save file but its magic number is wrong", path=str(path))
-    protocol, pos = header_vm.load(pos)
+    protocol, pos = vm.load(pos)
     if protocol != LEGACY_PROTOCOL:
         raise CheckpointError(f"legacy torch.save protocol {protocol!r} is not {LEGACY_PROTOCOL}", path=str(path))
-    sys_info, pos = header_vm.load(pos)
+    sys_info, pos = vm.load(pos)
     if not isinstance(sys_info, dict):
         raise CheckpointError("legacy torch.save header is malformed", path=str(path))
-    little = sys_info.get("little_endian", True)
-    vm = PickleVM(mm, reducers=REDUCERS, persistent_load=storage_loader(storages.append, legacy=True), source=str(path))
-    root, pos = vm.load(pos)
-    found = list(walk(root))
-    keys_vm = PickleVM(mm, source=str(path))
-    keys, pos = keys_vm.load(pos)
+    return LegacyHeader(pos, bool(sys_info.get("little_endian", True)), vm.trace)
+
+
+def legacy_storage_keys(buf: bytes | mmap.mmap, pos: int, path: Path) -> tuple[list[str], int, Trace]:
+    """The list of storage keys that follows the main pickle, and where the storage data starts."""
+    vm = PickleVM(buf, source=str(path))
+    keys, end = vm.load(pos)
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise CheckpointError("legacy torch.save storage list is malformed", path=str(path))
-    _check_legacy_storages(mm, pos, keys, storages, path, little=bool(little))
-    findings = global_findings(vm.trace) + global_findings(header_vm.trace) + global_findings(keys_vm.trace)
+    return keys, end, vm.trace
+
+
+def _read_legacy(path: Path, mm: mmap.mmap) -> Inventory:
+    storages: list[StorageRef] = []
+    header = legacy_header(mm, path)
+    little = header.little_endian
+    vm = PickleVM(mm, reducers=REDUCERS, persistent_load=storage_loader(storages.append, legacy=True), source=str(path))
+    root, pos = vm.load(header.main)
+    found = list(walk(root))
+    keys, pos, keys_trace = legacy_storage_keys(mm, pos, path)
+    _check_legacy_storages(mm, pos, keys, storages, path, little=little)
+    findings = global_findings(vm.trace) + global_findings(header.trace) + global_findings(keys_trace)
     metadata: dict[str, object] = {"byteorder": "little" if little else "big"}
     return Inventory(str(path), "torch-legacy", _records(found), tuple(findings), metadata)
 
