@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
@@ -406,61 +407,69 @@ def convert(
             raise UsageError(f"--format must be text or json, not '{fmt}'")
         if in_place and output is not None:
             raise UsageError("give --in-place or --output, not both")
-        result = run_convert(
-            source,
-            to,
-            output=output,
-            policy=_policy(policy, preset),
-            keep=tuple(keep or ()),
-            include_optimizer=include_optimizer,
-            strip_optimizer=strip_optimizer,
-            clamp=clamp,
-            keep_unsafe=keep_unsafe,
-            dry_run=dry_run,
-            force=force,
-            in_place=in_place,
-            progress_factory=_byte_progress(),
-            max_shard_size=max_shard_size,
-        )
+        progress = _ByteProgress() if sys.stderr.isatty() else None
+        try:
+            result = run_convert(
+                source,
+                to,
+                output=output,
+                policy=_policy(policy, preset),
+                keep=tuple(keep or ()),
+                include_optimizer=include_optimizer,
+                strip_optimizer=strip_optimizer,
+                clamp=clamp,
+                keep_unsafe=keep_unsafe,
+                dry_run=dry_run,
+                force=force,
+                in_place=in_place,
+                progress_factory=progress,
+                max_shard_size=max_shard_size,
+            )
+        finally:
+            if progress is not None:
+                progress.close()
         emit(render_json(result) if fmt == "json" else render_text(result, verbose=verbose), None)
         raise typer.Exit(exitcodes.FINDINGS if result.unsafe else exitcodes.CLEAN)
 
     run_guarded(body, debug)
 
 
-def _byte_progress():
-    """A Rich progress bar on stderr (bytes, rate, ETA) for long work; None when stderr is not a terminal."""
-    if not sys.stderr.isatty():
-        return None
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+class _ByteProgress:
+    """A Rich progress bar on stderr (bytes, rate, ETA), one task per phase; call it with a phase's total bytes."""
 
-    bar = Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    )
-    labels = iter(("checking values", "writing"))
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    def start(total: int):
-        if not bar.live.is_started:
-            bar.start()
-        task = bar.add_task(next(labels, "working"), total=total)
+        self.bar = Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self.labels = iter(("checking values", "writing"))
+
+    def __call__(self, total: int) -> Callable[[int], None]:
+        if not self.bar.live.is_started:
+            self.bar.start()
+        task = self.bar.add_task(next(self.labels, "working"), total=total)
+        done = 0
 
         def advance(n: int) -> None:
-            bar.advance(task, n)
-            if bar.tasks[task].finished:
-                bar.remove_task(task)
-                if not bar.tasks:
-                    bar.stop()
+            nonlocal done
+            done += n
+            self.bar.update(task, completed=done)
+            if done >= total:
+                self.bar.remove_task(task)
 
         return advance
 
-    return start
+    def close(self) -> None:
+        if self.bar.live.is_started:
+            self.bar.stop()
 
 
 def main() -> None:

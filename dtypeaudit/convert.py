@@ -75,9 +75,6 @@ class Plan:
     """Range checks (NaN/Inf, overflow, underflow) by unit, for every unit bound for float16."""
     notes: list[str] = field(default_factory=list)
 
-    def by_name(self) -> dict[str, TensorPlan]:
-        return {p.tensor.name: p for p in self.tensors}
-
     @property
     def bytes_before(self) -> int:
         return _unique_bytes([(p.tensor, p.tensor.dtype) for p in self.tensors])

@@ -23,10 +23,6 @@ class DType:
     def is_floating(self) -> bool:
         return self.family == "float"
 
-    @property
-    def is_float8(self) -> bool:
-        return self.name.startswith(("float8", "float4"))
-
 
 _TABLE: tuple[tuple[str, int, str], ...] = (
     ("float64", 8, "float"),
@@ -147,7 +143,3 @@ def canonical(spelling: str) -> str | None:
     text = text.removeprefix("torch.")
     text = ALIASES.get(text, text)
     return text if text in DTYPES else None
-
-
-def floating_names() -> list[str]:
-    return [d.name for d in DTYPES.values() if d.is_floating]

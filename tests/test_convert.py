@@ -385,3 +385,31 @@ def test_max_shard_size_reshards(hf_dir: Path, tmp_path: Path) -> None:
     assert got.keys() == src.keys() and all(torch.equal(got[k], v.half()) for k, v in src.items())
     assert index["metadata"]["total_size"] == sum(v.numel() * 2 for v in src.values())
     assert run_cli("scan", str(out), "-f", "json").returncode == 0
+
+
+def test_progress_bar_on_a_terminal_and_not_in_logs(tmp_path: Path) -> None:
+    import pty
+
+    src = tmp_path / "m.pt"
+    torch.save({f"w{i}": torch.randn(512, 512) for i in range(8)}, src)
+    master, slave = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "xterm"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dtypeaudit", "convert", str(src), "--to", "fp16"], stdout=subprocess.PIPE, stderr=slave, env=env, timeout=120
+    )
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    assert proc.returncode == 0
+    assert b"checking values" in seen and b"writing" in seen
+    assert b"\x1b[" not in proc.stdout and b"checking values" not in proc.stdout  # the report itself stays clean
+    piped = run_cli("convert", str(src), "--to", "bf16", "-o", str(tmp_path / "b.pt"))
+    assert piped.returncode == 0 and piped.stderr == ""
