@@ -84,5 +84,28 @@ def report_dict(report: Report) -> dict[str, Any]:
     }
 
 
+# Lists whose items are written one per line: readable at 10 tensors, and fast at a million, since each
+# line comes from json's C encoder (an indented dump goes through its pure-Python encoder instead).
+ONE_PER_LINE = frozenset({"tensors", "findings", "by_dtype"})
+_encode = json.JSONEncoder(ensure_ascii=False).encode
+
+
+def dumps(value: Any, indent: str = "") -> str:
+    """JSON with two-space indentation, except that items of ONE_PER_LINE lists stay on one line each."""
+    inner = indent + "  "
+    if isinstance(value, dict) and value:
+        items = []
+        for key, item in value.items():
+            if key in ONE_PER_LINE and isinstance(item, list) and item:
+                body = ",\n".join(inner + "  " + _encode(x) for x in item)
+                items.append(f"{inner}{_encode(key)}: [\n{body}\n{inner}]")
+            else:
+                items.append(f"{inner}{_encode(key)}: {dumps(item, inner)}")
+        return "{\n" + ",\n".join(items) + "\n" + indent + "}"
+    if isinstance(value, list) and value:
+        return "[\n" + ",\n".join(inner + dumps(x, inner) for x in value) + "\n" + indent + "]"
+    return _encode(value)
+
+
 def render(report: Report) -> str:
-    return json.dumps(report_dict(report), indent=2) + "\n"
+    return dumps(report_dict(report)) + "\n"
