@@ -395,7 +395,11 @@ def test_progress_bar_on_a_terminal_and_not_in_logs(tmp_path: Path) -> None:
     master, slave = pty.openpty()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "xterm"}
     proc = subprocess.run(
-        [sys.executable, "-m", "dtypeaudit", "convert", str(src), "--to", "fp16"], stdout=subprocess.PIPE, stderr=slave, env=env, timeout=120
+        [sys.executable, "-m", "dtypeaudit", "convert", str(src), "--to", "fp16"],
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        env=env,
+        timeout=120,
     )
     os.close(slave)
     seen = b""

@@ -133,3 +133,16 @@ def test_dcp_directory_matches_what_was_saved(dcp_dir: Path) -> None:
     assert inv.by_name()["extra.scale"].dtype == "bfloat16"
     assert inv.findings == ()
     assert all(t.file.endswith(".distcp") for t in inv.tensors)
+
+
+def test_transformers_save_pretrained_directory(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16, eos_token_id=0, bos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.save_pretrained(tmp_path / "gpt2", max_shard_size="20KB")
+    inv = read_checkpoint(tmp_path / "gpt2")
+    assert inv.format == "hf-directory" and len(inv.metadata["shards"]) > 2  # type: ignore[arg-type]
+    # transformers writes each tied weight once (lm_head.weight is wte's): the rest is the state_dict.
+    expected = {k: (str(v.dtype)[6:], tuple(v.shape), "unknown") for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    assert facts(inv) == expected
+    assert inv.findings == ()
