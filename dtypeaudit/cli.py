@@ -148,6 +148,7 @@ def scan(
         typer.Argument(
             help="Checkpoint files, model directories, globs, or a factory (path/to/file.py:func, package.module:func).",
             show_default=False,
+            metavar="TARGET...",
         ),
     ],
     policy: PolicyOpt = None,
@@ -267,7 +268,9 @@ app.add_typer(policy_app, name="policy")
 
 @policy_app.command("init")
 def policy_init(
-    checkpoint: Annotated[str, typer.Argument(help="The checkpoint whose dtypes become the baseline.", show_default=False)],
+    checkpoint: Annotated[
+        str, typer.Argument(help="The checkpoint whose dtypes become the baseline.", show_default=False, metavar="CHECKPOINT")
+    ],
     output: OutputOpt = None,
     debug: DebugOpt = False,
 ) -> None:
@@ -290,7 +293,7 @@ def policy_init(
 
 @policy_app.command("validate")
 def policy_validate(
-    files: Annotated[list[str], typer.Argument(help="Policy files or preset names.", show_default=False)],
+    files: Annotated[list[str], typer.Argument(help="Policy files or preset names.", show_default=False, metavar="POLICY...")],
     debug: DebugOpt = False,
 ) -> None:
     """Check policy files: exit 0 if all are valid, 2 with file:line and the valid choices if not."""
@@ -318,8 +321,8 @@ def policy_presets() -> None:
 
 @app.command()
 def diff(
-    a: Annotated[str, typer.Argument(help="The checkpoint before.", show_default=False)],
-    b: Annotated[str, typer.Argument(help="The checkpoint after.", show_default=False)],
+    a: Annotated[str, typer.Argument(help="The checkpoint before.", show_default=False, metavar="A")],
+    b: Annotated[str, typer.Argument(help="The checkpoint after.", show_default=False, metavar="B")],
     fmt: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
     output: OutputOpt = None,
     debug: DebugOpt = False,
@@ -349,7 +352,11 @@ def diff(
 def convert(
     source: Annotated[
         str,
-        typer.Argument(help="A torch.save file (.pt .pth .bin .ckpt), a safetensors file or a Hugging Face directory.", show_default=False),
+        typer.Argument(
+            help="A torch.save file (.pt .pth .bin .ckpt), a safetensors file or a Hugging Face directory.",
+            show_default=False,
+            metavar="SOURCE",
+        ),
     ],
     to: Annotated[str, typer.Option("--to", "-t", help="Target dtype: fp16, bf16 or fp32.", show_default=False)],
     output: Annotated[
