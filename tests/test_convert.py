@@ -295,7 +295,7 @@ def test_disk_full_leaves_source_and_no_partial_output(tmp_path: Path) -> None:
 
 
 def test_interrupt_leaves_source_and_no_partial_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dtypeaudit.convert as conv
+    import dtypeaudit.convert.write as conv
 
     src = tmp_path / "m.pt"
     torch.save({f"w{i}": torch.randn(64, 64) for i in range(4)}, src)
@@ -317,7 +317,7 @@ def test_interrupt_leaves_source_and_no_partial_output(tmp_path: Path, monkeypat
 
 
 def test_verification_catches_a_wrong_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dtypeaudit.convert as conv
+    import dtypeaudit.convert.write as conv
 
     src = tmp_path / "m.pt"
     torch.save({"w": torch.randn(8)}, src)

@@ -1,0 +1,106 @@
+"""Conversion: plan -> check values -> stream-write to a temporary file -> verify -> atomic rename.
+
+Nothing from the checkpoint is executed. A torch.save archive is re-emitted from its own pickle with
+only the storage types changed (see formats/pickleout.py); every other byte of meaning is kept.
+Memory stays bounded by a chunk (a tensor, for non-contiguous views into safetensors), never the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UsageError
+from ..formats import read_checkpoint
+from ..policy import Policy
+from ..values import ValueStats
+from .atomic import atomic_output, check_destination, default_output
+from .checks import apply_value_policy, check_values, units_to_cast, value_findings
+from .plan import CASTABLE, TARGETS, Plan, TensorPlan, make_plan
+from .source import Progress, Source, source_files
+from .verify import verify
+from .write import parse_size, write_directory, write_file
+
+
+@dataclass
+class Result:
+    plan: Plan
+    output: Path | None
+    unsafe: list[ValueStats]
+    dry_run: bool = False
+
+
+def output_format(source_format: str, dest: Path, source: Path) -> str:
+    if source.is_dir():
+        return "hf-directory"
+    if dest.suffix == ".safetensors":
+        return "safetensors"
+    if source_format == "safetensors":
+        raise UsageError("safetensors input converts to safetensors output; give -o NAME.safetensors")
+    return "torch-zip"
+
+
+def convert(
+    source: str | Path,
+    to: str,
+    *,
+    output: str | Path | None = None,
+    policy: Policy | None = None,
+    keep: tuple[str, ...] = (),
+    include_optimizer: bool = False,
+    strip_optimizer: bool = False,
+    clamp: bool = False,
+    keep_unsafe: bool = False,
+    dry_run: bool = False,
+    force: bool = False,
+    in_place: bool = False,
+    progress_factory: Callable[[int], Progress] | None = None,
+    max_shard_size: str | None = None,
+) -> Result:
+    """Plan, check values, write atomically and verify. Unsafe values block (see ``Result.unsafe``)."""
+    src_path = Path(source)
+    inv = read_checkpoint(src_path)
+    if include_optimizer and strip_optimizer:
+        raise UsageError("--include-optimizer and --strip-optimizer contradict each other")
+    plan = make_plan(inv, to, policy=policy, keep=keep, include_optimizer=include_optimizer, strip_optimizer=strip_optimizer, clamp=clamp)
+    dest = src_path if in_place else Path(output) if output else default_output(src_path, plan.target)
+    out_format = output_format(inv.format, dest, src_path)
+    if out_format == "safetensors" and not output and not in_place:
+        dest = default_output(src_path, plan.target, "safetensors")
+    if max_shard_size and out_format != "hf-directory":
+        raise UsageError("--max-shard-size applies to Hugging Face directories")
+    if strip_optimizer and out_format != "torch-zip":
+        plan.notes.append("safetensors output holds no optimizer state anyway")
+    with ExitStack() as stack:
+        files = source_files(src_path, inv)
+        sources = {label: Source(path, sub, stack) for label, (path, sub) in files.items()}
+        to_check = sum(s[2].length for s in units_to_cast(plan, sources).values())
+        check_values(plan, sources, progress_factory(to_check) if progress_factory and to_check else None)
+        unsafe = apply_value_policy(plan, keep_unsafe=keep_unsafe)
+        if dry_run or unsafe:
+            return Result(plan, None, unsafe, dry_run=dry_run)
+        check_destination(src_path, dest, force=force, in_place=in_place)
+        total = sum(p.tensor.nbytes for p in plan.tensors if p.action != "drop")
+        progress = progress_factory(total) if progress_factory else None
+        if out_format == "hf-directory":
+            with atomic_output(dest, mode_from=src_path, is_dir=True) as tmp:
+                write_directory(
+                    plan,
+                    src_path,
+                    sources,
+                    tmp,
+                    strip_optimizer=strip_optimizer,
+                    progress=progress,
+                    max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
+                )
+        else:
+            ((label, src),) = sources.items()
+            with atomic_output(dest, mode_from=src_path) as tmp:
+                written = write_file(plan, src, tmp, out_format, strip_optimizer=strip_optimizer, progress=progress)
+                verify(plan, tmp, written)
+    return Result(plan, dest, [])
+
+
+__all__ = ["CASTABLE", "TARGETS", "Plan", "Result", "TensorPlan", "check_values", "convert", "make_plan", "value_findings"]

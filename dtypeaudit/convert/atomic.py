@@ -1,0 +1,80 @@
+"""Writes that cannot hurt: a temporary file beside the destination, fsync, rename; never over the input by accident."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..errors import ConversionError
+from .plan import TARGETS
+
+
+def default_output(source: Path, target: str, out_format: str | None = None) -> Path:
+    short = {v: k for k, v in TARGETS.items()}[target]
+    if source.is_dir():
+        return source.with_name(f"{source.name}-{short}")
+    suffix = ".safetensors" if out_format == "safetensors" else source.suffix
+    return source.with_name(f"{source.stem}.{short}{suffix}")
+
+
+def check_destination(source: Path, dest: Path, *, force: bool, in_place: bool) -> None:
+    if not dest.parent.is_dir():
+        raise ConversionError("output directory does not exist", path=str(dest.parent))
+    if not os.access(dest.parent, os.W_OK):
+        raise ConversionError("output directory is not writable", path=str(dest.parent))
+    if dest.exists() or dest.is_symlink():
+        same = dest.exists() and os.path.samefile(source, dest)
+        if same and not in_place:
+            raise ConversionError(
+                "output is the input itself (the same file by another name, link or hard link); pass --in-place to replace it",
+                path=str(dest),
+            )
+        if not same and not force:
+            raise ConversionError("output already exists; pass --force to replace it", path=str(dest))
+
+
+@contextmanager
+def atomic_output(dest: Path, *, mode_from: Path, is_dir: bool = False) -> Iterator[Path]:
+    """Yield a temporary path beside ``dest``; on success fsync it and rename it into place, else remove it."""
+    tmp = dest.parent / f".{dest.name}.dtypeaudit-{os.getpid()}.tmp"
+    if is_dir:
+        tmp.mkdir()
+    try:
+        yield tmp
+        for f in tmp.rglob("*") if is_dir else [tmp]:
+            if f.is_file():
+                with f.open("rb+") as fh:
+                    os.fsync(fh.fileno())
+        if not is_dir:
+            os.chmod(tmp, stat.S_IMODE(mode_from.stat().st_mode))
+        if is_dir and dest.exists():
+            backup = dest.parent / f".{dest.name}.dtypeaudit-{os.getpid()}.old"
+            os.replace(dest, backup)
+            os.replace(tmp, dest)
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+        _fsync_dir(dest.parent)
+    except BaseException:
+        if is_dir:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

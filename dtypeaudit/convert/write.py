@@ -1,0 +1,354 @@
+"""Streaming writers: torch.save archives re-emitted from their own pickle, safetensors files, model directories."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import zipfile
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .. import dtypes
+from ..errors import ConversionError, UsageError
+from ..formats import directory as hfdir
+from ..formats.pickleout import Persistent, dumps
+from ..formats.picklevm import Global, Opaque, PickleVM
+from ..formats.storage import Span
+from ..values import WRITE_CHUNK_BYTES, cast_chunk, chunks
+from .plan import Plan, TensorPlan
+from .source import Progress, Source, contiguous_span, faithful_root, main_pickle, materialize
+from .verify import Origin, Written, verify
+
+ALIGN = 64
+
+
+def _crc_sink(sink: Callable[[Any], Any], into: dict[str, int], name: str) -> Callable[[Any], None]:
+    into[name] = 0
+
+    def write(data: Any) -> None:
+        sink(data)
+        into[name] = zlib.crc32(data, into[name])
+
+    return write
+
+
+def _stream(
+    src: Source, span: Span, dtype: str, target: str, clamp: bool, sink: Callable[[bytes | memoryview], None], progress: Progress | None
+) -> None:
+    """Write ``span`` cast from ``dtype`` to ``target`` into ``sink``, a chunk at a time."""
+    if dtype == target:
+        for start in range(0, span.length, WRITE_CHUNK_BYTES):
+            piece = memoryview(src.mm)[span.offset + start : span.offset + min(span.length, start + WRITE_CHUNK_BYTES)]
+            sink(piece)
+            if progress:
+                progress(len(piece))
+        return
+    itemsize = dtypes.get(dtype).itemsize
+    for x in chunks(src.mm, dtype, span.offset, span.length // itemsize, itemsize, WRITE_CHUNK_BYTES):
+        sink(_tensor_bytes(cast_chunk(x, target, clamp=clamp)))
+        if progress:
+            progress(x.numel() * itemsize)
+
+
+def _tensor_bytes(y: Any) -> memoryview:
+    import torch
+
+    return memoryview(y.contiguous().view(torch.uint8).numpy())
+
+
+def _open_aligned(zf: zipfile.ZipFile, name: str, size: int) -> Any:
+    """Open a stored member whose data starts on a 64-byte boundary, as torch.save lays them out for mmap."""
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED
+    info.file_size = size
+    info.compress_size = 0
+    info.CRC = 0
+    zip64 = size * 1.05 > zipfile.ZIP64_LIMIT
+    assert zf.fp is not None
+    start = zf.fp.tell() + len(info.FileHeader(zip64))
+    pad = (-start) % ALIGN
+    if 0 < pad < 4:
+        pad += ALIGN
+    if pad:
+        info.extra = struct.pack("<HH", 0x4246, pad - 4) + b"Z" * (pad - 4)
+    return zf.open(info, "w", force_zip64=zip64)
+
+
+def _walk_graph(obj: Any, visit: Callable[[Persistent], None], seen: set[int] | None = None) -> None:
+    seen = set() if seen is None else seen
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, (str, bytes, int, float, bool, Global)) or o is None or id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, Persistent):
+            visit(o)
+        elif isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+        elif isinstance(o, Opaque):
+            stack.extend((o.callable, o.args, o.state, *o.list_items, *o.items.keys(), *o.items.values()))
+
+
+def _is_optimizer(value: Any) -> bool:
+    def keys(v: Any) -> set[Any]:
+        if isinstance(v, dict):
+            return set(v)
+        if isinstance(v, Opaque):
+            return set(v.items) | (set(v.state) if isinstance(v.state, dict) else set())
+        return set()
+
+    if {"state", "param_groups"} <= keys(value):
+        return True
+    return isinstance(value, list) and bool(value) and all({"state", "param_groups"} <= keys(v) for v in value)
+
+
+def _strip_optimizer(root: Any) -> list[str]:
+    mapping = root if isinstance(root, dict) else root.items if isinstance(root, Opaque) else None
+    if mapping is None:
+        return []
+    dropped = [k for k, v in mapping.items() if _is_optimizer(v)]
+    for k in dropped:
+        del mapping[k]
+    return [str(k) for k in dropped]
+
+
+def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip_optimizer: bool, progress: Progress | None) -> Written:
+    root, prefix, extras = faithful_root(src)
+    if strip_optimizer:
+        plan.notes += [f"stripped optimizer state '{k}'" for k in _strip_optimizer(root)]
+    storage_target: dict[str, str] = {}
+    for p in plan.tensors:
+        if p.tensor.storage is not None and p.action != "drop":
+            storage_target[p.tensor.storage] = p.target
+    keys: dict[str, str] = {}
+
+    def retype(ref: Persistent) -> None:
+        pid = ref.pid
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage" and isinstance(pid[1], Global)):
+            raise ConversionError("unexpected persistent id in the pickle", path=str(src.path))
+        key = str(pid[2])
+        if pid[1].name == "UntypedStorage":  # bytes for dtypes with no typed storage class (float8, uint16...): copied
+            source_dtype = target = "uint8"
+        else:
+            source_dtype = dtypes.STORAGE_CLASSES.get(pid[1].name, "")
+            target = storage_target.get(key, source_dtype)
+        if not source_dtype:
+            raise ConversionError(f"unknown storage type {pid[1].qualname}", path=str(src.path))
+        cls = pid[1] if target == source_dtype else Global("torch", dtypes.STORAGE_CLASS_OF[target])
+        ref.pid = ("storage", cls, key, pid[3], pid[4])
+        keys[key] = source_dtype
+        storage_target[key] = target
+
+    _walk_graph(root, retype)
+    written = Written()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr(zipfile.ZipInfo(prefix + "data.pkl", date_time=(1980, 1, 1, 0, 0, 0)), dumps(root))
+        for name in (".format_version", ".storage_alignment", "byteorder"):
+            if name in extras:
+                zf.writestr(zipfile.ZipInfo(prefix + name, date_time=(1980, 1, 1, 0, 0, 0)), extras[name])
+        for key, dtype in keys.items():
+            span = src.storage(key)
+            target = storage_target[key]
+            size = span.length // dtypes.get(dtype).itemsize * dtypes.get(target).itemsize
+            with _open_aligned(zf, f"{prefix}data/{key}", size) as fh:
+                _stream(src, span, dtype, target, plan.clamp, fh.write, progress)
+            names = tuple(p.tensor.name for p in plan.tensors if p.tensor.storage == key and p.action != "drop")
+            written.origins[f"{prefix}data/{key}"] = Origin(src, span, dtype, target, names=names)
+        for name, data in extras.items():
+            if name not in (".format_version", ".storage_alignment", "byteorder"):
+                zf.writestr(zipfile.ZipInfo(prefix + name, date_time=(1980, 1, 1, 0, 0, 0)), data)
+    return written
+
+
+def write_safetensors(plan: Plan, src: Source, out: Path, *, progress: Progress | None) -> Written:
+    """Tensors only; a tensor under several names (tied weights) is written once, the aliases kept in metadata."""
+    if src.inv.format in ("torch-zip", "torch-legacy"):
+        _refuse_non_tensor_content(src)
+    meta = dict(src.inv.metadata.get("safetensors_metadata") or {"format": "pt"})  # type: ignore[call-overload]
+    return _write_safetensors_file([(p, src) for p in plan.tensors], out, meta, clamp=plan.clamp, progress=progress)
+
+
+def _write_safetensors_file(
+    items: list[tuple[TensorPlan, Source]], out: Path, meta: dict[str, str], *, clamp: bool, progress: Progress | None
+) -> Written:
+    entries: list[tuple[TensorPlan, Source, Span | None]] = []
+    aliases: dict[str, str] = {}
+    first_of: dict[tuple[object, ...], str] = {}
+    for p, src in items:
+        if p.action == "drop":
+            continue
+        t = p.tensor
+        if t.layout != "strided":
+            raise ConversionError(f"tensor '{t.name}' is {t.layout}; safetensors holds dense tensors only", path=str(src.path))
+        if t.dtype not in dtypes.SAFETENSORS_CODE_OF or p.target not in dtypes.SAFETENSORS_CODE_OF:
+            raise ConversionError(f"tensor '{t.name}' is {t.dtype}, which safetensors cannot store", path=str(src.path))
+        tie = (str(src.path), t.storage, t.offset, t.shape, t.stride) if t.storage is not None else None
+        if tie is not None and tie in first_of:
+            aliases[t.name] = first_of[tie]
+            continue
+        if tie is not None:
+            first_of[tie] = t.name
+        entries.append((p, src, contiguous_span(src, t)))
+    header: dict[str, Any] = {}
+    offset = 0
+    for p, _, _ in entries:
+        size = p.tensor.numel * dtypes.get(p.target).itemsize
+        header[p.tensor.name] = {
+            "dtype": dtypes.SAFETENSORS_CODE_OF[p.target],
+            "shape": list(p.tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    meta = dict(meta)
+    if aliases:
+        meta["dtypeaudit.aliases"] = json.dumps(aliases, sort_keys=True)
+    text = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
+    text += b" " * ((-len(text)) % 8)
+    written = Written()
+    with out.open("wb") as fh:
+        fh.write(struct.pack("<Q", len(text)) + text)
+        for p, src, span in entries:
+            t = p.tensor
+            sink = _crc_sink(fh.write, written.crcs, t.name)
+            if span is not None:
+                _stream(src, span, t.dtype, p.target, clamp, sink, progress)
+            else:
+                sink(_tensor_bytes(cast_chunk(materialize(src, t), p.target, clamp=clamp)))
+                if progress:
+                    progress(t.nbytes)
+            written.origins[t.name] = Origin(src, span, t.dtype, p.target, t, names=(t.name,))
+    return written
+
+
+def _refuse_non_tensor_content(src: Source) -> None:
+    """safetensors stores tensors only: refuse rather than silently drop an epoch or hyper-parameters."""
+    from ..formats.torchpickle import REDUCERS, TensorRef, storage_loader
+
+    buf, pos, _, _ = main_pickle(src)
+    root, _ = PickleVM(buf, reducers=REDUCERS, persistent_load=storage_loader(legacy=src.inv.format == "torch-legacy")).load(pos)
+    extra: list[str] = []
+
+    def walk(v: Any, name: str) -> None:
+        if isinstance(v, TensorRef) or len(extra) > 3:
+            return
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, f"{name}.{k}" if name else str(k))
+        else:
+            extra.append(name or "<root>")
+
+    walk(root, "")
+    if extra:
+        raise ConversionError(
+            f"holds non-tensor content ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}) that safetensors cannot store; "
+            "convert to .pt instead, or save a plain state_dict first",
+            path=str(src.path),
+        )
+
+
+def write_file(plan: Plan, src: Source, out: Path, out_format: str, *, strip_optimizer: bool, progress: Progress | None) -> Written:
+    if out_format == "safetensors":
+        return write_safetensors(plan, src, out, progress=progress)
+    return write_torch_zip(plan, src, out, strip_optimizer=strip_optimizer, progress=progress)
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB``, ``10KB`` or a plain byte count, as transformers' max_shard_size reads them."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", text, re.I)
+    if not m:
+        raise UsageError(f"--max-shard-size must look like 5GB, 500MB or 2GiB, not '{text}'")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def write_directory(
+    plan: Plan,
+    src_dir: Path,
+    sources: dict[str, Source],
+    out_dir: Path,
+    *,
+    strip_optimizer: bool,
+    progress: Progress | None,
+    max_shard_size: int | None = None,
+) -> None:
+    total = 0
+    weight_map: dict[str, str] | None = None
+    if max_shard_size is not None:
+        if any(src.inv.format != "safetensors" for src in sources.values()):
+            raise UsageError("--max-shard-size re-shards safetensors directories only")
+        weight_map, total = _reshard(plan, sources, out_dir, max_shard_size, progress)
+    else:
+        for label, src in sources.items():
+            sub = Plan(src.inv, plan.target, [_relabel(p) for p in plan.tensors if p.tensor.file == label], clamp=plan.clamp)
+            out = out_dir / label
+            written = write_file(
+                sub,
+                src,
+                out,
+                "safetensors" if src.inv.format == "safetensors" else "torch-zip",
+                strip_optimizer=strip_optimizer,
+                progress=progress,
+            )
+            verify(sub, out, written)
+            total += sub.bytes_after
+    index_name = hfdir.INDEX_NAMES[0] if (src_dir / hfdir.INDEX_NAMES[0]).exists() or weight_map is not None else hfdir.INDEX_NAMES[1]
+    for item in src_dir.iterdir():
+        if item.name in sources or item.name.startswith(".") or item.name in hfdir.INDEX_NAMES:
+            continue
+        dest = out_dir / item.name
+        if item.name == "config.json" and item.is_file():
+            config = json.loads(item.read_text(encoding="utf-8"))
+            for key in ("torch_dtype", "dtype"):
+                if key in config or key == "torch_dtype":
+                    config[key] = plan.target
+            dest.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        elif item.is_dir():
+            shutil.copytree(item, dest, symlinks=True)
+        else:
+            shutil.copy2(item, dest)
+    source_index = src_dir / index_name
+    if weight_map is not None or source_index.is_file():
+        index = json.loads(source_index.read_text(encoding="utf-8")) if source_index.is_file() else {}
+        index.setdefault("metadata", {})["total_size"] = total
+        if weight_map is not None:
+            index["weight_map"] = weight_map
+        (out_dir / index_name).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
+def _reshard(plan: Plan, sources: dict[str, Source], out_dir: Path, limit: int, progress: Progress | None) -> tuple[dict[str, str], int]:
+    """Pack tensors, in order, into shards of at most ``limit`` bytes (a larger tensor gets a shard of its own)."""
+    groups: list[list[TensorPlan]] = [[]]
+    size = 0
+    for p in plan.tensors:
+        if p.action == "drop":
+            continue
+        if groups[-1] and size + p.out_nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += p.out_nbytes
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, group in enumerate(groups):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        items = [(_relabel(p), sources[p.tensor.file]) for p in group]
+        written = _write_safetensors_file(items, out_dir / name, {"format": "pt"}, clamp=plan.clamp, progress=progress)
+        sub = Plan(plan.source, plan.target, [p for p, _ in items], clamp=plan.clamp)
+        verify(sub, out_dir / name, written)
+        weight_map.update({p.tensor.name: name for p in group})
+        total += sub.bytes_after
+    return weight_map, total
+
+
+def _relabel(p: TensorPlan) -> TensorPlan:
+    return TensorPlan(p.tensor.with_(file=""), p.target, p.action, p.reason)
