@@ -3,24 +3,53 @@
 Library API::
 
     import dtypeaudit
-    report = dtypeaudit.scan(["model.pt"])                   # Report
-    inventory = dtypeaudit.read("model.safetensors")         # Inventory
+    inventory = dtypeaudit.read("model.safetensors")                     # Inventory: every tensor, no torch
+    policy = dtypeaudit.load_policy("fp16-mixed")                        # a preset name or a YAML file
+    findings = dtypeaudit.check(inventory, policy)                       # list[Finding]
+    report = dtypeaudit.scan(["ckpts/"], checks=dtypeaudit.checks_for(policy))
+    result = dtypeaudit.convert("model.pt", "fp16", policy=policy)      # plan, check, write, verify
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
 
-from .errors import CheckpointError, DtypeAuditError, PolicyError  # noqa: E402
+from .check import check, checks_for  # noqa: E402
+from .errors import CheckpointError, ConversionError, DtypeAuditError, PolicyError  # noqa: E402
 from .formats import read_checkpoint as read  # noqa: E402
 from .inventory import CheckpointReport, Finding, Inventory, Report, TensorRecord  # noqa: E402
 from .scan import scan  # noqa: E402
+
+# Loaded on first use, so that a plain scan does not pay for YAML, the policy language or conversion.
+_LAZY = {
+    "load_policy": ("policy", "load_policy"),
+    "Policy": ("policy", "Policy"),
+    "convert": ("conversion", "convert"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from importlib import import_module
+
+        module, attr = _LAZY[name]
+        return getattr(import_module(f"{__name__}.{module}"), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "__version__",
     "scan",
     "read",
+    "load_policy",
+    "Policy",
+    "check",
+    "checks_for",
+    "convert",
     "CheckpointError",
+    "ConversionError",
     "DtypeAuditError",
     "PolicyError",
     "CheckpointReport",

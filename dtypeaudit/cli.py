@@ -198,7 +198,7 @@ def scan(
         progress = _progress_callback()
         checks = checks_for(pol)
         if values:
-            from .convert import value_findings
+            from .conversion import value_findings
 
             checks.append(lambda inv: value_findings(inv, values_to))
         report: Report = run_scan(
@@ -407,7 +407,7 @@ def convert(
     """
 
     def body() -> None:
-        from .convert import convert as run_convert
+        from .conversion import convert as run_convert
         from .render.convert import render_json, render_text
 
         if fmt not in ("text", "json"):

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from dtypeaudit.convert import convert
+from dtypeaudit.conversion import convert
 from dtypeaudit.errors import ConversionError
 from dtypeaudit.formats import read_checkpoint
 from dtypeaudit.policy import load_policy
@@ -295,7 +295,7 @@ def test_disk_full_leaves_source_and_no_partial_output(tmp_path: Path) -> None:
 
 
 def test_interrupt_leaves_source_and_no_partial_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dtypeaudit.convert.write as conv
+    import dtypeaudit.conversion.write as conv
 
     src = tmp_path / "m.pt"
     torch.save({f"w{i}": torch.randn(64, 64) for i in range(4)}, src)
@@ -317,7 +317,7 @@ def test_interrupt_leaves_source_and_no_partial_output(tmp_path: Path, monkeypat
 
 
 def test_verification_catches_a_wrong_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dtypeaudit.convert.write as conv
+    import dtypeaudit.conversion.write as conv
 
     src = tmp_path / "m.pt"
     torch.save({"w": torch.randn(8)}, src)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -34,19 +33,14 @@ def sniff(path: Path) -> str:
             head = fh.read(512)
     except IsADirectoryError:
         raise CheckpointError("is a directory", path=str(path)) from None
-    size = path.stat().st_size
     if not head:
         raise CheckpointError("empty file (0 bytes); an interrupted download?", path=str(path))
     if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
         return "zip"
     if head.startswith(_LEGACY_PREFIX):
         return "legacy"
-    if len(head) >= 9:
-        (n,) = struct.unpack("<Q", head[:8])
-        if head[8:9] == b"{" and n <= size - 8:
-            return "safetensors"
-        if head[8:9] == b"{":
-            return "safetensors"  # the reader names the bad length precisely
+    if head[8:9] == b"{":  # an 8-byte header length, then the JSON header; the reader checks the length
+        return "safetensors"
     if head[:1] == b"\x80" and len(head) > 1 and head[1] <= 5:
         return "pickle"
     for magic, what in _NOT_CHECKPOINTS:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..convert import Result
+from ..conversion import Result
 from .humanize import human_bytes
 
 
