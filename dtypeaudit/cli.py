@@ -167,9 +167,8 @@ def scan(
     explain: Annotated[Optional[str], typer.Option("--explain", help="Show which policy rule decides tensor NAME, and why.")] = None,
     values: Annotated[
         bool,
-        typer.Option("--values", help="Also read tensor values: NaN/Inf, and what a cast to --values-to would overflow or flush to zero."),
+        typer.Option("--values", help="Also read tensor values: NaN/Inf, and what a cast to fp16 would overflow or flush to zero."),
     ] = False,
-    values_to: Annotated[str, typer.Option("--values-to", help="The dtype --values checks against: fp16 or bf16.")] = "fp16",
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Checkpoints read in parallel (default: one per core).")] = None,
     verbose: VerboseOpt = False,
     debug: DebugOpt = False,
@@ -200,7 +199,7 @@ def scan(
         if values:
             from .conversion import value_findings
 
-            checks.append(lambda inv: value_findings(inv, values_to))
+            checks.append(value_findings)
         report: Report = run_scan(
             targets,
             checks=checks,

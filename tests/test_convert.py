@@ -417,3 +417,13 @@ def test_progress_bar_on_a_terminal_and_not_in_logs(tmp_path: Path) -> None:
     assert b"\x1b[" not in proc.stdout and b"checking values" not in proc.stdout  # the report itself stays clean
     piped = run_cli("convert", str(src), "--to", "bf16", "-o", str(tmp_path / "b.pt"))
     assert piped.returncode == 0 and piped.stderr == ""
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_scan_values_finds_nan_in_half_precision_checkpoints(tmp_path: Path, dtype: torch.dtype) -> None:
+    src = tmp_path / "half.pt"
+    torch.save({"ok": torch.ones(3, dtype=dtype), "bad": torch.tensor([1.0, float("nan"), float("inf")], dtype=dtype)}, src)
+    proc = run_cli("scan", str(src), "--values", "-f", "json")
+    assert proc.returncode == 1
+    findings = [(f["rule"], f["tensor"], f["message"]) for f in json.loads(proc.stdout)["checkpoints"][0]["findings"]]
+    assert findings == [("non-finite", "bad", "2 NaN/Inf values already present")]

@@ -9,7 +9,7 @@ from .. import dtypes
 from ..formats.storage import Span
 from ..inventory import Finding, Inventory, Severity
 from ..values import UNDERFLOW_BLOCK_FRACTION, ValueStats, cast_chunk, chunks, errors, update
-from .plan import Plan, TensorPlan, make_plan, unit_of
+from .plan import CASTABLE, Plan, TensorPlan, make_plan, unit_of
 from .source import Progress, Source, source_files
 
 
@@ -67,15 +67,39 @@ def _underflow_blocks(s: ValueStats) -> bool:
     return s.underflow_fraction > UNDERFLOW_BLOCK_FRACTION
 
 
-def value_findings(inv: Inventory, to: str = "fp16") -> list[Finding]:
-    """What a cast to ``to`` would do to each floating tensor, as findings (``scan --values``)."""
+def _nonfinite_elsewhere(plan: Plan, sources: dict[str, Source], checked: set[str]) -> dict[str, int]:
+    """NaN/Inf counts for floating tensors that no cast check read (already float16, kept, left)."""
+    import torch
+
+    out: dict[str, int] = {}
+    seen = set(checked)
+    for p in plan.tensors:
+        t = p.tensor
+        unit = unit_of(t)
+        if unit in seen or t.dtype not in CASTABLE or t.layout != "strided":
+            continue
+        seen.add(unit)
+        src = sources[t.file]
+        span = src.storage(t.storage) if t.storage is not None else src.storage(t.name)
+        itemsize = dtypes.get(t.dtype).itemsize
+        bad = sum(x.numel() - int(torch.isfinite(x).sum()) for x in chunks(src.mm, t.dtype, span.offset, span.length // itemsize, itemsize))
+        if bad:
+            out[t.name] = bad
+    return out
+
+
+def value_findings(inv: Inventory) -> list[Finding]:
+    """What a cast to float16 would do to each floating tensor, as findings (``scan --values``)."""
     if inv.format not in ("torch-zip", "torch-legacy", "safetensors", "hf-directory"):
         return []
-    plan = make_plan(inv, to, include_optimizer=True)
+    plan = make_plan(inv, "fp16", include_optimizer=True)
     out: list[Finding] = []
     with ExitStack() as stack:
         sources = {label: Source(path, sub, stack) for label, (path, sub) in source_files(Path(inv.path), inv).items()}
-        for stats in check_values(plan, sources).values():
+        checked = check_values(plan, sources)
+        for name, count in _nonfinite_elsewhere(plan, sources, set(checked)).items():
+            out.append(Finding("non-finite", "error", f"{count} NaN/Inf values already present", tensor=name))
+        for stats in checked.values():
             first = stats.name.split(", ")[0]
             figures = f"max |x| {stats.max_abs:.4g}, max abs error {stats.max_abs_error:.3g}, max rel error {stats.max_rel_error:.3g}"
             if stats.nonfinite:
