@@ -7,15 +7,14 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+from .check import Check
 from .errors import DtypeAuditError, UsageError
 from .formats import directory, read_checkpoint
 from .formats import factory as factory_mod
-from .inventory import CheckpointReport, Finding, Inventory, Report, Severity
+from .inventory import CheckpointReport, Inventory, Report, Severity
 
 CHECKPOINT_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar", ".model", ".pkl", ".pickle"})
 PARALLEL_THRESHOLD = 4
-
-Check = Callable[[Inventory], list[Finding]]
 
 
 def expand(targets: Iterable[str]) -> list[str]:

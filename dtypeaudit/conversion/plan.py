@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from .. import dtypes
 from ..errors import ConversionError, UsageError
-from ..inventory import Inventory, TensorRecord
+from ..inventory import Inventory, TensorRecord, unique_tensors
 from ..policy import Matcher, Policy, compile_matcher, decide
 from ..values import ValueStats
 
@@ -25,15 +25,14 @@ class TensorPlan:
     """``cast``, ``keep`` (a rule or --keep holds it), ``leave`` (not convertible or already there), ``drop``."""
     reason: str = ""
 
+    def nbytes_as(self, dtype: str) -> int:
+        """The tensor's bytes in ``dtype`` (exotic layouts keep their size)."""
+        t = self.tensor
+        return t.numel * dtypes.get(dtype).itemsize if t.layout == "strided" else t.nbytes
+
     @property
     def out_nbytes(self) -> int:
-        return (
-            0
-            if self.action == "drop"
-            else self.tensor.numel * dtypes.get(self.target).itemsize
-            if self.tensor.layout == "strided"
-            else self.tensor.nbytes
-        )
+        return 0 if self.action == "drop" else self.nbytes_as(self.target)
 
 
 @dataclass
@@ -46,31 +45,24 @@ class Plan:
     """Range checks (NaN/Inf, overflow, underflow) by unit, for every unit bound for float16."""
     notes: list[str] = field(default_factory=list)
 
+    def _unique(self) -> list[TensorPlan]:
+        """One plan per tensor, however many names it has (tied weights count once)."""
+        first = {id(t) for t in unique_tensors(p.tensor for p in self.tensors)}
+        return [p for p in self.tensors if id(p.tensor) in first]
+
     @property
     def bytes_before(self) -> int:
-        return _unique_bytes([(p.tensor, p.tensor.dtype) for p in self.tensors])
+        return sum(p.nbytes_as(p.tensor.dtype) for p in self._unique())
 
     @property
     def bytes_after(self) -> int:
-        return _unique_bytes([(p.tensor, p.target) for p in self.tensors if p.action != "drop"])
+        return sum(p.out_nbytes for p in self._unique())
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for p in self.tensors:
             out[p.action] = out.get(p.action, 0) + 1
         return out
-
-
-def _unique_bytes(items: list[tuple[TensorRecord, str]]) -> int:
-    seen: set[tuple[object, ...]] = set()
-    total = 0
-    for t, dtype in items:
-        key = (t.file, t.storage, t.offset, t.shape, t.stride) if t.storage is not None else (t.file, t.name)
-        if key in seen:
-            continue
-        seen.add(key)
-        total += t.numel * dtypes.get(dtype).itemsize if t.layout == "strided" else t.nbytes
-    return total
 
 
 def unit_of(t: TensorRecord) -> str:

@@ -308,9 +308,9 @@ def write_directory(
         dest = out_dir / item.name
         if item.name == "config.json" and item.is_file():
             config = json.loads(item.read_text(encoding="utf-8"))
-            for key in ("torch_dtype", "dtype"):
-                if key in config or key == "torch_dtype":
-                    config[key] = plan.target
+            config["torch_dtype"] = plan.target  # transformers 4 reads torch_dtype, 5 reads dtype
+            if "dtype" in config:
+                config["dtype"] = plan.target
             dest.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         elif item.is_dir():
             shutil.copytree(item, dest, symlinks=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import CheckpointError, LimitExceeded
 from ..inventory import Finding, Inventory, TensorRecord, link_shared_storage
+from .jsonfile import DuplicateKey, loads_unique
 
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 MAX_JSON_BYTES = 64 << 20
@@ -23,16 +24,10 @@ def _load_json(path: Path) -> Any:
     if path.stat().st_size > MAX_JSON_BYTES:
         raise LimitExceeded("JSON file is over the 64 MiB cap", path=str(path))
 
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in out:
-                raise CheckpointError(f"'{k}' is listed twice", path=str(path))
-            out[k] = v
-        return out
-
     try:
-        return json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=no_duplicates)
+        return loads_unique(path.read_text(encoding="utf-8"))
+    except DuplicateKey as exc:
+        raise CheckpointError(f"'{exc.key}' is listed twice", path=str(path)) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"not valid JSON ({exc})", path=str(path)) from None
 

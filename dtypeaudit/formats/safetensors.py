@@ -15,17 +15,9 @@ from typing import Any
 from .. import dtypes
 from ..errors import CheckpointError, LimitExceeded
 from ..inventory import Inventory, TensorRecord
+from .jsonfile import DuplicateKey, loads_unique
 
 MAX_HEADER_BYTES = 100_000_000
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise CheckpointError(f"safetensors header names '{key}' twice")
-        out[key] = value
-    return out
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
@@ -44,13 +36,13 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             )
         text = fh.read(n)
     try:
-        header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = loads_unique(text.decode("utf-8"))
     except UnicodeDecodeError:
         raise CheckpointError("safetensors header is not UTF-8", path=str(path)) from None
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"safetensors header is not JSON ({exc.msg} at char {exc.pos})", path=str(path)) from None
-    except CheckpointError as exc:
-        raise CheckpointError(exc.message, path=str(path)) from None
+    except DuplicateKey as exc:
+        raise CheckpointError(f"safetensors header names '{exc.key}' twice", path=str(path)) from None
     except RecursionError:
         raise CheckpointError("safetensors header nests too deeply", path=str(path)) from None
     if not isinstance(header, dict):

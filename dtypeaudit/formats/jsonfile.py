@@ -1,0 +1,28 @@
+"""JSON from files we do not trust: a key written twice is an error, not a silent overwrite."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class DuplicateKey(ValueError):
+    """A JSON object names ``key`` twice; json.loads would keep the last one without a word."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def loads_unique(text: str) -> Any:
+    """``json.loads`` that raises DuplicateKey instead of keeping the last of two equal keys."""
+    return json.loads(text, object_pairs_hook=_unique_pairs)
