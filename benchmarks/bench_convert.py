@@ -25,9 +25,9 @@ def main() -> None:
     args = parser.parse_args()
     src = make_transformer_checkpoint(WORK / "llama_like_big.pt", hidden=1024, layers=24)
     out = WORK / "converted.pt"
-    ours = measure([python(), "-m", "dtypeaudit", "convert", str(src), "--to", "fp16", "-o", str(out), "--force"], repeat=args.repeat)
-    naive = measure([python(), "-c", NAIVE, str(src), str(WORK / "naive.pt")], repeat=args.repeat)
-    cp = measure(["cp", str(src), str(WORK / "copy.pt")], repeat=args.repeat)
+    ours = measure([python(), "-m", "dtypeaudit", "convert", str(src), "--to", "fp16", "-o", str(out)], repeat=args.repeat, output=out)
+    naive = measure([python(), "-c", NAIVE, str(src), str(WORK / "naive.pt")], repeat=args.repeat, output=WORK / "naive.pt")
+    cp = measure(["cp", str(src), str(WORK / "copy.pt")], repeat=args.repeat, output=WORK / "copy.pt")
     gb = src.stat().st_size / 1e9
     print(f"checkpoint: {src.name} ({gb:.2f} GB fp32 -> {out.stat().st_size / 1e9:.2f} GB fp16)")
     print(f"{'':32}{'wall s':>9}{'peak RSS MB':>13}{'peak anon MB':>14}")

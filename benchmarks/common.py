@@ -68,10 +68,15 @@ def _anon_kb(pid: int) -> int:
     return 0
 
 
-def measure(cmd: list[str], *, repeat: int = 3) -> Measurement:
-    """Median wall time, largest peak RSS and largest peak anonymous memory over ``repeat`` whole-process runs."""
+def measure(cmd: list[str], *, repeat: int = 3, output: Path | None = None) -> Measurement:
+    """Median wall time, largest peak RSS and largest peak anonymous memory over ``repeat`` whole-process runs.
+
+    ``output`` is removed before each run, so that no run pays for freeing the previous run's file.
+    """
     walls, peaks, anons = [], [], []
     for _ in range(repeat):
+        if output is not None:
+            output.unlink(missing_ok=True)
         os.sync()  # start each run without another run's dirty pages to flush
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

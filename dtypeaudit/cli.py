@@ -456,12 +456,11 @@ class _ByteProgress:
             console=Console(stderr=True),
             transient=True,
         )
-        self.labels = iter(("checking values", "writing"))
 
-    def __call__(self, total: int) -> Callable[[int], None]:
+    def __call__(self, label: str, total: int) -> Callable[[int], None]:
         if not self.bar.live.is_started:
             self.bar.start()
-        task = self.bar.add_task(next(self.labels, "working"), total=total)
+        task = self.bar.add_task(label, total=total)
         done = 0
 
         def advance(n: int) -> None:
@@ -479,7 +478,23 @@ class _ByteProgress:
 
 
 def main() -> None:
-    app()
+    """The console entry point.
+
+    A process that loaded torch (convert, ``scan --values``) leaves with ``os._exit`` once its output
+    is flushed: the interpreter's teardown of torch's modules takes a fifth of a second and does
+    nothing a finished command needs. Every file the command wrote is closed by then.
+    """
+    try:
+        app()
+    except SystemExit as done:
+        if "torch" not in sys.modules:
+            raise
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        if isinstance(done.code, str):
+            print(done.code, file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

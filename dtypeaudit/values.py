@@ -1,23 +1,35 @@
-"""Value statistics over tensors bound for a narrower float: what the cast would lose, before it happens.
+"""What a cast does to values: range checks before anything is written, and the cast's errors as it is made.
 
-Reads storages through mmap in chunks, so memory stays bounded by the chunk, not the checkpoint.
+The range checks for float16 never cast. Under round-to-nearest-even, whether a float32 becomes inf,
+zero or a subnormal in float16 depends only on its magnitude, so thresholds on the bits of |x| decide
+it (numpy, a few SIMD passes over a chunk, no torch import). The cast itself, and the errors measured
+against it, use torch's own kernels, because the bytes written must be exactly torch's cast.
+
+Storages are read through mmap a chunk at a time into reused buffers, so memory stays bounded by a
+chunk, not the checkpoint.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 CHUNK_BYTES = 1 << 20
-"""For reductions: small enough that temporaries reuse heap memory instead of faulting in fresh pages."""
-WRITE_CHUNK_BYTES = 8 << 20
-"""For writing: fewer, larger writes; the only temporary is the cast chunk."""
+"""Source bytes per chunk: small enough that a chunk and its temporaries stay in cache."""
 UNDERFLOW_BLOCK_FRACTION = 0.01
 """A tensor blocks conversion when more than this share of its non-zero values would become zero."""
+
+# Magnitude thresholds for float32 -> float16 under round-to-nearest-even, as float32 bit patterns.
+# The largest half is 65504 and the next step would be 65536, so the tie 65520 and above round to inf;
+# the smallest subnormal is 2^-24, so 2^-25 (a tie, rounding to the even zero) and below become 0;
+# the largest subnormal is 2^-14 - 2^-24, so below the tie 2^-14 - 2^-25 a value lands among subnormals.
+F16_INF_FROM = 0x477FF000  # 65520
+F16_ZERO_UPTO = 0x33000000  # 2^-25
+F16_SUBNORMAL_BELOW = 0x387FE000  # 2^-14 - 2^-25
+F32_NONFINITE_FROM = 0x7F800000  # inf; above it, NaN
 
 
 @dataclass
@@ -67,24 +79,198 @@ class ValueStats:
         return out
 
 
-@functools.cache
+_FINFO = {"float16": (65504.0, 2.0**-24), "bfloat16": (3.3895313892515355e38, 2.0**-133), "float32": (3.4028234663852886e38, 2.0**-149)}
+
+
 def _max(target: str) -> float:
-    import torch
-
-    return float(torch.finfo(getattr(torch, target)).max)
-
-
-@functools.cache
-def _smallest_normal(target: str) -> float:
-    import torch
-
-    return float(torch.finfo(getattr(torch, target)).smallest_normal)
+    return _FINFO[target][0]
 
 
 def _tiny(target: str) -> float:
-    import torch
+    """The smallest positive subnormal."""
+    return _FINFO[target][1]
 
-    return float(torch.finfo(getattr(torch, target)).smallest_normal) * float(torch.finfo(getattr(torch, target)).eps)
+
+# -- range checks (numpy) ---------------------------------------------------------------------------
+
+
+def float32_chunks(buffer: Any, dtype: str, offset: int, numel: int) -> Iterator[tuple[Any, Any]]:
+    """``(as_float32, original)`` numpy chunks of the ``numel`` values at ``offset``.
+
+    Widened or narrowed as torch does on the way to float16: float64 goes through float32 (torch's
+    double-to-half cast rounds twice), bfloat16 and float16 widen exactly.
+    """
+    import numpy as np
+
+    raw_type = {"float32": np.float32, "float64": np.float64, "bfloat16": np.uint16, "float16": np.float16}[dtype]
+    itemsize = np.dtype(raw_type).itemsize
+    step = CHUNK_BYTES // 4
+    scratch = None if dtype == "float32" else np.empty(step, np.uint32)
+    for start in range(0, numel, step):
+        count = min(step, numel - start)
+        raw = np.frombuffer(buffer, raw_type, count, offset + start * itemsize)
+        if scratch is None:
+            yield raw, raw
+        elif dtype == "bfloat16":
+            wide = scratch[:count]
+            np.left_shift(raw, 16, out=wide, dtype=np.uint32)
+            yield wide.view(np.float32), raw
+        else:
+            narrow = scratch[:count].view(np.float32)
+            with np.errstate(over="ignore"):  # doubles beyond float32's range become inf, as in torch
+                np.copyto(narrow, raw, casting="unsafe")
+            yield narrow, raw
+
+
+class RangeCheck:
+    """Folds float32 chunks into the float16 range statistics of a ValueStats, on the bits of |x|."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self._np = np
+        self._magnitude = np.empty(CHUNK_BYTES // 4, np.uint32)
+        self._mask = np.empty(CHUNK_BYTES // 4, np.bool_)
+
+    def fold(self, stats: ValueStats, x: Any, original: Any, *, clamp: bool = False) -> None:
+        np = self._np
+        n = len(x)
+        if not n:
+            return
+        magnitude = np.bitwise_and(x.view(np.uint32), np.uint32(0x7FFFFFFF), out=self._magnitude[:n])
+        mask = self._mask[:n]
+
+        def count(op: Any, threshold: int) -> int:
+            return int(np.count_nonzero(op(magnitude, np.uint32(threshold), out=mask)))
+
+        zeros = n - int(np.count_nonzero(magnitude))
+        to_zero = count(np.less_equal, F16_ZERO_UPTO)
+        stats.numel += n
+        stats.nonzero += n - zeros
+        stats.underflow += to_zero - zeros
+        stats.subnormal += count(np.less, F16_SUBNORMAL_BELOW) - to_zero
+        top = int(magnitude.max())
+        if top >= F16_INF_FROM:  # rare: values at or beyond float16's range, or NaN/Inf
+            if original.dtype == np.float64:  # finite doubles beyond float32's range are overflow, not NaN/Inf
+                finite = np.isfinite(original)
+                nonfinite = n - int(np.count_nonzero(finite))
+                peak = float(np.abs(original[finite]).max()) if nonfinite < n else 0.0
+            else:
+                nonfinite = count(np.greater_equal, F32_NONFINITE_FROM)
+                finite_top = int(magnitude[magnitude < F32_NONFINITE_FROM].max()) if nonfinite < n else 0
+                peak = float(np.uint32(finite_top).view(np.float32))
+            stats.nonfinite += nonfinite
+            if not clamp:
+                stats.overflow += count(np.greater_equal, F16_INF_FROM) - nonfinite
+        else:
+            peak = float(np.uint32(top).view(np.float32))
+        stats.max_abs = max(stats.max_abs, peak)
+
+
+# -- range checks in a child process ---------------------------------------------------------------
+
+CHILD_MIN_BYTES = 64 << 20
+"""Range checks over at least this many bytes run in a child process, beside the parent's torch import."""
+_STATS_FIELDS = ("numel", "nonzero", "nonfinite", "overflow", "underflow", "subnormal", "max_abs")
+
+
+@dataclass(frozen=True)
+class RangeJob:
+    """One storage to range-check: ``length`` bytes of ``dtype`` at ``offset`` in the file at ``path``."""
+
+    unit: str
+    path: str
+    dtype: str
+    offset: int
+    length: int
+
+
+def start_range_checks(jobs: list[RangeJob], *, clamp: bool) -> Any:
+    """Start checking ``jobs`` in a child process (numpy only, no torch); None if it cannot start.
+
+    Range checks and the torch import the cast needs are both about a second on a large checkpoint,
+    and neither needs the other, but both need the GIL; a child puts them on separate cores.
+    """
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    code = f"import sys; sys.path.insert(0, {root!r}); from dtypeaudit.values import serve_range_checks; serve_range_checks()"
+    request = json.dumps({"clamp": clamp, "jobs": [vars(j) for j in jobs]})
+    try:
+        proc = subprocess.Popen([sys.executable, "-I", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdin is not None
+        proc.stdin.write(request.encode())
+        proc.stdin.close()
+    except OSError:
+        return None
+    return proc
+
+
+def finish_range_checks(proc: Any, stats: dict[str, ValueStats], progress: Callable[[int], None] | None) -> bool:
+    """Fold the child's results into ``stats``; False if it failed (the caller then checks in-process)."""
+    import json
+
+    assert proc.stdout is not None
+    result = None
+    for line in proc.stdout:
+        kind, _, payload = line.decode().partition(" ")
+        if kind == "progress" and progress:
+            progress(int(payload))
+        elif kind == "result":
+            result = json.loads(payload)
+    proc.stderr.read()
+    if proc.wait() != 0 or not isinstance(result, dict) or set(result) != set(stats):
+        return False
+    for unit, values in result.items():
+        for name, value in zip(_STATS_FIELDS, values, strict=True):
+            setattr(stats[unit], name, value)
+    return True
+
+
+def serve_range_checks() -> None:
+    """The child's side: a JSON request on stdin; ``progress N`` lines, then ``result {...}``, on stdout."""
+    import json
+    import mmap
+    import sys
+
+    request = json.loads(sys.stdin.read())
+    check = RangeCheck()
+    maps: dict[str, Any] = {}
+    out: dict[str, list[float]] = {}
+    for job in (RangeJob(**j) for j in request["jobs"]):
+        if job.path not in maps:
+            with open(job.path, "rb") as fh:
+                maps[job.path] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        stats = ValueStats(job.unit, job.dtype, "float16")
+        itemsize = {"float32": 4, "float64": 8, "bfloat16": 2}[job.dtype]
+        for x, original in float32_chunks(maps[job.path], job.dtype, job.offset, job.length // itemsize):
+            check.fold(stats, x, original, clamp=request["clamp"])
+        out[job.unit] = [getattr(stats, name) for name in _STATS_FIELDS]
+        sys.stdout.write(f"progress {job.length}\n")
+        sys.stdout.flush()
+    sys.stdout.write(f"result {json.dumps(out)}\n")
+
+
+def count_nonfinite(buffer: Any, dtype: str, offset: int, numel: int) -> int:
+    """NaN and Inf among the floating values at ``offset``."""
+    import numpy as np
+
+    bad = 0
+    for x, original in float32_chunks(buffer, dtype, offset, numel):
+        values = original if original.dtype == np.float64 else x  # doubles beyond float32's range are still finite
+        bad += len(values) - int(np.count_nonzero(np.isfinite(values)))
+    return bad
+
+
+# -- the cast and its errors (torch) ----------------------------------------------------------------
+
+
+def load_torch() -> None:
+    """Import torch, which makes every cast: about a second, worth overlapping with other work."""
+    import torch  # noqa: F401
 
 
 def frombuffer(buffer: Any, dtype: str, count: int, offset: int) -> Any:
@@ -105,6 +291,7 @@ def chunks(buffer: Any, dtype: str, offset: int, numel: int, itemsize: int, chun
 
 
 def cast_chunk(x: Any, target: str, *, clamp: bool) -> Any:
+    """torch's cast of ``x`` to ``target``; with ``clamp``, values beyond the target's range saturate first."""
     import torch
 
     t = getattr(torch, target)
@@ -114,47 +301,54 @@ def cast_chunk(x: Any, target: str, *, clamp: bool) -> Any:
     return x.to(t)
 
 
-def update(stats: ValueStats, x: Any, *, clamp: bool = False) -> Any:
-    """Fold one chunk into the range statistics (NaN/Inf, overflow, underflow, subnormals); returns the cast chunk.
+class Caster:
+    """torch's cast from ``source`` to ``target`` a chunk at a time, into reused buffers, measuring its errors.
 
-    Cheap on purpose: reductions that allocate nothing chunk-sized, and masks only on the rare paths
-    (a chunk that overflows or holds NaN/Inf).
+    The returned chunk is only valid until the next call: the caller hands its bytes on at once.
     """
-    import torch
 
-    y = cast_chunk(x, stats.target, clamp=clamp)
-    n = x.numel()
-    if not n:
+    def __init__(self, source: str, target: str, *, clamp: bool, stats: ValueStats | None = None) -> None:
+        import torch
+
+        self._torch = torch
+        src, dst = getattr(torch, source), getattr(torch, target)
+        step = max(1, CHUNK_BYTES // src.itemsize)
+        self._out = torch.empty(step, dtype=dst)
+        self._diff = torch.empty(step, dtype=src)
+        self._scale = torch.empty(step, dtype=src)
+        self._limit = float(torch.finfo(dst).max) if clamp and torch.finfo(dst).max < torch.finfo(src).max else None
+        self._tiny = float(torch.finfo(src).tiny)
+        self.stats = stats
+
+    def __call__(self, x: Any) -> Any:
+        n = x.numel()
+        y = self._out[:n]
+        if self._limit is not None:
+            clamped = self._torch.clamp(x, -self._limit, self._limit, out=self._diff[:n])
+            y.copy_(clamped)
+        else:
+            y.copy_(x)
+        if self.stats is not None and n:
+            self._measure(self.stats, x, y)
         return y
-    stats.numel += n
-    low, high = torch.aminmax(x)
-    peak = max(abs(float(low)), abs(float(high)))
-    if not math.isfinite(peak):
-        finite = torch.isfinite(x)
-        stats.nonfinite += n - int(finite.sum())
-        peak = float(x[finite].abs().max()) if bool(finite.any()) else 0.0
-    stats.max_abs = max(stats.max_abs, peak)
-    if peak > _max(stats.target) and not clamp:
-        stats.overflow += int((torch.isinf(y) & torch.isfinite(x)).sum())
-    nonzero_x = int(torch.count_nonzero(x))
-    nonzero_y = int(torch.count_nonzero(y))
-    stats.nonzero += nonzero_x
-    stats.underflow += nonzero_x - nonzero_y
-    stats.subnormal += int(torch.count_nonzero(y.abs() < _smallest_normal(stats.target))) - (n - nonzero_y)
-    return y
 
+    def _measure(self, stats: ValueStats, x: Any, y: Any) -> None:
+        """Fold the max absolute and relative error of ``y`` against ``x`` into ``stats``."""
+        n = x.numel()
+        diff = self._diff[:n]
+        diff.copy_(y)
+        diff.sub_(x)
+        worst = self._max_magnitude(diff)
+        if not math.isfinite(worst):  # NaN/Inf in the source (clamped or kept): measure the finite values only
+            diff.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            worst = self._max_magnitude(diff)
+        stats.max_abs_error = max(stats.max_abs_error, worst)
+        # Rounding to nearest (or saturating) never moves a value further than zero is: |y - x| <= |x|.
+        # So the relative error is at most 1, and once it reaches 1 no later chunk can raise it.
+        if stats.max_rel_error < 1.0:
+            scale = self._torch.abs(x, out=self._scale[:n]).clamp_min_(self._tiny)
+            stats.max_rel_error = max(stats.max_rel_error, float(diff.abs_().div_(scale).max()))
 
-def errors(stats: ValueStats, x: Any, y: Any) -> None:
-    """Fold the cast's max absolute and relative error for one chunk (x the source, y its cast)."""
-    import torch
-
-    if not x.numel():
-        return
-    diff = y.to(x.dtype).sub_(x).abs_()
-    worst = float(diff.max())
-    if not math.isfinite(worst):  # NaN/Inf in the source (clamped or kept): measure the finite values only
-        diff = torch.where(torch.isfinite(diff), diff, torch.zeros((), dtype=diff.dtype))
-        worst = float(diff.max())
-    stats.max_abs_error = max(stats.max_abs_error, worst)
-    rel = diff.div_(x.abs().clamp_min_(float(torch.finfo(x.dtype).tiny)))
-    stats.max_rel_error = max(stats.max_rel_error, float(rel.max()))
+    def _max_magnitude(self, t: Any) -> float:
+        low, high = self._torch.aminmax(t)
+        return max(-float(low), float(high))

@@ -1,4 +1,4 @@
-"""Conversion: plan -> check values -> stream-write to a temporary file -> verify -> atomic rename.
+"""Conversion: plan -> check float16 ranges -> cast and stream-write to a temporary file -> verify -> atomic rename.
 
 Nothing from the checkpoint is executed. A torch.save archive is re-emitted from its own pickle with
 only the storage types changed (see formats/pickleout.py); every other byte of meaning is kept.
@@ -15,9 +15,9 @@ from pathlib import Path
 from ..errors import UsageError
 from ..formats import read_checkpoint
 from ..policy import Policy
-from ..values import ValueStats
-from .atomic import atomic_output, check_destination, default_output
-from .checks import apply_value_policy, check_values, units_to_cast, value_findings
+from ..values import ValueStats, load_torch
+from .atomic import atomic_output, check_destination, default_output, flushing
+from .checks import apply_value_policy, check_values, measure_errors, range_check_bytes, value_findings
 from .plan import CASTABLE, TARGETS, Plan, TensorPlan, make_plan
 from .source import Progress, Source, source_files
 from .verify import verify
@@ -56,7 +56,7 @@ def convert(
     dry_run: bool = False,
     force: bool = False,
     in_place: bool = False,
-    progress_factory: Callable[[int], Progress] | None = None,
+    progress_factory: Callable[[str, int], Progress] | None = None,
     max_shard_size: str | None = None,
 ) -> Result:
     """Plan, check values, write atomically and verify. Unsafe values block (see ``Result.unsafe``)."""
@@ -76,14 +76,17 @@ def convert(
     with ExitStack() as stack:
         files = source_files(src_path, inv)
         sources = {label: Source(path, sub, stack) for label, (path, sub) in files.items()}
-        to_check = sum(s[2].length for s in units_to_cast(plan, sources).values())
-        check_values(plan, sources, progress_factory(to_check) if progress_factory and to_check else None)
+        to_check = range_check_bytes(plan, sources)
+        check_progress = progress_factory("checking values", to_check) if progress_factory and to_check else None
+        check_values(plan, sources, check_progress, meanwhile=load_torch if plan.counts().get("cast") else None)
         unsafe = apply_value_policy(plan, keep_unsafe=keep_unsafe)
+        if dry_run and not unsafe:
+            measure_errors(plan, sources)
         if dry_run or unsafe:
             return Result(plan, None, unsafe, dry_run=dry_run)
         check_destination(src_path, dest, force=force, in_place=in_place)
         total = sum(p.tensor.nbytes for p in plan.tensors if p.action != "drop")
-        progress = progress_factory(total) if progress_factory else None
+        progress = progress_factory("writing", total) if progress_factory else None
         if out_format == "hf-directory":
             with atomic_output(dest, mode_from=src_path, is_dir=True) as tmp:
                 write_directory(
@@ -99,7 +102,8 @@ def convert(
             ((label, src),) = sources.items()
             with atomic_output(dest, mode_from=src_path) as tmp:
                 written = write_file(plan, src, tmp, out_format, strip_optimizer=strip_optimizer, progress=progress)
-                verify(plan, tmp, written)
+                with flushing(tmp):
+                    verify(plan, tmp, written)
     return Result(plan, dest, [])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,6 +66,32 @@ def atomic_output(dest: Path, *, mode_from: Path, is_dir: bool = False) -> Itera
         else:
             tmp.unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def flushing(path: Path) -> Iterator[None]:
+    """fsync ``path`` in a background thread while the body runs; an fsync error is raised at exit.
+
+    Verification re-reads the file from the page cache while the disk takes the same bytes, so the
+    two overlap instead of adding up. ``atomic_output`` still fsyncs before the rename.
+    """
+    failure: list[OSError] = []
+
+    def flush() -> None:
+        try:
+            with path.open("rb+") as fh:
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            failure.append(exc)
+
+    worker = threading.Thread(target=flush, name="dtypeaudit-fsync", daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        worker.join()
+    if failure:
+        raise failure[0]
 
 
 def _fsync_dir(path: Path) -> None:

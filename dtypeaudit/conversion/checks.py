@@ -1,35 +1,83 @@
-"""Value checks before writing: range (float16) and the cast's errors; and ``scan --values``."""
+"""Value checks before writing (float16 range), the cast's errors, and ``scan --values``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
 from .. import dtypes
 from ..formats.storage import Span
 from ..inventory import Finding, Inventory, Severity
-from ..values import UNDERFLOW_BLOCK_FRACTION, ValueStats, cast_chunk, chunks, errors, update
+from ..values import (
+    CHILD_MIN_BYTES,
+    UNDERFLOW_BLOCK_FRACTION,
+    Caster,
+    RangeCheck,
+    RangeJob,
+    ValueStats,
+    chunks,
+    count_nonfinite,
+    finish_range_checks,
+    float32_chunks,
+    load_torch,
+    start_range_checks,
+)
 from .plan import CASTABLE, Plan, TensorPlan, make_plan, unit_of
 from .source import Progress, Source, source_files
 
 
-def check_values(plan: Plan, sources: dict[str, Source], progress: Progress | None = None) -> dict[str, ValueStats]:
-    """Before anything is written: range checks for every unit bound for float16 (NaN/Inf, overflow,
-    underflow, subnormals), and the max absolute and relative error of every cast."""
+def check_values(
+    plan: Plan, sources: dict[str, Source], progress: Progress | None = None, *, meanwhile: Callable[[], object] | None = None
+) -> dict[str, ValueStats]:
+    """Before anything is written: for every unit bound for float16, NaN/Inf, overflow, underflow and
+    subnormals, read from the values' bits without casting (see values.py).
+
+    Every unit to cast gets its ValueStats here; the cast's errors are folded into it as the cast is
+    made, by the writer or by ``measure_errors``. ``meanwhile`` (loading torch for the cast) runs
+    while the checks do: large checks go to a child process so that the two share no core.
+    """
     results: dict[str, ValueStats] = {}
+    jobs: dict[str, tuple[Source, RangeJob]] = {}
     for unit, (src, dtype, span, names, target) in units_to_cast(plan, sources).items():
-        stats = ValueStats(", ".join(names), dtype, target)
+        results[unit] = ValueStats(", ".join(names), dtype, target)
         # float16 is the narrow range; bfloat16 and float32 keep float32's exponent.
-        ranged = target == "float16" and dtype != "float16"
+        if target == "float16" and dtype != "float16":
+            jobs[unit] = (src, RangeJob(unit, str(src.path), dtype, span.offset, span.length))
+    plan.values = results
+    child = None
+    if meanwhile is not None and sum(job.length for _, job in jobs.values()) >= CHILD_MIN_BYTES:
+        child = start_range_checks([job for _, job in jobs.values()], clamp=plan.clamp)
+    if meanwhile is not None:
+        meanwhile()
+    if child is not None and finish_range_checks(child, {u: results[u] for u in jobs}, progress):
+        return results
+    check = RangeCheck()
+    for unit, (src, job) in jobs.items():
+        stats = results[unit]
+        for x, original in float32_chunks(src.mm, job.dtype, job.offset, job.length // dtypes.get(job.dtype).itemsize):
+            check.fold(stats, x, original, clamp=plan.clamp)
+            if progress:
+                progress(original.nbytes)
+    return results
+
+
+def range_check_bytes(plan: Plan, sources: dict[str, Source]) -> int:
+    """How many source bytes ``check_values`` reads."""
+    units = units_to_cast(plan, sources).values()
+    return sum(span.length for _, dtype, span, _, target in units if target == "float16" and dtype != "float16")
+
+
+def measure_errors(plan: Plan, sources: dict[str, Source]) -> None:
+    """Make every planned cast without writing it, folding its errors into ``plan.values`` (dry runs, ``scan --values``)."""
+    for unit, (src, dtype, span, _, target) in units_to_cast(plan, sources).items():
+        stats = plan.values.get(unit)
+        if stats is None:
+            continue
+        cast = Caster(dtype, target, clamp=plan.clamp, stats=stats)
         itemsize = dtypes.get(dtype).itemsize
         for x in chunks(src.mm, dtype, span.offset, span.length // itemsize, itemsize):
-            y = update(stats, x, clamp=plan.clamp) if ranged else cast_chunk(x, target, clamp=plan.clamp)
-            errors(stats, x, y)
-            if progress:
-                progress(x.numel() * itemsize)
-        results[unit] = stats
-    plan.values = results
-    return results
+            cast(x)
 
 
 def units_to_cast(plan: Plan, sources: dict[str, Source]) -> dict[str, tuple[Source, str, Span, list[str], str]]:
@@ -69,8 +117,6 @@ def _underflow_blocks(s: ValueStats) -> bool:
 
 def _nonfinite_elsewhere(plan: Plan, sources: dict[str, Source], checked: set[str]) -> dict[str, int]:
     """NaN/Inf counts for floating tensors that no cast check read (already float16, kept, left)."""
-    import torch
-
     out: dict[str, int] = {}
     seen = set(checked)
     for p in plan.tensors:
@@ -81,8 +127,7 @@ def _nonfinite_elsewhere(plan: Plan, sources: dict[str, Source], checked: set[st
         seen.add(unit)
         src = sources[t.file]
         span = src.storage(t.storage) if t.storage is not None else src.storage(t.name)
-        itemsize = dtypes.get(t.dtype).itemsize
-        bad = sum(x.numel() - int(torch.isfinite(x).sum()) for x in chunks(src.mm, t.dtype, span.offset, span.length // itemsize, itemsize))
+        bad = count_nonfinite(src.mm, t.dtype, span.offset, span.length // dtypes.get(t.dtype).itemsize)
         if bad:
             out[t.name] = bad
     return out
@@ -96,7 +141,8 @@ def value_findings(inv: Inventory) -> list[Finding]:
     out: list[Finding] = []
     with ExitStack() as stack:
         sources = {label: Source(path, sub, stack) for label, (path, sub) in source_files(Path(inv.path), inv).items()}
-        checked = check_values(plan, sources)
+        checked = check_values(plan, sources, meanwhile=load_torch)
+        measure_errors(plan, sources)
         for name, count in _nonfinite_elsewhere(plan, sources, set(checked)).items():
             out.append(Finding("non-finite", "error", f"{count} NaN/Inf values already present", tensor=name))
         for stats in checked.values():

@@ -6,6 +6,7 @@ import json
 import mmap
 import zipfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,11 @@ from ..formats import read_checkpoint
 from ..formats import safetensors as st_reader
 from ..formats.storage import Span
 from ..inventory import TensorRecord
-from ..values import WRITE_CHUNK_BYTES, frombuffer
+from ..values import frombuffer
 from .plan import Plan
 from .source import Source, materialize
+
+CRC_CHUNK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -76,9 +79,12 @@ def verify(plan: Plan, out: Path, written: Written) -> None:
         spans = {t.name: Span(start + t.offset, t.nbytes) for t in got.tensors if t.name in written.origins}
         expected_crcs = written.crcs
     with out.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        # zlib releases the GIL, so two threads read the records back at twice the speed.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            crcs = dict(zip(spans, pool.map(lambda span: _crc(mm, span), spans.values()), strict=True))
         for name, span in spans.items():
             origin = written.origins[name]
-            if _crc(mm, span) != expected_crcs[name] or not _matches_cast(mm, span, origin, plan.clamp):
+            if crcs[name] != expected_crcs[name] or not _matches_cast(mm, span, origin, plan.clamp):
                 raise ConversionError(f"verification failed: {name} on disk differs from torch's cast of the source", path=str(out))
 
 
@@ -86,8 +92,8 @@ def _crc(buffer: Any, span: Span) -> int:
     crc = 0
     view = memoryview(buffer)
     try:
-        for start in range(0, span.length, WRITE_CHUNK_BYTES):
-            crc = zlib.crc32(view[span.offset + start : span.offset + min(span.length, start + WRITE_CHUNK_BYTES)], crc)
+        for start in range(0, span.length, CRC_CHUNK_BYTES):
+            crc = zlib.crc32(view[span.offset + start : span.offset + min(span.length, start + CRC_CHUNK_BYTES)], crc)
     finally:
         view.release()
     return crc
@@ -116,7 +122,7 @@ def _matches_cast(mm: Any, span: Span, origin: Origin, clamp: bool) -> bool:
     if origin.span is None:
         assert origin.tensor is not None
         expected = cast(materialize(origin.src, origin.tensor)).reshape(-1).view(torch.uint8)
-        return span.length == expected.numel() and torch.equal(frombuffer(mm, "uint8", span.length, span.offset), expected)
+        return span.length == expected.numel() and _same_bytes(frombuffer(mm, "uint8", span.length, span.offset), expected)
     itemsize = dtypes.get(origin.dtype).itemsize
     out_itemsize = dtypes.get(origin.target).itemsize
     numel = origin.span.length // itemsize
@@ -128,6 +134,13 @@ def _matches_cast(mm: Any, span: Span, origin: Origin, clamp: bool) -> bool:
         count = min(step, numel - first)
         x = frombuffer(origin.src.mm, origin.dtype, count, origin.span.offset + first * itemsize)
         got = frombuffer(mm, origin.target, count, span.offset + first * out_itemsize)
-        if not torch.equal(got.view(torch.uint8), cast(x).view(torch.uint8)):
+        if not _same_bytes(got.view(torch.uint8), cast(x).view(torch.uint8)):
             return False
     return True
+
+
+def _same_bytes(a: Any, b: Any) -> bool:
+    """Byte tensors compared with numpy (several times faster than torch.equal on uint8)."""
+    import numpy as np
+
+    return bool(np.array_equal(a.numpy(), b.numpy()))

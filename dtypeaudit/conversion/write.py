@@ -17,12 +17,16 @@ from ..formats import directory as hfdir
 from ..formats.pickleout import Persistent, dumps
 from ..formats.picklevm import Global, Opaque, PickleVM
 from ..formats.storage import Span
-from ..values import WRITE_CHUNK_BYTES, cast_chunk, chunks
-from .plan import Plan, TensorPlan
+from ..inventory import Inventory, TensorRecord
+from ..values import CHUNK_BYTES, Caster, ValueStats, chunks
+from .atomic import flushing
+from .plan import Plan, TensorPlan, unit_of
 from .source import Progress, Source, contiguous_span, faithful_root, main_pickle, materialize
 from .verify import Origin, Written, verify
 
 ALIGN = 64
+COPY_CHUNK_BYTES = 8 << 20
+"""Records copied unchanged go through in larger pieces: there is no cast to keep in cache."""
 
 
 def _crc_sink(sink: Callable[[Any], Any], into: dict[str, int], name: str) -> Callable[[Any], None]:
@@ -36,19 +40,35 @@ def _crc_sink(sink: Callable[[Any], Any], into: dict[str, int], name: str) -> Ca
 
 
 def _stream(
-    src: Source, span: Span, dtype: str, target: str, clamp: bool, sink: Callable[[bytes | memoryview], None], progress: Progress | None
+    src: Source,
+    span: Span | None,
+    dtype: str,
+    target: str,
+    sink: Callable[[bytes | memoryview], None],
+    progress: Progress | None,
+    *,
+    clamp: bool,
+    stats: ValueStats | None = None,
+    tensor: TensorRecord | None = None,
 ) -> None:
-    """Write ``span`` cast from ``dtype`` to ``target`` into ``sink``, a chunk at a time."""
-    if dtype == target:
-        for start in range(0, span.length, WRITE_CHUNK_BYTES):
-            piece = memoryview(src.mm)[span.offset + start : span.offset + min(span.length, start + WRITE_CHUNK_BYTES)]
+    """Write ``span`` (or, when None, ``tensor``, a view gathered first) cast from ``dtype`` to ``target``
+    into ``sink`` a chunk at a time, folding the cast's errors into ``stats``."""
+    itemsize = dtypes.get(dtype).itemsize
+    if span is not None and dtype == target:
+        for start in range(0, span.length, COPY_CHUNK_BYTES):
+            piece = memoryview(src.mm)[span.offset + start : span.offset + min(span.length, start + COPY_CHUNK_BYTES)]
             sink(piece)
             if progress:
                 progress(len(piece))
         return
-    itemsize = dtypes.get(dtype).itemsize
-    for x in chunks(src.mm, dtype, span.offset, span.length // itemsize, itemsize, WRITE_CHUNK_BYTES):
-        sink(_tensor_bytes(cast_chunk(x, target, clamp=clamp)))
+    if span is not None:
+        pieces = chunks(src.mm, dtype, span.offset, span.length // itemsize, itemsize)
+    else:
+        assert tensor is not None
+        pieces = iter(materialize(src, tensor).reshape(-1).split(max(1, CHUNK_BYTES // itemsize)))
+    cast = Caster(dtype, target, clamp=clamp, stats=stats)
+    for x in pieces:
+        sink(_tensor_bytes(cast(x)))
         if progress:
             progress(x.numel() * itemsize)
 
@@ -147,6 +167,7 @@ def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip_optimizer: bool
         storage_target[key] = target
 
     _walk_graph(root, retype)
+    stats_of = {p.tensor.storage: plan.values[unit_of(p.tensor)] for p in plan.tensors if unit_of(p.tensor) in plan.values}
     written = Written()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zf:
         zf.writestr(zipfile.ZipInfo(prefix + "data.pkl", date_time=(1980, 1, 1, 0, 0, 0)), dumps(root))
@@ -158,7 +179,7 @@ def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip_optimizer: bool
             target = storage_target[key]
             size = span.length // dtypes.get(dtype).itemsize * dtypes.get(target).itemsize
             with _open_aligned(zf, f"{prefix}data/{key}", size) as fh:
-                _stream(src, span, dtype, target, plan.clamp, fh.write, progress)
+                _stream(src, span, dtype, target, fh.write, progress, clamp=plan.clamp, stats=stats_of.get(key))
             names = tuple(p.tensor.name for p in plan.tensors if p.tensor.storage == key and p.action != "drop")
             written.origins[f"{prefix}data/{key}"] = Origin(src, span, dtype, target, names=names)
         for name, data in extras.items():
@@ -172,11 +193,11 @@ def write_safetensors(plan: Plan, src: Source, out: Path, *, progress: Progress 
     if src.inv.format in ("torch-zip", "torch-legacy"):
         _refuse_non_tensor_content(src)
     meta = dict(src.inv.metadata.get("safetensors_metadata") or {"format": "pt"})  # type: ignore[call-overload]
-    return _write_safetensors_file([(p, src) for p in plan.tensors], out, meta, clamp=plan.clamp, progress=progress)
+    return _write_safetensors_file([(p, src) for p in plan.tensors], out, meta, plan, progress=progress)
 
 
 def _write_safetensors_file(
-    items: list[tuple[TensorPlan, Source]], out: Path, meta: dict[str, str], *, clamp: bool, progress: Progress | None
+    items: list[tuple[TensorPlan, Source]], out: Path, meta: dict[str, str], plan: Plan, *, progress: Progress | None
 ) -> Written:
     entries: list[tuple[TensorPlan, Source, Span | None]] = []
     aliases: dict[str, str] = {}
@@ -217,12 +238,8 @@ def _write_safetensors_file(
         for p, src, span in entries:
             t = p.tensor
             sink = _crc_sink(fh.write, written.crcs, t.name)
-            if span is not None:
-                _stream(src, span, t.dtype, p.target, clamp, sink, progress)
-            else:
-                sink(_tensor_bytes(cast_chunk(materialize(src, t), p.target, clamp=clamp)))
-                if progress:
-                    progress(t.nbytes)
+            stats = plan.values.get(unit_of(t))
+            _stream(src, span, t.dtype, p.target, sink, progress, clamp=plan.clamp, stats=stats, tensor=t)
             written.origins[t.name] = Origin(src, span, t.dtype, p.target, t, names=(t.name,))
     return written
 
@@ -289,7 +306,7 @@ def write_directory(
         weight_map, total = _reshard(plan, sources, out_dir, max_shard_size, progress)
     else:
         for label, src in sources.items():
-            sub = Plan(src.inv, plan.target, [_relabel(p) for p in plan.tensors if p.tensor.file == label], clamp=plan.clamp)
+            sub = _subplan(src.inv, plan, [p for p in plan.tensors if p.tensor.file == label])
             out = out_dir / label
             written = write_file(
                 sub,
@@ -299,7 +316,8 @@ def write_directory(
                 strip_optimizer=strip_optimizer,
                 progress=progress,
             )
-            verify(sub, out, written)
+            with flushing(out):
+                verify(sub, out, written)
             total += sub.bytes_after
     index_name = hfdir.INDEX_NAMES[0] if (src_dir / hfdir.INDEX_NAMES[0]).exists() or weight_map is not None else hfdir.INDEX_NAMES[1]
     for item in src_dir.iterdir():
@@ -341,14 +359,22 @@ def _reshard(plan: Plan, sources: dict[str, Source], out_dir: Path, limit: int, 
     total = 0
     for i, group in enumerate(groups):
         name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        items = [(_relabel(p), sources[p.tensor.file]) for p in group]
-        written = _write_safetensors_file(items, out_dir / name, {"format": "pt"}, clamp=plan.clamp, progress=progress)
-        sub = Plan(plan.source, plan.target, [p for p, _ in items], clamp=plan.clamp)
-        verify(sub, out_dir / name, written)
+        sub = _subplan(plan.source, plan, group)
+        items = [(p, sources[original.tensor.file]) for p, original in zip(sub.tensors, group, strict=True)]
+        written = _write_safetensors_file(items, out_dir / name, {"format": "pt"}, sub, progress=progress)
+        with flushing(out_dir / name):
+            verify(sub, out_dir / name, written)
         weight_map.update({p.tensor.name: name for p in group})
         total += sub.bytes_after
     return weight_map, total
 
 
-def _relabel(p: TensorPlan) -> TensorPlan:
-    return TensorPlan(p.tensor.with_(file=""), p.target, p.action, p.reason)
+def _subplan(source: Inventory, plan: Plan, plans: list[TensorPlan]) -> Plan:
+    """The part of ``plan`` that goes into one output file, its tensors relabelled as that file's own;
+    their value statistics are shared with ``plan``, so the errors measured while writing land there."""
+    relabelled = [TensorPlan(p.tensor.with_(file=""), p.target, p.action, p.reason) for p in plans]
+    sub = Plan(source, plan.target, relabelled, clamp=plan.clamp)
+    for p, r in zip(plans, relabelled, strict=True):
+        if unit_of(p.tensor) in plan.values:
+            sub.values[unit_of(r.tensor)] = plan.values[unit_of(p.tensor)]
+    return sub

@@ -1,0 +1,176 @@
+"""values.py against torch's own cast: the range checks read bits, so every threshold is checked against
+what ``tensor.half()`` really does, and the errors against a direct computation on the real cast."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dtypeaudit.values as values
+from dtypeaudit.conversion import convert
+from dtypeaudit.values import Caster, RangeCheck, ValueStats, count_nonfinite, float32_chunks
+
+
+def oracle_stats(x: torch.Tensor, *, clamp: bool = False) -> dict[str, float]:
+    """The range statistics from the cast itself, as the thresholds must reproduce them."""
+    y = x.half()
+    finite = torch.isfinite(x)
+    smallest_normal = torch.finfo(torch.float16).smallest_normal
+    return {
+        "numel": x.numel(),
+        "nonzero": int(torch.count_nonzero(x)),
+        "nonfinite": int((~finite).sum()),
+        "overflow": 0 if clamp else int((torch.isinf(y) & finite).sum()),
+        "underflow": int(((y == 0) & (x != 0)).sum()),
+        "subnormal": int(((y.abs() < smallest_normal) & (y != 0)).sum()),
+        "max_abs": float(x[finite].abs().max()) if bool(finite.any()) else 0.0,
+    }
+
+
+def folded(x: torch.Tensor, *, clamp: bool = False) -> dict[str, float]:
+    stats = ValueStats("t", str(x.dtype).removeprefix("torch."), "float16")
+    raw = x.contiguous().view(torch.uint8).numpy().tobytes()
+    check = RangeCheck()
+    for chunk, original in float32_chunks(raw, stats.source, 0, x.numel()):
+        check.fold(stats, chunk, original, clamp=clamp)
+    return {k: getattr(stats, k) for k in ("numel", "nonzero", "nonfinite", "overflow", "underflow", "subnormal", "max_abs")}
+
+
+def around(value: float, ulps: int = 40) -> torch.Tensor:
+    """float32 values from ``ulps`` steps below to ``ulps`` steps above ``value``, both signs."""
+    bits = int(np.float32(value).view(np.uint32))
+    pattern = np.arange(bits - ulps, bits + ulps + 1, dtype=np.uint32).view(np.float32)
+    return torch.from_numpy(np.concatenate([pattern, -pattern]))
+
+
+@pytest.mark.parametrize(
+    "edge",
+    [65504.0, 65520.0, 2.0**-25, 2.0**-24, 2.0**-14 - 2.0**-25, 2.0**-14, 1.0],
+    ids=["max", "inf-tie", "zero-tie", "smallest-subnormal", "normal-tie", "smallest-normal", "one"],
+)
+def test_thresholds_match_torch_around_every_edge(edge: float) -> None:
+    x = around(edge)
+    assert folded(x) == oracle_stats(x)
+
+
+def test_every_exponent_and_the_specials() -> None:
+    rng = np.random.default_rng(0)
+    exponents = np.repeat(np.arange(256, dtype=np.uint32), 64)
+    mantissas = rng.integers(0, 1 << 23, exponents.size, dtype=np.uint32)
+    signs = rng.integers(0, 2, exponents.size, dtype=np.uint32) << 31
+    x = torch.from_numpy((signs | (exponents << 23) | mantissas).view(np.float32))  # includes inf and NaN patterns
+    x = torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])])
+    assert folded(x) == oracle_stats(x)
+    assert folded(x, clamp=True) == oracle_stats(x, clamp=True)
+
+
+def test_chunking_does_not_change_the_counts() -> None:
+    x = torch.randn(3 * values.CHUNK_BYTES // 4 + 17) * 0.02
+    x[5] = 1e5
+    x[-1] = 1e-30
+    assert folded(x) == oracle_stats(x)
+
+
+def test_double_goes_through_float32_as_torch_does() -> None:
+    # Just above the float16 tie between 1 and 1 + 2^-10: float32 rounds it onto the tie, which goes to even.
+    x = torch.tensor([1 + 2**-11 + 2**-40, 1e39, -1e39, 2.0**-25 + 2.0**-60, 3.0], dtype=torch.float64)
+    assert x.half()[0] == 1.0  # torch rounds twice (double -> float -> half)
+    got = folded(x)
+    assert got == oracle_stats(x)
+    assert got["overflow"] == 2 and got["nonfinite"] == 0 and got["max_abs"] == 1e39
+
+
+def test_bfloat16_source() -> None:
+    x = torch.cat([around(2.0**-25, 3), torch.tensor([70000.0, 1.0])]).to(torch.bfloat16)
+    assert folded(x) == oracle_stats(x.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_count_nonfinite(dtype: torch.dtype) -> None:
+    x = torch.tensor([1.0, float("nan"), -float("inf"), 0.0, float("inf"), -2.0], dtype=dtype)
+    raw = x.view(torch.uint8).numpy().tobytes()
+    assert count_nonfinite(raw, str(dtype).removeprefix("torch."), 0, x.numel()) == 3
+
+
+@pytest.mark.parametrize(
+    ("source", "target"), [("float32", "float16"), ("float32", "bfloat16"), ("float64", "float32"), ("float16", "float32")]
+)
+def test_caster_is_torchs_cast_and_measures_its_errors(source: str, target: str) -> None:
+    x = (torch.randn(values.CHUNK_BYTES // 2 + 5, dtype=torch.float64) * 0.02).to(getattr(torch, source))
+    x[:100] = 0
+    x[100] = 1e-9  # underflows in float16: relative error 1
+    stats = ValueStats("t", source, target)
+    cast = Caster(source, target, clamp=False, stats=stats)
+    step = values.CHUNK_BYTES // x.element_size()
+    pieces = [cast(piece).clone() for piece in x.split(step)]
+    y = torch.cat(pieces)
+    assert torch.equal(y.view(torch.uint8), x.to(getattr(torch, target)).view(torch.uint8))
+    diff = (y.to(x.dtype) - x).abs()
+    assert stats.max_abs_error == float(diff.max())
+    rel = diff / x.abs().clamp_min(torch.finfo(x.dtype).tiny)
+    assert stats.max_rel_error == float(rel.max())
+
+
+def test_relative_error_without_underflow_is_measured_exactly() -> None:
+    x = torch.tensor([1.0 + 2**-12, 3.0, 1000.1, -7.3e-3])
+    stats = ValueStats("t", "float32", "float16")
+    Caster("float32", "float16", clamp=False, stats=stats)(x)
+    y = x.half().float()
+    assert stats.max_rel_error == float(((y - x).abs() / x.abs()).max()) and 0 < stats.max_rel_error < 1e-3
+
+
+def test_clamped_cast_measures_finite_errors() -> None:
+    x = torch.tensor([1.0, 1e6, -float("inf"), 2.0])
+    stats = ValueStats("t", "float32", "float16")
+    y = Caster("float32", "float16", clamp=True, stats=stats)(x)
+    assert y.tolist() == [1.0, 65504.0, -65504.0, 2.0]
+    assert stats.max_abs_error == 1e6 - 65504 and math.isclose(stats.max_rel_error, (1e6 - 65504) / 1e6, rel_tol=1e-6)
+
+
+def test_range_checks_in_a_child_process_match_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "m.pt"
+    g = torch.Generator().manual_seed(1)
+    state = {f"w{i}": torch.randn(300, 200, generator=g) * 10.0 ** (-i) for i in range(8)}
+    state["big"] = torch.tensor([1.0, 7e4, -2e5])
+    state["d"] = torch.randn(50, dtype=torch.float64) * 1e-8
+    torch.save(state, src)
+    inline = convert(src, "fp16", dry_run=True)
+    calls: list[int] = []
+    real_start = values.start_range_checks
+
+    def spy(jobs: list[values.RangeJob], *, clamp: bool) -> object:
+        calls.append(len(jobs))
+        return real_start(jobs, clamp=clamp)
+
+    import dtypeaudit.conversion.checks as checks
+
+    monkeypatch.setattr(checks, "CHILD_MIN_BYTES", 0)
+    monkeypatch.setattr(checks, "start_range_checks", spy)
+    child = convert(src, "fp16", dry_run=True)
+    assert calls == [len(state)]
+    assert [vars(s) for s in child.plan.values.values()] == [vars(s) for s in inline.plan.values.values()]
+    unsafe = {s.name: s for s in child.unsafe}
+    assert set(unsafe) == {"big", "w6", "w7", "d"}  # overflow; more than 1% flushed to zero
+    assert unsafe["big"].overflow == 2 and unsafe["w6"].underflow_fraction > 0.01
+
+
+def test_a_failed_child_falls_back_to_checking_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.tensor([1.0, 7e4]), "v": torch.ones(10)}, src)
+    import dtypeaudit.conversion.checks as checks
+
+    real_start = values.start_range_checks
+    monkeypatch.setattr(checks, "CHILD_MIN_BYTES", 0)
+    monkeypatch.setattr(
+        checks,
+        "start_range_checks",
+        lambda jobs, clamp: real_start(
+            [values.RangeJob(j.unit, str(tmp_path / "gone.pt"), j.dtype, j.offset, j.length) for j in jobs], clamp=clamp
+        ),
+    )
+    result = convert(src, "fp16", dry_run=True)
+    assert [s.name for s in result.unsafe] == ["w"] and result.unsafe[0].overflow == 1
