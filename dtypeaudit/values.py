@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 CHUNK_BYTES = 1 << 20
@@ -29,7 +29,11 @@ UNDERFLOW_BLOCK_FRACTION = 0.01
 F16_INF_FROM = 0x477FF000  # 65520
 F16_ZERO_UPTO = 0x33000000  # 2^-25
 F16_SUBNORMAL_BELOW = 0x387FE000  # 2^-14 - 2^-25
+F16_NORMAL_FROM = 0x38800000  # 2^-14, float16's smallest normal
 F32_NONFINITE_FROM = 0x7F800000  # inf; above it, NaN
+# bfloat16 keeps float32's exponent: only values within half a step of float32's top become inf.
+BF16_INF_FROM = 0x7F7F8000
+F32_TINY_BITS = 0x00800000  # 2^-126, float32's smallest normal
 
 
 @dataclass
@@ -52,6 +56,8 @@ class ValueStats:
     max_abs: float = 0.0
     max_abs_error: float = 0.0
     max_rel_error: float = 0.0
+    errors_measured: bool = False
+    """The two errors above are final (measured from the bits before the write), not yet to be measured."""
     findings: list[str] = field(default_factory=list)
 
     @property
@@ -122,8 +128,23 @@ def float32_chunks(buffer: Any, dtype: str, offset: int, numel: int) -> Iterator
             yield narrow, raw
 
 
-class RangeCheck:
-    """Folds float32 chunks into the float16 range statistics of a ValueStats, on the bits of |x|."""
+class ValueCheck:
+    """Folds float32 chunks into a ValueStats from the bits of |x|: the float16 range statistics, and,
+    for float32 sources, the errors of the cast to float16 or bfloat16.
+
+    The errors need no cast either. Round-to-nearest-even to 11 or 8 significant bits is integer
+    arithmetic on the bit pattern (add half a step less one, plus the kept part's lowest bit, then
+    drop the step), and the difference from x is exact (Sterbenz); below float16's normal range the
+    step is fixed at 2^-24 and numpy's rint (also ties to even) rounds instead.
+
+    Most values need no look at all. Everything the range checks count lies below float16's smallest
+    normal, so they count a small subset. A value in the target's normal range errs by at most half
+    its binade's step, so the largest error is found among the values of the top binade (and the small
+    ones) unless it is smaller than half a step of the binade below, which real weights never are; and
+    the relative error of a normal value stays under 2^-bits, so only the small values can exceed it.
+    When a shortcut's condition fails, every value is measured. tests/test_values.py holds all of this
+    against torch's own cast.
+    """
 
     def __init__(self) -> None:
         import numpy as np
@@ -138,54 +159,119 @@ class RangeCheck:
         if not n:
             return
         magnitude = np.bitwise_and(x.view(np.uint32), np.uint32(0x7FFFFFFF), out=self._magnitude[:n])
-        mask = self._mask[:n]
+        top = int(magnitude.max())
+        small_below = F16_NORMAL_FROM if stats.target == "float16" else F32_TINY_BITS
+        small = np.flatnonzero(np.less(magnitude, np.uint32(small_below), out=self._mask[:n]))
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf bits pass through, then are left out
+            if stats.target == "float16":
+                self._fold_range(stats, magnitude, top, magnitude[small], original, clamp)
+            if measures_errors(stats.source, stats.target):
+                self._fold_errors(stats, magnitude, top, small, clamp)
 
-        def count(op: Any, threshold: int) -> int:
-            return int(np.count_nonzero(op(magnitude, np.uint32(threshold), out=mask)))
-
-        zeros = n - int(np.count_nonzero(magnitude))
-        to_zero = count(np.less_equal, F16_ZERO_UPTO)
+    def _fold_range(self, stats: ValueStats, magnitude: Any, top: int, small: Any, original: Any, clamp: bool) -> None:
+        """``small``: the magnitudes below float16's smallest normal, where zeros, underflow and subnormals all lie."""
+        np = self._np
+        n = len(magnitude)
+        zeros = len(small) - int(np.count_nonzero(small))
+        to_zero = int(np.count_nonzero(small <= F16_ZERO_UPTO))
         stats.numel += n
         stats.nonzero += n - zeros
         stats.underflow += to_zero - zeros
-        stats.subnormal += count(np.less, F16_SUBNORMAL_BELOW) - to_zero
-        top = int(magnitude.max())
+        stats.subnormal += int(np.count_nonzero(small < F16_SUBNORMAL_BELOW)) - to_zero
         if top >= F16_INF_FROM:  # rare: values at or beyond float16's range, or NaN/Inf
             if original.dtype == np.float64:  # finite doubles beyond float32's range are overflow, not NaN/Inf
                 finite = np.isfinite(original)
                 nonfinite = n - int(np.count_nonzero(finite))
                 peak = float(np.abs(original[finite]).max()) if nonfinite < n else 0.0
             else:
-                nonfinite = count(np.greater_equal, F32_NONFINITE_FROM)
+                nonfinite = int(np.count_nonzero(magnitude >= F32_NONFINITE_FROM))
                 finite_top = int(magnitude[magnitude < F32_NONFINITE_FROM].max()) if nonfinite < n else 0
                 peak = float(np.uint32(finite_top).view(np.float32))
             stats.nonfinite += nonfinite
             if not clamp:
-                stats.overflow += count(np.greater_equal, F16_INF_FROM) - nonfinite
+                stats.overflow += int(np.count_nonzero(magnitude >= F16_INF_FROM)) - nonfinite
         else:
             peak = float(np.uint32(top).view(np.float32))
         stats.max_abs = max(stats.max_abs, peak)
+
+    def _fold_errors(self, stats: ValueStats, magnitude: Any, top: int, small: Any, clamp: bool) -> None:
+        """The max absolute and relative error of torch's cast of these float32 values, as torch's own
+        float32 arithmetic (``|y.float() - x|``, then over ``max(|x|, tiny)``) would measure them."""
+        np = self._np
+        bits = 11 if stats.target == "float16" else 8
+        inf_from = F16_INF_FROM if stats.target == "float16" else BF16_INF_FROM
+        worst = relative = -1.0
+        if top < inf_from:
+            high = np.flatnonzero(np.greater_equal(magnitude, np.uint32(top & 0x7F800000), out=self._mask[: len(magnitude)]))
+            error = self._errors(magnitude[np.concatenate([small, high])], stats.target, clamp)
+            # Below the top binade, a normal value errs by at most half a step of the binade under it.
+            if len(error) and float(error.max()) >= 2.0 ** ((top >> 23) - 128 - bits):
+                worst = float(error.max())
+            relative = self._relative(error[: len(small)], magnitude[small])
+        if worst < 0 or relative < 2.0**-bits:
+            error = self._errors(magnitude, stats.target, clamp)
+            worst = float(error.max())
+            relative = self._relative(error, magnitude)
+        stats.max_abs_error = max(stats.max_abs_error, worst)
+        stats.max_rel_error = max(stats.max_rel_error, relative)
+        stats.errors_measured = True
+
+    def _errors(self, magnitude: Any, target: str, clamp: bool) -> Any:
+        """|torch's cast - x| in float32 for these magnitudes (float32 bit patterns), NaN/Inf left at 0."""
+        np = self._np
+        drop, largest, inf_from = (13, 65504.0, F16_INF_FROM) if target == "float16" else (16, _max("bfloat16"), BF16_INF_FROM)
+        rounded = (magnitude >> np.uint32(drop)) & np.uint32(1)
+        rounded += np.uint32((1 << (drop - 1)) - 1)
+        rounded += magnitude
+        rounded &= np.uint32((0xFFFFFFFF >> drop) << drop)
+        error = np.abs(rounded.view(np.float32) - magnitude.view(np.float32))
+        if target == "float16":  # below the smallest normal, float16's step is 2^-24 whatever the exponent
+            small = np.flatnonzero(magnitude < F16_NORMAL_FROM)
+            scaled = magnitude[small].view(np.float32) * np.float32(2.0**24)
+            error[small] = np.abs(np.rint(scaled) - scaled) * np.float32(2.0**-24)
+        beyond = np.flatnonzero(magnitude >= inf_from)
+        if len(beyond):  # values the cast makes inf (torch leaves inf differences out) or, clamped, saturates
+            finite = magnitude[beyond] < F32_NONFINITE_FROM
+            saturated = magnitude[beyond].view(np.float32) - np.float32(largest)
+            error[beyond] = np.where(finite & clamp, saturated, np.float32(0))
+        return error
+
+    def _relative(self, error: Any, magnitude: Any) -> float:
+        """max(error / max(|x|, tiny)); never above 1, since rounding to nearest (or saturating) moves no
+        value further than zero is. max(|x|, tiny) is taken on the bits, which order like the values;
+        NaN bits (error 0) become inf."""
+        np = self._np
+        if not len(error):
+            return 0.0
+        scale = np.clip(magnitude, np.uint32(F32_TINY_BITS), np.uint32(F32_NONFINITE_FROM)).view(np.float32)
+        return float(np.divide(error, scale, out=scale).max())
+
+
+def measures_errors(source: str, target: str) -> bool:
+    """Whether ValueCheck measures this cast's errors (else the writer measures them on torch's cast)."""
+    return source == "float32" and target in ("float16", "bfloat16")
 
 
 # -- range checks in a child process ---------------------------------------------------------------
 
 CHILD_MIN_BYTES = 64 << 20
 """Range checks over at least this many bytes run in a child process, beside the parent's torch import."""
-_STATS_FIELDS = ("numel", "nonzero", "nonfinite", "overflow", "underflow", "subnormal", "max_abs")
+_STATS_FIELDS = tuple(f.name for f in fields(ValueStats) if f.name not in ("name", "source", "target", "findings"))
 
 
 @dataclass(frozen=True)
 class RangeJob:
-    """One storage to range-check: ``length`` bytes of ``dtype`` at ``offset`` in the file at ``path``."""
+    """One storage to check: ``length`` bytes of ``dtype`` at ``offset`` in the file at ``path``, bound for ``target``."""
 
     unit: str
     path: str
     dtype: str
+    target: str
     offset: int
     length: int
 
 
-def start_range_checks(jobs: list[RangeJob], *, clamp: bool) -> Any:
+def start_value_checks(jobs: list[RangeJob], *, clamp: bool) -> Any:
     """Start checking ``jobs`` in a child process (numpy only, no torch); None if it cannot start.
 
     Range checks and the torch import the cast needs are both about a second on a large checkpoint,
@@ -197,7 +283,7 @@ def start_range_checks(jobs: list[RangeJob], *, clamp: bool) -> Any:
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parent.parent)
-    code = f"import sys; sys.path.insert(0, {root!r}); from dtypeaudit.values import serve_range_checks; serve_range_checks()"
+    code = f"import sys; sys.path.insert(0, {root!r}); from dtypeaudit.values import serve_value_checks; serve_value_checks()"
     request = json.dumps({"clamp": clamp, "jobs": [vars(j) for j in jobs]})
     try:
         proc = subprocess.Popen([sys.executable, "-I", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -209,7 +295,7 @@ def start_range_checks(jobs: list[RangeJob], *, clamp: bool) -> Any:
     return proc
 
 
-def finish_range_checks(proc: Any, stats: dict[str, ValueStats], progress: Callable[[int], None] | None) -> bool:
+def finish_value_checks(proc: Any, stats: dict[str, ValueStats], progress: Callable[[int], None] | None) -> bool:
     """Fold the child's results into ``stats``; False if it failed (the caller then checks in-process)."""
     import json
 
@@ -230,21 +316,21 @@ def finish_range_checks(proc: Any, stats: dict[str, ValueStats], progress: Calla
     return True
 
 
-def serve_range_checks() -> None:
+def serve_value_checks() -> None:
     """The child's side: a JSON request on stdin; ``progress N`` lines, then ``result {...}``, on stdout."""
     import json
     import mmap
     import sys
 
     request = json.loads(sys.stdin.read())
-    check = RangeCheck()
+    check = ValueCheck()
     maps: dict[str, Any] = {}
     out: dict[str, list[float]] = {}
     for job in (RangeJob(**j) for j in request["jobs"]):
         if job.path not in maps:
             with open(job.path, "rb") as fh:
                 maps[job.path] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        stats = ValueStats(job.unit, job.dtype, "float16")
+        stats = ValueStats(job.unit, job.dtype, job.target)
         itemsize = {"float32": 4, "float64": 8, "bfloat16": 2}[job.dtype]
         for x, original in float32_chunks(maps[job.path], job.dtype, job.offset, job.length // itemsize):
             check.fold(stats, x, original, clamp=request["clamp"])
@@ -339,7 +425,8 @@ class Caster:
         diff.copy_(y)
         diff.sub_(x)
         worst = self._max_magnitude(diff)
-        if not math.isfinite(worst):  # NaN/Inf in the source (clamped or kept): measure the finite values only
+        finite = math.isfinite(worst)
+        if not finite:  # NaN/Inf in the source (clamped or kept): measure the finite values only
             diff.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             worst = self._max_magnitude(diff)
         stats.max_abs_error = max(stats.max_abs_error, worst)
@@ -347,7 +434,10 @@ class Caster:
         # So the relative error is at most 1, and once it reaches 1 no later chunk can raise it.
         if stats.max_rel_error < 1.0:
             scale = self._torch.abs(x, out=self._scale[:n]).clamp_min_(self._tiny)
-            stats.max_rel_error = max(stats.max_rel_error, float(diff.abs_().div_(scale).max()))
+            rel = diff.abs_().div_(scale)
+            if not finite:
+                rel.nan_to_num_(nan=0.0)
+            stats.max_rel_error = max(stats.max_rel_error, float(rel.max()))
 
     def _max_magnitude(self, t: Any) -> float:
         low, high = self._torch.aminmax(t)

@@ -12,7 +12,7 @@ import torch
 
 import dtypeaudit.values as values
 from dtypeaudit.conversion import convert
-from dtypeaudit.values import Caster, RangeCheck, ValueStats, count_nonfinite, float32_chunks
+from dtypeaudit.values import Caster, ValueCheck, ValueStats, count_nonfinite, float32_chunks
 
 
 def oracle_stats(x: torch.Tensor, *, clamp: bool = False) -> dict[str, float]:
@@ -34,7 +34,7 @@ def oracle_stats(x: torch.Tensor, *, clamp: bool = False) -> dict[str, float]:
 def folded(x: torch.Tensor, *, clamp: bool = False) -> dict[str, float]:
     stats = ValueStats("t", str(x.dtype).removeprefix("torch."), "float16")
     raw = x.contiguous().view(torch.uint8).numpy().tobytes()
-    check = RangeCheck()
+    check = ValueCheck()
     for chunk, original in float32_chunks(raw, stats.source, 0, x.numel()):
         check.fold(stats, chunk, original, clamp=clamp)
     return {k: getattr(stats, k) for k in ("numel", "nonzero", "nonfinite", "overflow", "underflow", "subnormal", "max_abs")}
@@ -131,6 +131,79 @@ def test_clamped_cast_measures_finite_errors() -> None:
     assert stats.max_abs_error == 1e6 - 65504 and math.isclose(stats.max_rel_error, (1e6 - 65504) / 1e6, rel_tol=1e-6)
 
 
+def bits(exponents: np.ndarray, mantissas: np.ndarray, signs: np.ndarray) -> torch.Tensor:
+    pattern = (signs.astype(np.uint32) << 31) | (exponents.astype(np.uint32) << 23) | mantissas.astype(np.uint32)
+    return torch.from_numpy(pattern.view(np.float32))
+
+
+def adversarial(target: str, region: str) -> torch.Tensor:
+    """float32 values that stress rounding to ``target``: random mantissas, exact ties, a step either side."""
+    rng = np.random.default_rng(7)
+    drop = 13 if target == "float16" else 16
+    low, high = {"normal": (113, 143) if target == "float16" else (1, 255), "small": (90, 113), "all": (0, 256)}[region]
+    exponents = rng.integers(low, high, 20000)
+    mantissas = rng.integers(0, 1 << 23, exponents.size)
+    half = 1 << (drop - 1)
+    tie = (mantissas >> drop << drop) | half  # exactly halfway between two neighbours in the target
+    near = np.concatenate([tie, tie - 1, tie + 1, mantissas])
+    signs = rng.integers(0, 2, near.size)
+    return bits(np.tile(exponents, 4), near, signs)
+
+
+def bit_errors(x: torch.Tensor, target: str, clamp: bool) -> tuple[float, float]:
+    stats = ValueStats("t", "float32", target)
+    check = ValueCheck()
+    for chunk, original in float32_chunks(x.numpy().tobytes(), "float32", 0, x.numel()):
+        check.fold(stats, chunk, original, clamp=clamp)
+    assert stats.errors_measured
+    return stats.max_abs_error, stats.max_rel_error
+
+
+def torch_errors(x: torch.Tensor, target: str, clamp: bool) -> tuple[float, float]:
+    stats = ValueStats("t", "float32", target)
+    cast = Caster("float32", target, clamp=clamp, stats=stats)
+    for piece in x.split(values.CHUNK_BYTES // 4):
+        cast(piece)
+    return stats.max_abs_error, stats.max_rel_error
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+@pytest.mark.parametrize("region", ["normal", "small", "all"])
+@pytest.mark.parametrize("clamp", [False, True])
+def test_errors_from_bits_equal_errors_measured_on_torchs_cast(target: str, region: str, clamp: bool) -> None:
+    x = adversarial(target, region)
+    got = bit_errors(x, target, clamp)
+    assert got == torch_errors(x, target, clamp)
+    if region == "normal":  # no underflow: the relative error is measured, not capped at 1
+        assert 0 < got[1] < 0.01
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_errors_on_weight_like_values_take_the_shortcuts_and_stay_exact(target: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4 * values.CHUNK_BYTES // 4, generator=g) * 0.02
+    full_passes: list[int] = []
+    real = ValueCheck._errors
+    monkeypatch.setattr(ValueCheck, "_errors", lambda self, m, t, c: full_passes.append(len(m)) or real(self, m, t, c))
+    assert bit_errors(x, target, False) == torch_errors(x, target, False)
+    if target == "float16":  # the top binade and the subnormal range decide; no chunk is measured whole
+        assert max(full_passes) < values.CHUNK_BYTES // 4 // 10
+
+
+def test_a_top_binade_without_error_sends_the_check_to_every_value() -> None:
+    x = torch.tensor([1.0, -1.0] + [0.7 + k * 1e-6 for k in range(50)] + [3e-6, 1e-7])
+    for target in ("float16", "bfloat16"):
+        assert bit_errors(x, target, False) == torch_errors(x, target, False)
+
+
+def test_errors_per_value_match_one_by_one() -> None:
+    """A single-value check catches an error that a max over many values could hide."""
+    for target in ("float16", "bfloat16"):
+        for value in adversarial(target, "all")[::997].tolist() + [65519.9, 65520.0, 1e-8, 2.0**-25, 3e38, -0.0]:
+            x = torch.tensor([value], dtype=torch.float32)
+            assert bit_errors(x, target, True) == torch_errors(x, target, True), (target, value)
+
+
 def test_range_checks_in_a_child_process_match_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "m.pt"
     g = torch.Generator().manual_seed(1)
@@ -140,7 +213,7 @@ def test_range_checks_in_a_child_process_match_in_process(tmp_path: Path, monkey
     torch.save(state, src)
     inline = convert(src, "fp16", dry_run=True)
     calls: list[int] = []
-    real_start = values.start_range_checks
+    real_start = values.start_value_checks
 
     def spy(jobs: list[values.RangeJob], *, clamp: bool) -> object:
         calls.append(len(jobs))
@@ -149,7 +222,7 @@ def test_range_checks_in_a_child_process_match_in_process(tmp_path: Path, monkey
     import dtypeaudit.conversion.checks as checks
 
     monkeypatch.setattr(checks, "CHILD_MIN_BYTES", 0)
-    monkeypatch.setattr(checks, "start_range_checks", spy)
+    monkeypatch.setattr(checks, "start_value_checks", spy)
     child = convert(src, "fp16", dry_run=True)
     assert calls == [len(state)]
     assert [vars(s) for s in child.plan.values.values()] == [vars(s) for s in inline.plan.values.values()]
@@ -163,13 +236,13 @@ def test_a_failed_child_falls_back_to_checking_in_process(tmp_path: Path, monkey
     torch.save({"w": torch.tensor([1.0, 7e4]), "v": torch.ones(10)}, src)
     import dtypeaudit.conversion.checks as checks
 
-    real_start = values.start_range_checks
+    real_start = values.start_value_checks
     monkeypatch.setattr(checks, "CHILD_MIN_BYTES", 0)
     monkeypatch.setattr(
         checks,
-        "start_range_checks",
+        "start_value_checks",
         lambda jobs, clamp: real_start(
-            [values.RangeJob(j.unit, str(tmp_path / "gone.pt"), j.dtype, j.offset, j.length) for j in jobs], clamp=clamp
+            [values.RangeJob(j.unit, str(tmp_path / "gone.pt"), j.dtype, j.target, j.offset, j.length) for j in jobs], clamp=clamp
         ),
     )
     result = convert(src, "fp16", dry_run=True)

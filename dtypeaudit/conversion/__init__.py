@@ -17,7 +17,7 @@ from ..formats import read_checkpoint
 from ..policy import Policy
 from ..values import ValueStats, load_torch
 from .atomic import atomic_output, check_destination, default_output, flushing
-from .checks import apply_value_policy, check_values, measure_errors, range_check_bytes, value_findings
+from .checks import apply_value_policy, check_values, measure_errors, value_check_bytes, value_findings
 from .plan import CASTABLE, TARGETS, Plan, TensorPlan, make_plan
 from .source import Progress, Source, source_files
 from .verify import verify
@@ -76,7 +76,7 @@ def convert(
     with ExitStack() as stack:
         files = source_files(src_path, inv)
         sources = {label: Source(path, sub, stack) for label, (path, sub) in files.items()}
-        to_check = range_check_bytes(plan, sources)
+        to_check = value_check_bytes(plan, sources)
         check_progress = progress_factory("checking values", to_check) if progress_factory and to_check else None
         check_values(plan, sources, check_progress, meanwhile=load_torch if plan.counts().get("cast") else None)
         unsafe = apply_value_policy(plan, keep_unsafe=keep_unsafe)

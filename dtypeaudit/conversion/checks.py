@@ -13,15 +13,16 @@ from ..values import (
     CHILD_MIN_BYTES,
     UNDERFLOW_BLOCK_FRACTION,
     Caster,
-    RangeCheck,
     RangeJob,
+    ValueCheck,
     ValueStats,
     chunks,
     count_nonfinite,
-    finish_range_checks,
+    finish_value_checks,
     float32_chunks,
     load_torch,
-    start_range_checks,
+    measures_errors,
+    start_value_checks,
 )
 from .plan import CASTABLE, Plan, TensorPlan, make_plan, unit_of
 from .source import Progress, Source, source_files
@@ -30,29 +31,29 @@ from .source import Progress, Source, source_files
 def check_values(
     plan: Plan, sources: dict[str, Source], progress: Progress | None = None, *, meanwhile: Callable[[], object] | None = None
 ) -> dict[str, ValueStats]:
-    """Before anything is written: for every unit bound for float16, NaN/Inf, overflow, underflow and
-    subnormals, read from the values' bits without casting (see values.py).
+    """Before anything is written, from the values' bits and without casting (see values.py): for every
+    unit bound for float16, NaN/Inf, overflow, underflow and subnormals; for float32 units bound for
+    float16 or bfloat16, the errors the cast will make.
 
-    Every unit to cast gets its ValueStats here; the cast's errors are folded into it as the cast is
-    made, by the writer or by ``measure_errors``. ``meanwhile`` (loading torch for the cast) runs
-    while the checks do: large checks go to a child process so that the two share no core.
+    Every unit to cast gets its ValueStats here; errors not measured here are measured as the cast is
+    made, by the writer or by ``measure_errors``. ``meanwhile`` (loading torch for the cast) runs while
+    the checks do: large checks go to a child process so that the two share no core.
     """
     results: dict[str, ValueStats] = {}
     jobs: dict[str, tuple[Source, RangeJob]] = {}
     for unit, (src, dtype, span, names, target) in units_to_cast(plan, sources).items():
         results[unit] = ValueStats(", ".join(names), dtype, target)
-        # float16 is the narrow range; bfloat16 and float32 keep float32's exponent.
-        if target == "float16" and dtype != "float16":
-            jobs[unit] = (src, RangeJob(unit, str(src.path), dtype, span.offset, span.length))
+        if _checked(dtype, target):
+            jobs[unit] = (src, RangeJob(unit, str(src.path), dtype, target, span.offset, span.length))
     plan.values = results
     child = None
     if meanwhile is not None and sum(job.length for _, job in jobs.values()) >= CHILD_MIN_BYTES:
-        child = start_range_checks([job for _, job in jobs.values()], clamp=plan.clamp)
+        child = start_value_checks([job for _, job in jobs.values()], clamp=plan.clamp)
     if meanwhile is not None:
         meanwhile()
-    if child is not None and finish_range_checks(child, {u: results[u] for u in jobs}, progress):
+    if child is not None and finish_value_checks(child, {u: results[u] for u in jobs}, progress):
         return results
-    check = RangeCheck()
+    check = ValueCheck()
     for unit, (src, job) in jobs.items():
         stats = results[unit]
         for x, original in float32_chunks(src.mm, job.dtype, job.offset, job.length // dtypes.get(job.dtype).itemsize):
@@ -62,17 +63,21 @@ def check_values(
     return results
 
 
-def range_check_bytes(plan: Plan, sources: dict[str, Source]) -> int:
+def _checked(dtype: str, target: str) -> bool:
+    # float16 is the narrow range; bfloat16 and float32 keep float32's exponent.
+    return (target == "float16" and dtype != "float16") or measures_errors(dtype, target)
+
+
+def value_check_bytes(plan: Plan, sources: dict[str, Source]) -> int:
     """How many source bytes ``check_values`` reads."""
-    units = units_to_cast(plan, sources).values()
-    return sum(span.length for _, dtype, span, _, target in units if target == "float16" and dtype != "float16")
+    return sum(span.length for _, dtype, span, _, target in units_to_cast(plan, sources).values() if _checked(dtype, target))
 
 
 def measure_errors(plan: Plan, sources: dict[str, Source]) -> None:
     """Make every planned cast without writing it, folding its errors into ``plan.values`` (dry runs, ``scan --values``)."""
     for unit, (src, dtype, span, _, target) in units_to_cast(plan, sources).items():
         stats = plan.values.get(unit)
-        if stats is None:
+        if stats is None or stats.errors_measured:
             continue
         cast = Caster(dtype, target, clamp=plan.clamp, stats=stats)
         itemsize = dtypes.get(dtype).itemsize

@@ -22,6 +22,8 @@ from .plan import Plan
 from .source import Source, materialize
 
 CRC_CHUNK_BYTES = 8 << 20
+SAMPLE_BYTES = 64 << 10
+"""Source bytes per recast sample: three per record (first, middle, last) catch a wrong offset, dtype or clamp."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def _matches_cast(mm: Any, span: Span, origin: Origin, clamp: bool) -> bool:
     """Whether the bytes at ``span`` equal torch's own ``tensor.to(target)`` of the source, recomputed here.
 
     The whole record is covered by the CRC check against what the writer produced; this recomputes
-    the cast independently for its first, middle and last chunks, which catches a wrong offset,
+    the cast independently for its first, middle and last 64 KiB, which catches a wrong offset,
     dtype or clamp without paying for a second full cast.
     """
     import torch
@@ -128,7 +130,7 @@ def _matches_cast(mm: Any, span: Span, origin: Origin, clamp: bool) -> bool:
     numel = origin.span.length // itemsize
     if span.length != numel * out_itemsize:
         return False
-    step = max(1, (1 << 20) // itemsize)
+    step = max(1, SAMPLE_BYTES // itemsize)
     starts = sorted({0, (numel // 2) // step * step, max(0, (numel - 1) // step * step)}) if numel else []
     for first in starts:
         count = min(step, numel - first)

@@ -66,7 +66,7 @@ def _stream(
     else:
         assert tensor is not None
         pieces = iter(materialize(src, tensor).reshape(-1).split(max(1, CHUNK_BYTES // itemsize)))
-    cast = Caster(dtype, target, clamp=clamp, stats=stats)
+    cast = Caster(dtype, target, clamp=clamp, stats=None if stats is None or stats.errors_measured else stats)
     for x in pieces:
         sink(_tensor_bytes(cast(x)))
         if progress:
