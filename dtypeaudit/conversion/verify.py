@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import mmap
 import zipfile
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from ..errors import ConversionError
 from ..formats import read_checkpoint
 from ..formats import safetensors as st_reader
 from ..formats.storage import Span
+from ..formats.zipwrite import crc32
 from ..inventory import TensorRecord
 from ..values import frombuffer
 from .plan import Plan
@@ -95,7 +95,7 @@ def _crc(buffer: Any, span: Span) -> int:
     view = memoryview(buffer)
     try:
         for start in range(0, span.length, CRC_CHUNK_BYTES):
-            crc = zlib.crc32(view[span.offset + start : span.offset + min(span.length, start + CRC_CHUNK_BYTES)], crc)
+            crc = crc32(view[span.offset + start : span.offset + min(span.length, start + CRC_CHUNK_BYTES)], crc)
     finally:
         view.release()
     return crc

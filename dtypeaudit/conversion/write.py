@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-import zipfile
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from ..formats import directory as hfdir
 from ..formats.pickleout import Persistent, dumps
 from ..formats.picklevm import Global, Opaque, PickleVM
 from ..formats.storage import Span
+from ..formats.zipwrite import StoredZipWriter, crc32
 from ..inventory import Inventory, TensorRecord
 from ..values import CHUNK_BYTES, Caster, ValueStats, chunks
 from .atomic import flushing
@@ -24,7 +23,6 @@ from .plan import Plan, TensorPlan, unit_of
 from .source import Progress, Source, contiguous_span, faithful_root, main_pickle, materialize
 from .verify import Origin, Written, verify
 
-ALIGN = 64
 COPY_CHUNK_BYTES = 8 << 20
 """Records copied unchanged go through in larger pieces: there is no cast to keep in cache."""
 
@@ -34,7 +32,7 @@ def _crc_sink(sink: Callable[[Any], Any], into: dict[str, int], name: str) -> Ca
 
     def write(data: Any) -> None:
         sink(data)
-        into[name] = zlib.crc32(data, into[name])
+        into[name] = crc32(data, into[name])
 
     return write
 
@@ -77,24 +75,6 @@ def _tensor_bytes(y: Any) -> memoryview:
     import torch
 
     return memoryview(y.contiguous().view(torch.uint8).numpy())
-
-
-def _open_aligned(zf: zipfile.ZipFile, name: str, size: int) -> Any:
-    """Open a stored member whose data starts on a 64-byte boundary, as torch.save lays them out for mmap."""
-    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
-    info.compress_type = zipfile.ZIP_STORED
-    info.file_size = size
-    info.compress_size = 0
-    info.CRC = 0
-    zip64 = size * 1.05 > zipfile.ZIP64_LIMIT
-    assert zf.fp is not None
-    start = zf.fp.tell() + len(info.FileHeader(zip64))
-    pad = (-start) % ALIGN
-    if 0 < pad < 4:
-        pad += ALIGN
-    if pad:
-        info.extra = struct.pack("<HH", 0x4246, pad - 4) + b"Z" * (pad - 4)
-    return zf.open(info, "w", force_zip64=zip64)
 
 
 def _walk_graph(obj: Any, visit: Callable[[Persistent], None], seen: set[int] | None = None) -> None:
@@ -169,22 +149,24 @@ def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip_optimizer: bool
     _walk_graph(root, retype)
     stats_of = {p.tensor.storage: plan.values[unit_of(p.tensor)] for p in plan.tensors if unit_of(p.tensor) in plan.values}
     written = Written()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zf:
-        zf.writestr(zipfile.ZipInfo(prefix + "data.pkl", date_time=(1980, 1, 1, 0, 0, 0)), dumps(root))
+    with out.open("wb") as fh:
+        zf = StoredZipWriter(fh)
+        zf.add(prefix + "data.pkl", dumps(root))
         for name in (".format_version", ".storage_alignment", "byteorder"):
             if name in extras:
-                zf.writestr(zipfile.ZipInfo(prefix + name, date_time=(1980, 1, 1, 0, 0, 0)), extras[name])
+                zf.add(prefix + name, extras[name])
         for key, dtype in keys.items():
             span = src.storage(key)
             target = storage_target[key]
             size = span.length // dtypes.get(dtype).itemsize * dtypes.get(target).itemsize
-            with _open_aligned(zf, f"{prefix}data/{key}", size) as fh:
-                _stream(src, span, dtype, target, fh.write, progress, clamp=plan.clamp, stats=stats_of.get(key))
+            with zf.member(f"{prefix}data/{key}", size) as write:
+                _stream(src, span, dtype, target, write, progress, clamp=plan.clamp, stats=stats_of.get(key))
             names = tuple(p.tensor.name for p in plan.tensors if p.tensor.storage == key and p.action != "drop")
             written.origins[f"{prefix}data/{key}"] = Origin(src, span, dtype, target, names=names)
         for name, data in extras.items():
             if name not in (".format_version", ".storage_alignment", "byteorder"):
-                zf.writestr(zipfile.ZipInfo(prefix + name, date_time=(1980, 1, 1, 0, 0, 0)), data)
+                zf.add(prefix + name, data)
+        zf.close()
     return written
 
 
