@@ -2,6 +2,7 @@
 
 Baseline: ``sd = torch.load(p, weights_only=True); torch.save({k: v.half() for k, v in sd.items()}, out)``.
 Targets (issue 4): wall time <= 0.5x the naive script, peak anonymous memory <= 0.25x of it.
+The three commands run interleaved, five times each; medians of wall time, peaks of memory.
 
     python benchmarks/bench_convert.py        # uses the ~1.9 GB checkpoint under benchmarks/_work
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import WORK, make_transformer_checkpoint, measure, python
+from common import WORK, make_transformer_checkpoint, measure_all, python
 
 NAIVE = (
     "import sys, torch\n"
@@ -21,15 +22,21 @@ NAIVE = (
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     src = make_transformer_checkpoint(WORK / "llama_like_big.pt", hidden=1024, layers=24)
     out = WORK / "converted.pt"
-    ours = measure([python(), "-m", "dtypeaudit", "convert", str(src), "--to", "fp16", "-o", str(out)], repeat=args.repeat, output=out)
-    naive = measure([python(), "-c", NAIVE, str(src), str(WORK / "naive.pt")], repeat=args.repeat, output=WORK / "naive.pt")
-    cp = measure(["cp", str(src), str(WORK / "copy.pt")], repeat=args.repeat, output=WORK / "copy.pt")
+    runs = measure_all(
+        {
+            "ours": ([python(), "-m", "dtypeaudit", "convert", str(src), "--to", "fp16", "-o", str(out)], out),
+            "naive": ([python(), "-c", NAIVE, str(src), str(WORK / "naive.pt")], WORK / "naive.pt"),
+            "cp": (["cp", str(src), str(WORK / "copy.pt")], WORK / "copy.pt"),
+        },
+        repeat=args.repeat,
+    )
+    ours, naive, cp = runs["ours"], runs["naive"], runs["cp"]
     gb = src.stat().st_size / 1e9
-    print(f"checkpoint: {src.name} ({gb:.2f} GB fp32 -> {out.stat().st_size / 1e9:.2f} GB fp16)")
+    print(f"checkpoint: {src.name} ({gb:.2f} GB fp32 -> {ours.output_bytes / 1e9:.2f} GB fp16)")
     print(f"{'':32}{'wall s':>9}{'peak RSS MB':>13}{'peak anon MB':>14}")
     for label, m in (("naive torch.load + half + save", naive), ("dtypeaudit convert", ours), ("cp (I/O floor)", cp)):
         print(f"{label:32}{m.wall_s:9.2f}{m.peak_rss_mb:13.0f}{m.peak_anon_mb:14.0f}")

@@ -54,46 +54,70 @@ class Measurement:
     wall_s: float
     peak_rss_mb: float
     peak_anon_mb: float
-    """Peak anonymous memory (RssAnon, polled): RSS less the file pages an mmap maps in."""
+    """Peak anonymous memory (RssAnon of the process and its children, polled): RSS less the file pages an mmap maps in."""
+    output_bytes: int = 0
+    """The size of what the command wrote, when it names an output."""
 
 
 def _anon_kb(pid: int) -> int:
+    """RssAnon of ``pid`` and every process below it (dtypeaudit convert reads values in a child)."""
+    total = 0
     try:
         with open(f"/proc/{pid}/status") as fh:
             for line in fh:
                 if line.startswith("RssAnon:"):
-                    return int(line.split()[1])
+                    total += int(line.split()[1])
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as fh:
+                total += sum(_anon_kb(int(child)) for child in fh.read().split())
     except OSError:
         pass
-    return 0
+    return total
+
+
+def _run_once(cmd: list[str], output: Path | None, outputs: list[Path]) -> tuple[float, float, float, int]:
+    # Every command's output goes before every run: no run pays for freeing an earlier file, and each
+    # starts with the same page cache (here a cached 1.9 GB copy made the next torch.load run 2x slower).
+    for earlier in outputs:
+        earlier.unlink(missing_ok=True)
+    os.sync()  # start each run without another run's dirty pages to flush
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    anon = 0
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        anon = max(anon, _anon_kb(proc.pid))
+        time.sleep(0.01)
+    wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) not in (0, 1):
+        err = proc.stderr.read().decode() if proc.stderr else ""
+        raise SystemExit(f"command failed: {' '.join(cmd)}\n{err}")
+    size = output.stat().st_size if output is not None and output.exists() else 0
+    return wall, usage.ru_maxrss / 1024, anon / 1024, size
+
+
+def measure_all(commands: dict[str, tuple[list[str], Path | None]], *, repeat: int = 3) -> dict[str, Measurement]:
+    """Whole-process runs of every command, interleaved (A B C, A B C, ...) so that a drifting machine
+    touches each alike: median wall time, largest peak RSS, largest peak anonymous memory (with children).
+
+    Every command's ``output`` is removed before each run.
+    """
+    runs: dict[str, list[tuple[float, float, float, int]]] = {label: [] for label in commands}
+    outputs = [output for _, output in commands.values() if output is not None]
+    for _ in range(repeat):
+        for label, (cmd, output) in commands.items():
+            runs[label].append(_run_once(cmd, output, outputs))
+    return {
+        label: Measurement(statistics.median(r[0] for r in rs), max(r[1] for r in rs), max(r[2] for r in rs), max(r[3] for r in rs))
+        for label, rs in runs.items()
+    }
 
 
 def measure(cmd: list[str], *, repeat: int = 3, output: Path | None = None) -> Measurement:
-    """Median wall time, largest peak RSS and largest peak anonymous memory over ``repeat`` whole-process runs.
-
-    ``output`` is removed before each run, so that no run pays for freeing the previous run's file.
-    """
-    walls, peaks, anons = [], [], []
-    for _ in range(repeat):
-        if output is not None:
-            output.unlink(missing_ok=True)
-        os.sync()  # start each run without another run's dirty pages to flush
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        anon = 0
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            anon = max(anon, _anon_kb(proc.pid))
-            time.sleep(0.01)
-        walls.append(time.perf_counter() - start)
-        if os.waitstatus_to_exitcode(status) not in (0, 1):
-            err = proc.stderr.read().decode() if proc.stderr else ""
-            raise SystemExit(f"command failed: {' '.join(cmd)}\n{err}")
-        peaks.append(usage.ru_maxrss / 1024)
-        anons.append(anon / 1024)
-    return Measurement(statistics.median(walls), max(peaks), max(anons))
+    """``measure_all`` for one command."""
+    return measure_all({"": (cmd, output)}, repeat=repeat)[""]
 
 
 def python() -> str:

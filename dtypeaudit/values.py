@@ -151,6 +151,7 @@ class ValueCheck:
 
         self._np = np
         self._magnitude = np.empty(CHUNK_BYTES // 4, np.uint32)
+        self._shifted = np.empty(CHUNK_BYTES // 4, np.uint32)
         self._mask = np.empty(CHUNK_BYTES // 4, np.bool_)
 
     def fold(self, stats: ValueStats, x: Any, original: Any, *, clamp: bool = False) -> None:
@@ -160,13 +161,22 @@ class ValueCheck:
             return
         magnitude = np.bitwise_and(x.view(np.uint32), np.uint32(0x7FFFFFFF), out=self._magnitude[:n])
         top = int(magnitude.max())
+        errors = measures_errors(stats.source, stats.target)
+        # The values worth a look: the small ones, and (for the errors) those of the top binade.
         small_below = F16_NORMAL_FROM if stats.target == "float16" else F32_TINY_BITS
-        small = np.flatnonzero(np.less(magnitude, np.uint32(small_below), out=self._mask[:n]))
+        high_from = top & 0x7F800000 if errors else 0xFFFFFFFF
+        if high_from > small_below:  # one pass: below ``small_below`` wraps around past ``high_from``
+            shifted = np.subtract(magnitude, np.uint32(small_below), out=self._shifted[:n])
+            picked = np.flatnonzero(np.greater_equal(shifted, np.uint32(high_from - small_below), out=self._mask[:n]))
+        else:
+            picked = np.arange(n)
+        is_small = magnitude[picked] < small_below
+        small, high = picked[is_small], picked[~is_small]
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf bits pass through, then are left out
             if stats.target == "float16":
                 self._fold_range(stats, magnitude, top, magnitude[small], original, clamp)
-            if measures_errors(stats.source, stats.target):
-                self._fold_errors(stats, magnitude, top, small, clamp)
+            if errors:
+                self._fold_errors(stats, magnitude, top, small, high, clamp)
 
     def _fold_range(self, stats: ValueStats, magnitude: Any, top: int, small: Any, original: Any, clamp: bool) -> None:
         """``small``: the magnitudes below float16's smallest normal, where zeros, underflow and subnormals all lie."""
@@ -194,7 +204,7 @@ class ValueCheck:
             peak = float(np.uint32(top).view(np.float32))
         stats.max_abs = max(stats.max_abs, peak)
 
-    def _fold_errors(self, stats: ValueStats, magnitude: Any, top: int, small: Any, clamp: bool) -> None:
+    def _fold_errors(self, stats: ValueStats, magnitude: Any, top: int, small: Any, high: Any, clamp: bool) -> None:
         """The max absolute and relative error of torch's cast of these float32 values, as torch's own
         float32 arithmetic (``|y.float() - x|``, then over ``max(|x|, tiny)``) would measure them."""
         np = self._np
@@ -202,7 +212,6 @@ class ValueCheck:
         inf_from = F16_INF_FROM if stats.target == "float16" else BF16_INF_FROM
         worst = relative = -1.0
         if top < inf_from:
-            high = np.flatnonzero(np.greater_equal(magnitude, np.uint32(top & 0x7F800000), out=self._mask[: len(magnitude)]))
             error = self._errors(magnitude[np.concatenate([small, high])], stats.target, clamp)
             # Below the top binade, a normal value errs by at most half a step of the binade under it.
             if len(error) and float(error.max()) >= 2.0 ** ((top >> 23) - 128 - bits):
