@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from ..errors import ConversionError
 from .plan import TARGETS
@@ -92,6 +93,27 @@ def flushing(path: Path) -> Iterator[None]:
         worker.join()
     if failure:
         raise failure[0]
+
+
+class Writeback:
+    """Starts the disk on a file's new bytes as they accumulate, without waiting for it, so that the
+    fsync before the rename finds little left (on a large checkpoint that fsync had been the last
+    0.3 s of a 2 s conversion). ``posix_fadvise(DONTNEED)`` starts writeback of dirty pages and drops
+    only clean ones, so what verification re-reads is still cached. A no-op without posix_fadvise.
+    Call it after each record."""
+
+    STEP = 32 << 20
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self._fh = fh
+        self._started = 0
+
+    def __call__(self) -> None:
+        end = self._fh.tell()
+        if end - self._started >= self.STEP and hasattr(os, "posix_fadvise"):
+            self._fh.flush()
+            os.posix_fadvise(self._fh.fileno(), self._started, end - self._started, os.POSIX_FADV_DONTNEED)
+            self._started = end
 
 
 def _fsync_dir(path: Path) -> None:

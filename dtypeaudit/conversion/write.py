@@ -18,7 +18,7 @@ from ..formats.storage import Span
 from ..formats.zipwrite import StoredZipWriter, crc32
 from ..inventory import Inventory, TensorRecord
 from ..values import CHUNK_BYTES, Caster, ValueStats, chunks
-from .atomic import flushing
+from .atomic import Writeback, flushing
 from .plan import Plan, TensorPlan, unit_of
 from .source import Progress, Source, contiguous_span, faithful_root, main_pickle, materialize
 from .verify import Origin, Written, verify
@@ -151,6 +151,7 @@ def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip_optimizer: bool
     written = Written()
     with out.open("wb") as fh:
         zf = StoredZipWriter(fh)
+        writeback = Writeback(fh)
         zf.add(prefix + "data.pkl", dumps(root))
         for name in (".format_version", ".storage_alignment", "byteorder"):
             if name in extras:
@@ -161,6 +162,7 @@ def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip_optimizer: bool
             size = span.length // dtypes.get(dtype).itemsize * dtypes.get(target).itemsize
             with zf.member(f"{prefix}data/{key}", size) as write:
                 _stream(src, span, dtype, target, write, progress, clamp=plan.clamp, stats=stats_of.get(key))
+            writeback()
             names = tuple(p.tensor.name for p in plan.tensors if p.tensor.storage == key and p.action != "drop")
             written.origins[f"{prefix}data/{key}"] = Origin(src, span, dtype, target, names=names)
         for name, data in extras.items():
@@ -216,6 +218,7 @@ def _write_safetensors_file(
     text += b" " * ((-len(text)) % 8)
     written = Written()
     with out.open("wb") as fh:
+        writeback = Writeback(fh)
         fh.write(struct.pack("<Q", len(text)) + text)
         for p, src, span in entries:
             t = p.tensor
@@ -223,6 +226,7 @@ def _write_safetensors_file(
             stats = plan.values.get(unit_of(t))
             _stream(src, span, t.dtype, p.target, sink, progress, clamp=plan.clamp, stats=stats, tensor=t)
             written.origins[t.name] = Origin(src, span, t.dtype, p.target, t, names=(t.name,))
+            writeback()
     return written
 
 
