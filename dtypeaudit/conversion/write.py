@@ -149,9 +149,8 @@ def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip_optimizer: bool
     _walk_graph(root, retype)
     stats_of = {p.tensor.storage: plan.values[unit_of(p.tensor)] for p in plan.tensors if unit_of(p.tensor) in plan.values}
     written = Written()
-    with out.open("wb") as fh:
+    with out.open("wb") as fh, Writeback(fh) as writeback:
         zf = StoredZipWriter(fh)
-        writeback = Writeback(fh)
         zf.add(prefix + "data.pkl", dumps(root))
         for name in (".format_version", ".storage_alignment", "byteorder"):
             if name in extras:
@@ -217,8 +216,7 @@ def _write_safetensors_file(
     text = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
     text += b" " * ((-len(text)) % 8)
     written = Written()
-    with out.open("wb") as fh:
-        writeback = Writeback(fh)
+    with out.open("wb") as fh, Writeback(fh) as writeback:
         fh.write(struct.pack("<Q", len(text)) + text)
         for p, src, span in entries:
             t = p.tensor
