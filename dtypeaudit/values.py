@@ -261,15 +261,15 @@ def measures_errors(source: str, target: str) -> bool:
     return source == "float32" and target in ("float16", "bfloat16")
 
 
-# -- range checks in a child process ---------------------------------------------------------------
+# -- value checks in a child process ---------------------------------------------------------------
 
 CHILD_MIN_BYTES = 64 << 20
-"""Range checks over at least this many bytes run in a child process, beside the parent's torch import."""
+"""Value checks over at least this many bytes run in a child process, beside the parent's torch import."""
 _STATS_FIELDS = tuple(f.name for f in fields(ValueStats) if f.name not in ("name", "source", "target", "findings"))
 
 
 @dataclass(frozen=True)
-class RangeJob:
+class ValueJob:
     """One storage to check: ``length`` bytes of ``dtype`` at ``offset`` in the file at ``path``, bound for ``target``."""
 
     unit: str
@@ -280,11 +280,11 @@ class RangeJob:
     length: int
 
 
-def start_value_checks(jobs: list[RangeJob], *, clamp: bool) -> Any:
+def start_value_checks(jobs: list[ValueJob], *, clamp: bool) -> Any:
     """Start checking ``jobs`` in a child process (numpy only, no torch); None if it cannot start.
 
-    Range checks and the torch import the cast needs are both about a second on a large checkpoint,
-    and neither needs the other, but both need the GIL; a child puts them on separate cores.
+    The value checks and the torch import the cast needs are both about a second on a large
+    checkpoint, and neither needs the other, but both need the GIL; a child puts them on separate cores.
     """
     import json
     import subprocess
@@ -295,7 +295,10 @@ def start_value_checks(jobs: list[RangeJob], *, clamp: bool) -> Any:
     code = f"import sys; sys.path.insert(0, {root!r}); from dtypeaudit.values import serve_value_checks; serve_value_checks()"
     request = json.dumps({"clamp": clamp, "jobs": [vars(j) for j in jobs]})
     try:
-        proc = subprocess.Popen([sys.executable, "-I", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # stderr is dropped: a failed child only means the checks run in-process, where any real error surfaces
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        )
         assert proc.stdin is not None
         proc.stdin.write(request.encode())
         proc.stdin.close()
@@ -316,7 +319,6 @@ def finish_value_checks(proc: Any, stats: dict[str, ValueStats], progress: Calla
             progress(int(payload))
         elif kind == "result":
             result = json.loads(payload)
-    proc.stderr.read()
     if proc.wait() != 0 or not isinstance(result, dict) or set(result) != set(stats):
         return False
     for unit, values in result.items():
@@ -335,7 +337,7 @@ def serve_value_checks() -> None:
     check = ValueCheck()
     maps: dict[str, Any] = {}
     out: dict[str, list[float]] = {}
-    for job in (RangeJob(**j) for j in request["jobs"]):
+    for job in (ValueJob(**j) for j in request["jobs"]):
         if job.path not in maps:
             with open(job.path, "rb") as fh:
                 maps[job.path] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)

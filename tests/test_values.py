@@ -215,7 +215,7 @@ def test_range_checks_in_a_child_process_match_in_process(tmp_path: Path, monkey
     calls: list[int] = []
     real_start = values.start_value_checks
 
-    def spy(jobs: list[values.RangeJob], *, clamp: bool) -> object:
+    def spy(jobs: list[values.ValueJob], *, clamp: bool) -> object:
         calls.append(len(jobs))
         return real_start(jobs, clamp=clamp)
 
@@ -242,7 +242,7 @@ def test_a_failed_child_falls_back_to_checking_in_process(tmp_path: Path, monkey
         checks,
         "start_value_checks",
         lambda jobs, clamp: real_start(
-            [values.RangeJob(j.unit, str(tmp_path / "gone.pt"), j.dtype, j.target, j.offset, j.length) for j in jobs], clamp=clamp
+            [values.ValueJob(j.unit, str(tmp_path / "gone.pt"), j.dtype, j.target, j.offset, j.length) for j in jobs], clamp=clamp
         ),
     )
     result = convert(src, "fp16", dry_run=True)

@@ -13,8 +13,8 @@ from ..values import (
     CHILD_MIN_BYTES,
     UNDERFLOW_BLOCK_FRACTION,
     Caster,
-    RangeJob,
     ValueCheck,
+    ValueJob,
     ValueStats,
     chunks,
     count_nonfinite,
@@ -40,19 +40,24 @@ def check_values(
     the checks do: large checks go to a child process so that the two share no core.
     """
     results: dict[str, ValueStats] = {}
-    jobs: dict[str, tuple[Source, RangeJob]] = {}
+    jobs: dict[str, tuple[Source, ValueJob]] = {}
     for unit, (src, dtype, span, names, target) in units_to_cast(plan, sources).items():
         results[unit] = ValueStats(", ".join(names), dtype, target)
         if _checked(dtype, target):
-            jobs[unit] = (src, RangeJob(unit, str(src.path), dtype, target, span.offset, span.length))
+            jobs[unit] = (src, ValueJob(unit, str(src.path), dtype, target, span.offset, span.length))
     plan.values = results
     child = None
     if meanwhile is not None and sum(job.length for _, job in jobs.values()) >= CHILD_MIN_BYTES:
         child = start_value_checks([job for _, job in jobs.values()], clamp=plan.clamp)
-    if meanwhile is not None:
-        meanwhile()
-    if child is not None and finish_value_checks(child, {u: results[u] for u in jobs}, progress):
-        return results
+    try:
+        if meanwhile is not None:
+            meanwhile()
+        if child is not None and finish_value_checks(child, {u: results[u] for u in jobs}, progress):
+            return results
+    finally:
+        if child is not None and child.poll() is None:  # interrupted, or ``meanwhile`` failed: leave no orphan
+            child.kill()
+            child.wait()
     check = ValueCheck()
     for unit, (src, job) in jobs.items():
         stats = results[unit]

@@ -42,7 +42,8 @@ class Plan:
     tensors: list[TensorPlan]
     clamp: bool = False
     values: dict[str, ValueStats] = field(default_factory=dict)
-    """Range checks (NaN/Inf, overflow, underflow) by unit, for every unit bound for float16."""
+    """What each cast does to its unit's values: float16 range checks (NaN/Inf, overflow, underflow,
+    subnormals) and the cast's max absolute and relative error, by unit, for every unit cast."""
     notes: list[str] = field(default_factory=list)
 
     def _unique(self) -> list[TensorPlan]:
