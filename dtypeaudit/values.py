@@ -1,18 +1,17 @@
-"""What a cast does to values: range checks before anything is written, and the cast's errors as it is made.
+"""What a cast will do to values, known before anything is written, from the bits alone.
 
-The range checks for float16 never cast. Under round-to-nearest-even, whether a float32 becomes inf,
-zero or a subnormal in float16 depends only on its magnitude, so thresholds on the bits of |x| decide
-it (numpy, a few SIMD passes over a chunk, no torch import). The cast itself, and the errors measured
-against it, use torch's own kernels, because the bytes written must be exactly torch's cast.
+Under round-to-nearest-even, whether a float32 becomes inf, zero or a subnormal in float16, and how far
+rounding moves it in float16 or bfloat16, depend only on its bit pattern. So the range checks and the
+cast's errors are thresholds and integer arithmetic on the bits (numpy, a few SIMD passes over a
+chunk, no torch). The cast itself is torch's (torchcast.py), because the bytes written must be
+exactly torch's cast; tests/test_values.py holds every figure here against it.
 
 Storages are read through mmap a chunk at a time into reused buffers, so memory stays bounded by a
-chunk, not the checkpoint.
+chunk, not the checkpoint. Large checks run in a child process (see ``start_value_checks``).
 """
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -360,96 +359,3 @@ def count_nonfinite(buffer: Any, dtype: str, offset: int, numel: int) -> int:
         values = original if original.dtype == np.float64 else x  # doubles beyond float32's range are still finite
         bad += len(values) - int(np.count_nonzero(np.isfinite(values)))
     return bad
-
-
-# -- the cast and its errors (torch) ----------------------------------------------------------------
-
-
-def load_torch() -> None:
-    """Import torch, which makes every cast: about a second, worth overlapping with other work."""
-    import torch  # noqa: F401
-
-
-def frombuffer(buffer: Any, dtype: str, count: int, offset: int) -> Any:
-    """A read-only tensor over ``buffer`` (an mmap); torch warns that it is not writable, and we never write."""
-    import torch
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buffer, dtype=getattr(torch, dtype), count=count, offset=offset)
-
-
-def chunks(buffer: Any, dtype: str, offset: int, numel: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
-    """Tensors over consecutive pieces of ``numel`` elements at ``offset`` in ``buffer``."""
-    step = max(1, chunk_bytes // itemsize)
-    for start in range(0, numel, step):
-        count = min(step, numel - start)
-        yield frombuffer(buffer, dtype, count, offset + start * itemsize)
-
-
-def cast_chunk(x: Any, target: str, *, clamp: bool) -> Any:
-    """torch's cast of ``x`` to ``target``; with ``clamp``, values beyond the target's range saturate first."""
-    import torch
-
-    t = getattr(torch, target)
-    if clamp and torch.finfo(t).max < torch.finfo(x.dtype).max:
-        limit = float(torch.finfo(t).max)
-        x = x.clamp(-limit, limit)
-    return x.to(t)
-
-
-class Caster:
-    """torch's cast from ``source`` to ``target`` a chunk at a time, into reused buffers, measuring its errors.
-
-    The returned chunk is only valid until the next call: the caller hands its bytes on at once.
-    """
-
-    def __init__(self, source: str, target: str, *, clamp: bool, stats: ValueStats | None = None) -> None:
-        import torch
-
-        self._torch = torch
-        src, dst = getattr(torch, source), getattr(torch, target)
-        step = max(1, CHUNK_BYTES // src.itemsize)
-        self._out = torch.empty(step, dtype=dst)
-        self._diff = torch.empty(step, dtype=src)
-        self._scale = torch.empty(step, dtype=src)
-        self._limit = float(torch.finfo(dst).max) if clamp and torch.finfo(dst).max < torch.finfo(src).max else None
-        self._tiny = float(torch.finfo(src).tiny)
-        self.stats = stats
-
-    def __call__(self, x: Any) -> Any:
-        n = x.numel()
-        y = self._out[:n]
-        if self._limit is not None:
-            clamped = self._torch.clamp(x, -self._limit, self._limit, out=self._diff[:n])
-            y.copy_(clamped)
-        else:
-            y.copy_(x)
-        if self.stats is not None and n:
-            self._measure(self.stats, x, y)
-        return y
-
-    def _measure(self, stats: ValueStats, x: Any, y: Any) -> None:
-        """Fold the max absolute and relative error of ``y`` against ``x`` into ``stats``."""
-        n = x.numel()
-        diff = self._diff[:n]
-        diff.copy_(y)
-        diff.sub_(x)
-        worst = self._max_magnitude(diff)
-        finite = math.isfinite(worst)
-        if not finite:  # NaN/Inf in the source (clamped or kept): measure the finite values only
-            diff.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-            worst = self._max_magnitude(diff)
-        stats.max_abs_error = max(stats.max_abs_error, worst)
-        # Rounding to nearest (or saturating) never moves a value further than zero is: |y - x| <= |x|.
-        # So the relative error is at most 1, and once it reaches 1 no later chunk can raise it.
-        if stats.max_rel_error < 1.0:
-            scale = self._torch.abs(x, out=self._scale[:n]).clamp_min_(self._tiny)
-            rel = diff.abs_().div_(scale)
-            if not finite:
-                rel.nan_to_num_(nan=0.0)
-            stats.max_rel_error = max(stats.max_rel_error, float(rel.max()))
-
-    def _max_magnitude(self, t: Any) -> float:
-        low, high = self._torch.aminmax(t)
-        return max(-float(low), float(high))

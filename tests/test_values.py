@@ -12,7 +12,8 @@ import torch
 
 import dtypeaudit.values as values
 from dtypeaudit.conversion import convert
-from dtypeaudit.values import Caster, ValueCheck, ValueStats, count_nonfinite, float32_chunks
+from dtypeaudit.torchcast import Caster
+from dtypeaudit.values import ValueCheck, ValueStats, count_nonfinite, float32_chunks
 
 
 def oracle_stats(x: torch.Tensor, *, clamp: bool = False) -> dict[str, float]:

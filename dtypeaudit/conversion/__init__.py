@@ -15,7 +15,8 @@ from pathlib import Path
 from ..errors import UsageError
 from ..formats import read_checkpoint
 from ..policy import Policy
-from ..values import ValueStats, load_torch
+from ..torchcast import load_torch
+from ..values import ValueStats
 from .atomic import atomic_output, check_destination, default_output, flushing
 from .checks import apply_value_policy, check_values, measure_errors, value_check_bytes, value_findings
 from .plan import CASTABLE, TARGETS, Plan, TensorPlan, make_plan

@@ -9,18 +9,16 @@ from pathlib import Path
 from .. import dtypes
 from ..formats.storage import Span
 from ..inventory import Finding, Inventory, Severity
+from ..torchcast import Caster, chunks, load_torch
 from ..values import (
     CHILD_MIN_BYTES,
     UNDERFLOW_BLOCK_FRACTION,
-    Caster,
     ValueCheck,
     ValueJob,
     ValueStats,
-    chunks,
     count_nonfinite,
     finish_value_checks,
     float32_chunks,
-    load_torch,
     measures_errors,
     start_value_checks,
 )

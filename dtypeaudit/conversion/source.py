@@ -19,7 +19,7 @@ from ..formats.picklevm import PickleVM
 from ..formats.storage import Span, legacy_storage_spans, zip_storage_spans
 from ..formats.torchzip import legacy_header, legacy_storage_keys
 from ..inventory import Inventory, TensorRecord
-from ..values import frombuffer
+from ..torchcast import frombuffer
 
 Progress = Callable[[int], None]
 

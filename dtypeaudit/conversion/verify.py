@@ -17,7 +17,7 @@ from ..formats import safetensors as st_reader
 from ..formats.storage import Span
 from ..formats.zipwrite import crc32
 from ..inventory import TensorRecord
-from ..values import frombuffer
+from ..torchcast import frombuffer
 from .plan import Plan
 from .source import Source, materialize
 

@@ -17,7 +17,8 @@ from ..formats.picklevm import Global, Opaque, PickleVM
 from ..formats.storage import Span
 from ..formats.zipwrite import StoredZipWriter, crc32
 from ..inventory import Inventory, TensorRecord
-from ..values import CHUNK_BYTES, Caster, ValueStats, chunks
+from ..torchcast import Caster, chunks
+from ..values import CHUNK_BYTES, ValueStats
 from .atomic import Writeback, flushing
 from .plan import Plan, TensorPlan, unit_of
 from .source import Progress, Source, contiguous_span, faithful_root, main_pickle, materialize
