@@ -28,10 +28,8 @@ def frombuffer(buffer: Any, dtype: str, count: int, offset: int) -> Any:
 
 def chunks(buffer: Any, dtype: str, offset: int, numel: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
     """Tensors over consecutive pieces of ``numel`` elements at ``offset`` in ``buffer``."""
-    step = max(1, chunk_bytes // itemsize)
-    for start in range(0, numel, step):
-        count = min(step, numel - start)
-        yield frombuffer(buffer, dtype, count, offset + start * itemsize)
+    if numel:
+        yield from frombuffer(buffer, dtype, numel, offset).split(max(1, chunk_bytes // itemsize))
 
 
 class Caster:
