@@ -67,7 +67,8 @@ def verify(plan: Plan, out: Path, written: Written) -> None:
                 f"verification failed: '{name}' is {t.dtype}{list(t.shape)}, planned {p.target}{list(p.tensor.shape)}", path=str(out)
             )
     if got.format == "torch-zip":
-        src_groups = {frozenset((n, *want[n].tensor.shares_with)) & set(want) for n in want if want[n].tensor.shares_with}
+        kept = set(want)
+        src_groups = {frozenset((n, *want[n].tensor.shares_with)) & kept for n in want if want[n].tensor.shares_with}
         out_groups = {frozenset((t.name, *t.shares_with)) for t in got.tensors if t.shares_with}
         if {g for g in src_groups if len(g) > 1} != out_groups:
             raise ConversionError("verification failed: storage sharing (ties, views) differs from the source", path=str(out))

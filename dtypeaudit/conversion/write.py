@@ -149,6 +149,10 @@ def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip_optimizer: bool
 
     _walk_graph(root, retype)
     stats_of = {p.tensor.storage: plan.values[unit_of(p.tensor)] for p in plan.tensors if unit_of(p.tensor) in plan.values}
+    names_of: dict[str | None, list[str]] = {}
+    for p in plan.tensors:
+        if p.action != "drop":
+            names_of.setdefault(p.tensor.storage, []).append(p.tensor.name)
     written = Written()
     with out.open("wb") as fh, Writeback(fh) as writeback:
         zf = StoredZipWriter(fh)
@@ -163,8 +167,7 @@ def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip_optimizer: bool
             with zf.member(f"{prefix}data/{key}", size) as write:
                 _stream(src, span, dtype, target, write, progress, clamp=plan.clamp, stats=stats_of.get(key))
             writeback()
-            names = tuple(p.tensor.name for p in plan.tensors if p.tensor.storage == key and p.action != "drop")
-            written.origins[f"{prefix}data/{key}"] = Origin(src, span, dtype, target, names=names)
+            written.origins[f"{prefix}data/{key}"] = Origin(src, span, dtype, target, names=tuple(names_of.get(key, ())))
         for name, data in extras.items():
             if name not in (".format_version", ".storage_alignment", "byteorder"):
                 zf.add(prefix + name, data)
