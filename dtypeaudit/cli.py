@@ -99,6 +99,10 @@ def run_guarded(fn, debug: bool) -> None:
     except KeyboardInterrupt:
         typer.echo("dtypeaudit: interrupted", err=True)
         raise typer.Exit(exitcodes.INTERRUPTED) from None
+    except OSError as exc:  # the machine said no (a full disk, say): one line, and not a bug report
+        if debug:
+            raise
+        _fail(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
     except Exception as exc:  # a bug of ours: say so in one line, keep the traceback for --debug
         if debug:
             raise

@@ -434,10 +434,26 @@ def test_small_filesystem(tmp_path: Path) -> None:
         torch.save({f"w{i}": torch.randn(256, 256) for i in range(8)}, src)
         before = src.read_bytes()
         proc = run_cli("convert", str(src), "--to", "fp16", "-o", str(small / "m16.pt"))
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr and "No space left" in proc.stderr
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and "internal error" not in proc.stderr
+        assert "m16.pt: could not write the output: No space left on device; nothing was written" in proc.stderr
         assert list(small.iterdir()) == [] and src.read_bytes() == before
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_report_to_a_full_device(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "dtypeaudit", "scan", str(ROOT / "sample_models"), "--format", "json"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["dtypeaudit: error: No space left on device"]
 
 
 def test_sigint_in_the_middle_of_a_write(tmp_path: Path) -> None:

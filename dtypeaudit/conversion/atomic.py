@@ -62,11 +62,14 @@ def atomic_output(dest: Path, *, mode_from: Path, is_dir: bool = False) -> Itera
         else:
             os.replace(tmp, dest)
         _fsync_dir(dest.parent)
-    except BaseException:
+    except BaseException as exc:
         if is_dir:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):  # a full disk, a file-size limit, a vanished directory: not a bug of ours
+            where = f" ({exc.filename})" if exc.filename and Path(exc.filename) != tmp else ""
+            raise ConversionError(f"could not write the output: {exc.strerror or exc}{where}; nothing was written", path=str(dest)) from exc
         raise
 
 
