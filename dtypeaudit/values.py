@@ -290,6 +290,8 @@ def start_value_checks(jobs: list[ValueJob], *, clamp: bool) -> Any:
     import sys
     from pathlib import Path
 
+    if not sys.executable:  # an embedded interpreter cannot start itself
+        return None
     root = str(Path(__file__).resolve().parent.parent)
     code = f"import sys; sys.path.insert(0, {root!r}); from dtypeaudit.values import serve_value_checks; serve_value_checks()"
     request = json.dumps({"clamp": clamp, "jobs": [vars(j) for j in jobs]})
