@@ -205,7 +205,7 @@ def test_errors_per_value_match_one_by_one() -> None:
             assert bit_errors(x, target, True) == torch_errors(x, target, True), (target, value)
 
 
-def test_range_checks_in_a_child_process_match_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_value_checks_in_a_child_process_match_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "m.pt"
     g = torch.Generator().manual_seed(1)
     state = {f"w{i}": torch.randn(300, 200, generator=g) * 10.0 ** (-i) for i in range(8)}
