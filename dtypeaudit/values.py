@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from . import dtypes
+
 CHUNK_BYTES = 1 << 20
 """Source bytes per chunk: small enough that a chunk and its temporaries stay in cache."""
 UNDERFLOW_BLOCK_FRACTION = 0.01
@@ -152,6 +154,13 @@ class ValueCheck:
         self._magnitude = np.empty(CHUNK_BYTES // 4, np.uint32)
         self._shifted = np.empty(CHUNK_BYTES // 4, np.uint32)
         self._mask = np.empty(CHUNK_BYTES // 4, np.bool_)
+
+    def run(self, stats: ValueStats, buffer: Any, job: ValueJob, *, clamp: bool, progress: Callable[[int], None] | None = None) -> None:
+        """Fold the whole storage ``job`` names, read from ``buffer`` (its file, mapped), into ``stats``."""
+        for x, original in float32_chunks(buffer, job.dtype, job.offset, job.length // dtypes.get(job.dtype).itemsize):
+            self.fold(stats, x, original, clamp=clamp)
+            if progress:
+                progress(original.nbytes)
 
     def fold(self, stats: ValueStats, x: Any, original: Any, *, clamp: bool = False) -> None:
         np = self._np
@@ -343,9 +352,7 @@ def serve_value_checks() -> None:
             with open(job.path, "rb") as fh:
                 maps[job.path] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         stats = ValueStats(job.unit, job.dtype, job.target)
-        itemsize = {"float32": 4, "float64": 8, "bfloat16": 2}[job.dtype]
-        for x, original in float32_chunks(maps[job.path], job.dtype, job.offset, job.length // itemsize):
-            check.fold(stats, x, original, clamp=request["clamp"])
+        check.run(stats, maps[job.path], job, clamp=request["clamp"])
         out[job.unit] = [getattr(stats, name) for name in _STATS_FIELDS]
         sys.stdout.write(f"progress {job.length}\n")
         sys.stdout.flush()

@@ -1,4 +1,4 @@
-"""Conversion: plan -> check float16 ranges -> cast and stream-write to a temporary file -> verify -> atomic rename.
+"""Conversion: plan -> check values (from the bits) -> cast and stream-write to a temporary file -> verify -> atomic rename.
 
 Nothing from the checkpoint is executed. A torch.save archive is re-emitted from its own pickle with
 only the storage types changed (see formats/pickleout.py); every other byte of meaning is kept.
@@ -18,7 +18,7 @@ from ..policy import Policy
 from ..torchcast import load_torch
 from ..values import ValueStats
 from .atomic import atomic_output, check_destination, default_output, flushing
-from .checks import apply_value_policy, check_values, measure_errors, value_check_bytes, value_findings
+from .checks import apply_value_policy, check_values, measure_errors, value_findings
 from .plan import CASTABLE, TARGETS, Plan, TensorPlan, make_plan
 from .source import Progress, Source, source_files
 from .verify import verify
@@ -77,8 +77,7 @@ def convert(
     with ExitStack() as stack:
         files = source_files(src_path, inv)
         sources = {label: Source(path, sub, stack) for label, (path, sub) in files.items()}
-        to_check = value_check_bytes(plan, sources)
-        check_progress = progress_factory("checking values", to_check) if progress_factory and to_check else None
+        check_progress = (lambda total: progress_factory("checking values", total)) if progress_factory else None
         check_values(plan, sources, check_progress, meanwhile=load_torch if plan.counts().get("cast") else None)
         unsafe = apply_value_policy(plan, keep_unsafe=keep_unsafe)
         if dry_run and not unsafe:

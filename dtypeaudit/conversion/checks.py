@@ -18,7 +18,6 @@ from ..values import (
     ValueStats,
     count_nonfinite,
     finish_value_checks,
-    float32_chunks,
     measures_errors,
     start_value_checks,
 )
@@ -27,7 +26,11 @@ from .source import Progress, Source, source_files
 
 
 def check_values(
-    plan: Plan, sources: dict[str, Source], progress: Progress | None = None, *, meanwhile: Callable[[], object] | None = None
+    plan: Plan,
+    sources: dict[str, Source],
+    progress_for: Callable[[int], Progress] | None = None,
+    *,
+    meanwhile: Callable[[], object] | None = None,
 ) -> dict[str, ValueStats]:
     """Before anything is written, from the values' bits and without casting (see values.py): for every
     unit bound for float16, NaN/Inf, overflow, underflow and subnormals; for float32 units bound for
@@ -35,7 +38,8 @@ def check_values(
 
     Every unit to cast gets its ValueStats here; errors not measured here are measured as the cast is
     made, by the writer or by ``measure_errors``. ``meanwhile`` (loading torch for the cast) runs while
-    the checks do: large checks go to a child process so that the two share no core.
+    the checks do: large checks go to a child process so that the two share no core. ``progress_for``
+    is given the number of bytes to check (when there are any) and returns the progress callback.
     """
     results: dict[str, ValueStats] = {}
     jobs: dict[str, tuple[Source, ValueJob]] = {}
@@ -44,8 +48,10 @@ def check_values(
         if _checked(dtype, target):
             jobs[unit] = (src, ValueJob(unit, str(src.path), dtype, target, span.offset, span.length))
     plan.values = results
+    to_check = sum(job.length for _, job in jobs.values())
+    progress = progress_for(to_check) if progress_for and to_check else None
     child = None
-    if meanwhile is not None and sum(job.length for _, job in jobs.values()) >= CHILD_MIN_BYTES:
+    if meanwhile is not None and to_check >= CHILD_MIN_BYTES:
         child = start_value_checks([job for _, job in jobs.values()], clamp=plan.clamp)
     try:
         if meanwhile is not None:
@@ -58,22 +64,13 @@ def check_values(
             child.wait()
     check = ValueCheck()
     for unit, (src, job) in jobs.items():
-        stats = results[unit]
-        for x, original in float32_chunks(src.mm, job.dtype, job.offset, job.length // dtypes.get(job.dtype).itemsize):
-            check.fold(stats, x, original, clamp=plan.clamp)
-            if progress:
-                progress(original.nbytes)
+        check.run(results[unit], src.mm, job, clamp=plan.clamp, progress=progress)
     return results
 
 
 def _checked(dtype: str, target: str) -> bool:
     # float16 is the narrow range; bfloat16 and float32 keep float32's exponent.
     return (target == "float16" and dtype != "float16") or measures_errors(dtype, target)
-
-
-def value_check_bytes(plan: Plan, sources: dict[str, Source]) -> int:
-    """How many source bytes ``check_values`` reads."""
-    return sum(span.length for _, dtype, span, _, target in units_to_cast(plan, sources).values() if _checked(dtype, target))
 
 
 def measure_errors(plan: Plan, sources: dict[str, Source]) -> None:
