@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
+
+
 class DtypeAuditError(Exception):
     """Base of every error the tool reports to the user (exit code 2)."""
 
@@ -16,7 +19,8 @@ class DtypeAuditError(Exception):
         text = f"{self.path}: {self.message}" if self.path else self.message
         if self.hint:
             text += f" ({self.hint})"
-        return text
+        # Messages quote names from hostile files: control characters are shown escaped, never acted on.
+        return text.translate(_ESCAPES)
 
     def __str__(self) -> str:
         return self.one_line()

@@ -85,6 +85,22 @@ class Finding:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """Where one file's parts lie, as its reader found them, so conversion rewrites it without parsing it again."""
+
+    container: str
+    """``zip``, ``legacy`` or ``safetensors``."""
+    storages: Mapping[str, tuple[int, int]]
+    """Storage key (a tensor's name for safetensors) -> ``(offset, length)`` of its bytes in the file."""
+    pickle_offset: int = 0
+    """Legacy files: where the main pickle starts."""
+    archive_prefix: str = ""
+    """Zip archives: the folder every record sits in, with its slash (``archive/``)."""
+    records: tuple[str, ...] = ()
+    """Zip archives: every record other than ``data.pkl`` and storages, without the prefix, in archive order."""
+
+
+@dataclass(frozen=True)
 class Inventory:
     """Everything a reader learnt from one checkpoint."""
 
@@ -98,6 +114,8 @@ class Inventory:
     """What the reader noticed (unsafe globals, index disagreements)."""
     metadata: Mapping[str, object] = field(default_factory=dict)
     """Format-specific facts: ``config_dtype`` of a Hugging Face config, safetensors ``__metadata__``."""
+    layout: Layout | None = field(default=None, compare=False, repr=False)
+    """Where a single file's parts lie (None for directories, DCP and factories)."""
 
     def by_name(self) -> dict[str, TensorRecord]:
         return {t.name: t for t in self.tensors}

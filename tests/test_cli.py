@@ -55,7 +55,7 @@ def test_hostile_file_exits_1_and_never_runs(tmp_path: Path, canary: Path) -> No
         (b"version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 12\n", "Git LFS pointer"),
         (b"<!DOCTYPE html><html><body>404</body></html>", "HTML page"),
         (b"\x89PNG\r\n\x1a\n" + b"\0" * 40, "PNG image"),
-        (b"PK\x03\x04" + b"\0" * 20, "truncated or corrupt zip"),
+        (b"PK\x03\x04" + b"\0" * 20, "truncated zip archive"),
         (os.urandom(64).replace(b"PK", b"pk").replace(b"{", b"[") + b"\x00", "not a checkpoint"),
     ],
 )

@@ -167,11 +167,14 @@ def test_storage_record_missing_or_short(all_dtypes_pt: Path, tmp_path: Path) ->
         items = [(i, src.read(i)) for i in src.infolist()]
     missing = tmp_path / "missing.pt"
     short = tmp_path / "short.pt"
-    with zipfile.ZipFile(missing, "w") as a, zipfile.ZipFile(short, "w") as b:
+    # Each archive gets its own ZipInfo objects: writestr records the header offset in the one it is given.
+    with zipfile.ZipFile(missing, "w") as a:
         for info, data in items:
             if info.filename != f"{prefix}data/0":
-                a.writestr(info, data)
-            b.writestr(info, data[:1] if info.filename == f"{prefix}data/0" else data)
+                a.writestr(info.filename, data)
+    with zipfile.ZipFile(short, "w") as b:
+        for info, data in items:
+            b.writestr(info.filename, data[:1] if info.filename == f"{prefix}data/0" else data)
     with pytest.raises(CheckpointError, match="storage '0' is missing"):
         read_checkpoint(missing)
     with pytest.raises(CheckpointError, match="holds 1 bytes but the pickle needs"):

@@ -85,7 +85,7 @@ def test_not_a_checkpoint(tmp_path: Path, label: str, content: bytes, keywords: 
 def test_truncated_zip(tmp_path: Path, valid_zip: bytes) -> None:
     path = tmp_path / "truncated.pt"
     path.write_bytes(valid_zip[: len(valid_zip) // 2])
-    rejected(path, 2, "truncated or corrupt zip", "incomplete download")
+    rejected(path, 2, "truncated")
 
 
 def test_zip_without_data_pkl(tmp_path: Path, valid_zip: bytes) -> None:
@@ -101,7 +101,7 @@ def test_entries_without_a_common_prefix(tmp_path: Path, valid_zip: bytes) -> No
 def test_entries_with_two_prefixes(tmp_path: Path, valid_zip: bytes) -> None:
     pkl = next(n for n in names(valid_zip) if n.endswith("data.pkl"))
     data = zipfile.ZipFile(io.BytesIO(valid_zip)).read(pkl)
-    rejected(rewrite_zip(valid_zip, tmp_path / "two.pt", add=[("other/data.pkl", data)]), 2, "data.pkl entries under different folders")
+    rejected(rewrite_zip(valid_zip, tmp_path / "two.pt", add=[("other/data.pkl", data)]), 2, "mixes folders", "other/data.pkl")
     rejected(rewrite_zip(valid_zip, tmp_path / "stray.pt", add=[("other/readme", b"x")]), 2, "mixes folders")
 
 
@@ -498,7 +498,8 @@ def test_fuzz_zip_version_field(tmp_path: Path, valid_zip: bytes) -> None:
     blob[central + 6 : central + 8] = b"\xff\x00"  # "version needed to extract" 25.5
     path = tmp_path / "version.pt"
     path.write_bytes(bytes(blob))
-    rejected(path, 2, "corrupt zip archive", "zip file version")
+    # Python's zipfile refuses "version needed to extract" 25.5; miniz ignores the field, and so do we.
+    assert facts(read_checkpoint(path)) == oracle.facts(oracle.load(path))
 
 
 def test_fuzz_zip_name_not_utf8(tmp_path: Path, valid_zip: bytes) -> None:
@@ -511,4 +512,4 @@ def test_fuzz_zip_name_not_utf8(tmp_path: Path, valid_zip: bytes) -> None:
     blob[local + 30] = 0xFF  # the local header's copy of the name is no longer UTF-8
     path = tmp_path / "name.pt"
     path.write_bytes(bytes(blob))
-    rejected(path, 2, "cannot read", "can't decode")
+    rejected(path, 2, "local header", "loaders disagree")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import mmap
-import zipfile
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -13,19 +12,18 @@ from .. import dtypes
 from ..errors import CheckpointError, ConversionError
 from ..formats import directory as hfdir
 from ..formats import read_checkpoint
-from ..formats import safetensors as st_reader
 from ..formats.pickleout import keep_persistent
 from ..formats.picklevm import PickleVM
-from ..formats.storage import Span, legacy_storage_spans, zip_storage_spans
-from ..formats.torchzip import legacy_header, legacy_storage_keys
-from ..inventory import Inventory, TensorRecord
+from ..formats.storage import Span
+from ..formats.ziparchive import ZipArchive
+from ..inventory import Inventory, Layout, TensorRecord
 from ..torchcast import frombuffer
 
 Progress = Callable[[int], None]
 
 
 class Source:
-    """mmap access to one checkpoint file's tensor bytes."""
+    """mmap access to one checkpoint file's tensor bytes, where its reader's layout says they lie."""
 
     def __init__(self, path: Path, inv: Inventory, stack: ExitStack) -> None:
         self.path = path
@@ -34,16 +32,22 @@ class Source:
         self.mm = stack.enter_context(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)) if path.stat().st_size else b""
         if isinstance(self.mm, mmap.mmap) and hasattr(mmap, "MADV_SEQUENTIAL"):
             self.mm.madvise(mmap.MADV_SEQUENTIAL)  # read ahead: every pass walks the file front to back
+        if inv.metadata.get("byteorder", "little") != "little":
+            raise ConversionError("big-endian archives are not supported for conversion", path=str(path))
         self.spans: dict[str, Span] = {}
-        if inv.format == "torch-zip":
-            if inv.metadata.get("byteorder", "little") != "little":
-                raise ConversionError("big-endian archives are not supported for conversion", path=str(path))
-            self.spans = zip_storage_spans(path)
-        elif inv.format == "torch-legacy":
-            self.spans = _legacy_spans(path)
+        if inv.layout is not None:
+            self.spans = {key: Span(offset, length) for key, (offset, length) in inv.layout.storages.items()}
         elif inv.format == "safetensors":
+            from ..formats import safetensors as st_reader
+
             _, start = st_reader.read_header(path)
             self.spans = {t.name: Span(start + t.offset, t.nbytes) for t in inv.tensors}
+
+    @property
+    def layout(self) -> Layout:
+        if self.inv.layout is None:
+            raise ConversionError(f"{self.inv.format} files cannot be rewritten", path=str(self.path))
+        return self.inv.layout
 
     def storage(self, key: str) -> Span:
         try:
@@ -52,31 +56,25 @@ class Source:
             raise CheckpointError(f"storage '{key}' not found", path=str(self.path)) from None
 
 
-def _legacy_spans(path: Path) -> dict[str, Span]:
-    from ..formats.torchpickle import REDUCERS, storage_loader
-
-    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        header = legacy_header(mm, path)
-        if not header.little_endian:
-            raise ConversionError("big-endian legacy files are not supported for conversion", path=str(path))
-        storages: list[Any] = []
-        _, pos = PickleVM(mm, reducers=REDUCERS, persistent_load=storage_loader(storages.append, legacy=True)).load(header.main)
-        keys, data_start, _ = legacy_storage_keys(mm, pos, path)
-    sizes = {s.key: dtypes.get(s.dtype).itemsize for s in storages}
-    return legacy_storage_spans(path, keys, sizes, data_start)
+LEGACY_EXTRAS = {"byteorder": b"little", "version": b"3\n", ".format_version": b"1", ".storage_alignment": b"64"}
+"""The small records a zip archive written by torch.save holds, for legacy files converted to one."""
 
 
 def main_pickle(src: Source) -> tuple[bytes | mmap.mmap, int, str, dict[str, bytes]]:
     """Where the checkpoint's object graph is pickled (buffer, offset), its archive prefix, and its other small records."""
-    if src.inv.format == "torch-zip":
-        with zipfile.ZipFile(src.path) as zf:
-            names = zf.namelist()
-            prefix = next(n for n in names if n.endswith("/data.pkl") and n.count("/") == 1)[: -len("data.pkl")]
-            data = zf.read(prefix + "data.pkl")
-            extras = {n[len(prefix) :]: zf.read(n) for n in names if not n.startswith((prefix + "data/", prefix + "data.pkl"))}
-        return data, 0, prefix, extras
-    legacy_extras = {"byteorder": b"little", "version": b"3\n", ".format_version": b"1", ".storage_alignment": b"64"}
-    return src.mm, legacy_header(src.mm, src.path).main, "archive/", legacy_extras
+    layout = src.layout
+    if layout.container == "zip":
+        with ZipArchive.open(src.path) as za:
+            prefix = layout.archive_prefix
+
+            def record(name: str) -> bytes:
+                entry = za.find(prefix + name)
+                if entry is None:
+                    raise CheckpointError(f"record {name} vanished from the archive", path=str(src.path))
+                return za.read(entry, 1 << 30)
+
+            return record("data.pkl"), 0, prefix, {name: record(name) for name in layout.records}
+    return src.mm, layout.pickle_offset, "archive/", dict(LEGACY_EXTRAS)
 
 
 def faithful_root(src: Source) -> tuple[Any, str, dict[str, bytes]]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import mmap
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,11 +71,14 @@ def verify(plan: Plan, out: Path, written: Written) -> None:
         out_groups = {frozenset((t.name, *t.shares_with)) for t in got.tensors if t.shares_with}
         if {g for g in src_groups if len(g) > 1} != out_groups:
             raise ConversionError("verification failed: storage sharing (ties, views) differs from the source", path=str(out))
-        from ..formats.storage import zip_record_span
+        from ..formats.ziparchive import ZipArchive
 
-        with zipfile.ZipFile(out) as zf:
-            spans = {name: zip_record_span(out, zf.getinfo(name)) for name in written.origins}
-            expected_crcs = {name: zf.getinfo(name).CRC for name in written.origins}
+        with ZipArchive.open(out) as za:
+            entries = {name: za.find(name) for name in written.origins}
+            if any(e is None for e in entries.values()):
+                raise ConversionError("verification failed: a storage record is missing from the output", path=str(out))
+            spans = {name: Span(*za.span(e)) for name, e in entries.items() if e is not None}
+            expected_crcs = {name: e.crc for name, e in entries.items() if e is not None}
     else:
         _, start = st_reader.read_header(out)
         spans = {t.name: Span(start + t.offset, t.nbytes) for t in got.tensors if t.name in written.origins}

@@ -13,8 +13,9 @@ from .. import dtypes
 from ..errors import ConversionError, UsageError
 from ..formats import directory as hfdir
 from ..formats.pickleout import Persistent, dumps
-from ..formats.picklevm import Global, Opaque, PickleVM
+from ..formats.picklevm import Global, Opaque
 from ..formats.storage import Span
+from ..formats.torchpickle import TensorRef, children, is_optimizer_state, torch_vm
 from ..formats.zipwrite import StoredZipWriter, crc32
 from ..inventory import Inventory, TensorRecord
 from ..torchcast import Caster, chunks
@@ -78,36 +79,25 @@ def _tensor_bytes(y: Any) -> memoryview:
     return memoryview(y.contiguous().view(torch.uint8).numpy())
 
 
-def _walk_graph(obj: Any, visit: Callable[[Persistent], None], seen: set[int] | None = None) -> None:
-    seen = set() if seen is None else seen
+def _walk_graph(obj: Any, visit: Callable[[Persistent], None]) -> None:
+    """Call ``visit`` on every persistent id (storage record) in the faithful graph, once each."""
+    seen: set[int] = set()
     stack = [obj]
     while stack:
         o = stack.pop()
-        if isinstance(o, (str, bytes, int, float, bool, Global)) or o is None or id(o) in seen:
+        if id(o) in seen:
             continue
         seen.add(id(o))
         if isinstance(o, Persistent):
             visit(o)
-        elif isinstance(o, dict):
-            stack.extend(o.keys())
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple, set, frozenset)):
-            stack.extend(o)
-        elif isinstance(o, Opaque):
-            stack.extend((o.callable, o.args, o.state, *o.list_items, *o.items.keys(), *o.items.values()))
+        else:
+            stack.extend(child for _, child, _ in children(o))
 
 
 def _is_optimizer(value: Any) -> bool:
-    def keys(v: Any) -> set[Any]:
-        if isinstance(v, dict):
-            return set(v)
-        if isinstance(v, Opaque):
-            return set(v.items) | (set(v.state) if isinstance(v.state, dict) else set())
-        return set()
-
-    if {"state", "param_groups"} <= keys(value):
+    if is_optimizer_state(value):
         return True
-    return isinstance(value, list) and bool(value) and all({"state", "param_groups"} <= keys(v) for v in value)
+    return isinstance(value, list) and bool(value) and all(is_optimizer_state(v) for v in value)
 
 
 def _strip_optimizer(root: Any) -> list[str]:
@@ -142,6 +132,9 @@ def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip_optimizer: bool
             target = storage_target.get(key, source_dtype)
         if not source_dtype:
             raise ConversionError(f"unknown storage type {pid[1].qualname}", path=str(src.path))
+        if keys.get(key, source_dtype) != source_dtype:
+            # torch keeps the first type it sees for a key; a rewrite cannot keep both meanings.
+            raise ConversionError(f"storage '{key}' is named with two types ({keys[key]}, {source_dtype}); refused", path=str(src.path))
         cls = pid[1] if target == source_dtype else Global("torch", dtypes.STORAGE_CLASS_OF[target])
         ref.pid = ("storage", cls, key, pid[3], pid[4])
         keys[key] = source_dtype
@@ -234,10 +227,8 @@ def _write_safetensors_file(
 
 def _refuse_non_tensor_content(src: Source) -> None:
     """safetensors stores tensors only: refuse rather than silently drop an epoch or hyper-parameters."""
-    from ..formats.torchpickle import REDUCERS, TensorRef, storage_loader
-
     buf, pos, _, _ = main_pickle(src)
-    root, _ = PickleVM(buf, reducers=REDUCERS, persistent_load=storage_loader(legacy=src.inv.format == "torch-legacy")).load(pos)
+    root, _ = torch_vm(buf, source=str(src.path), legacy=src.inv.format == "torch-legacy").load(pos)
     extra: list[str] = []
 
     def walk(v: Any, name: str) -> None:

@@ -5,21 +5,31 @@ A global is only ever a name (:class:`Global`). Calling one (REDUCE, NEWOBJ, INS
 reducer the caller supplied for that exact name, written in this project; any other call yields an
 :class:`Opaque` stand-in that keeps its arguments and state, so values around it can still be read.
 
+Where the file means something, it means what CPython's C unpickler (``_pickle``, which
+``torch.load(weights_only=False)`` and ``pickle.load`` run) makes of it: the same integer and string
+parsing, the same Python 2 name mapping below protocol 3, the same text encoding (torch.load passes
+``encoding="utf-8"``). The interpreter also notes everything torch's ``weights_only`` unpickler would
+refuse (:attr:`Trace.weights_only_refusal`), since that decides which of the two loaders a user ends up with.
+
 Hostile input fails closed with a CheckpointError, and its cost is bounded: opcodes executed, memo
 entries, stack depth and the length of any single string are all capped (:class:`Limits`).
-The opcode semantics follow the documentation in CPython's ``pickletools`` module.
+Opcodes are named after CPython's ``pickletools`` table, and the dispatch is built from it.
 """
 
 from __future__ import annotations
 
+import _compat_pickle
 import codecs
 import mmap
+import pickletools
+import re
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointError, LimitExceeded
+from . import allowlist
 
 
 @dataclass(frozen=True)
@@ -64,7 +74,24 @@ class Opaque:
         return f"<opaque {self.qualname}>"
 
 
+class DictObject(dict):
+    """A dict made by a dict class the loaders allow (``OrderedDict``, ``Counter``).
+
+    Unlike a plain dict it has a ``__dict__``: BUILD stores attributes there (an OrderedDict's
+    ``_metadata``), in ``attrs``.
+    """
+
+    __slots__ = ("cls", "attrs")
+
+    def __init__(self, cls: str, *args: Any) -> None:
+        super().__init__(*args)
+        self.cls = cls
+        self.attrs: dict[str, Any] = {}
+
+
 Reducer = Callable[[tuple[Any, ...]], Any]
+Builder = Callable[[Any, Any], bool]
+"""Applies BUILD's state to a value a reducer made; False when it does not own that value."""
 
 
 @dataclass(frozen=True)
@@ -86,12 +113,17 @@ class Trace:
     """What the pickle referred to, for findings."""
 
     globals: dict[str, int] = field(default_factory=dict)
-    """Every global named, with the offset of its first mention."""
+    """Every global named, with the offset of its first mention (CPython's resolution of the name)."""
     calls: dict[str, int] = field(default_factory=dict)
     """Every global called (REDUCE, NEWOBJ, INST, OBJ) with the offset of its first call."""
+    weights_only_refusals: list[str] = field(default_factory=list)
+    """What ``torch.load(weights_only=True)`` would refuse in the stream (the first few kinds); empty if it loads it."""
+    protocol: int = 0
+    """The protocol the stream declares (0 when it has no PROTO opcode)."""
 
-
-_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+    def refuse_weights_only(self, reason: str) -> None:
+        if reason not in self.weights_only_refusals and len(self.weights_only_refusals) < 8:
+            self.weights_only_refusals.append(reason)
 
 
 class _Mark:
@@ -100,24 +132,42 @@ class _Mark:
 
 _MARK = _Mark()
 
+_OPCODE_NAMES: dict[int, str] = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
+_WEIGHTS_ONLY_OPCODE_BYTES = frozenset(code for code, name in _OPCODE_NAMES.items() if name in allowlist.WEIGHTS_ONLY_OPCODES)
+
+# C strtol(s, &end, 0) as CPython's INT opcode calls it: optional space and sign, then 0x-hex, 0-octal or decimal.
+_STRTOL = re.compile(rb"[ \t\n\v\f\r]*([+-]?)(?:0[xX]([0-9a-fA-F]+)|(0[0-7]*)|([1-9][0-9]*))")
+# PyOS_string_to_double as the FLOAT opcode calls it: no spaces, no underscores; inf and nan spelt out.
+_FLOAT = re.compile(rb"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf(?:inity)?|nan)", re.IGNORECASE)
+
 
 class PickleVM:
-    """Runs one pickle from ``data[start:]`` and returns its value (see :meth:`load`)."""
+    """Runs one pickle from ``data[start:]`` and returns its value (see :meth:`load`).
+
+    ``encoding`` decodes the protocol-0/2 byte-string opcodes as the loader would: ``utf-8`` for
+    torch.load (its default), ``ASCII`` for ``pickle.load``, ``bytes`` to keep them as bytes.
+    """
 
     def __init__(
         self,
         data: bytes | mmap.mmap,
         *,
         reducers: Mapping[str, Reducer] | None = None,
+        new_reducers: Mapping[str, Reducer] | None = None,
+        builder: Builder | None = None,
         persistent_load: Callable[[Any], Any] | None = None,
         limits: Limits | None = None,
         source: str | None = None,
+        encoding: str = "utf-8",
     ) -> None:
         self.data = data
         self.reducers = reducers or {}
+        self.new_reducers = new_reducers if new_reducers is not None else self.reducers
+        self.builder = builder
         self.persistent_load = persistent_load
         self.limits = limits or Limits()
         self.source = source
+        self.encoding = encoding
         self.trace = Trace()
         self.pos = 0
         self.stack: list[Any] = []
@@ -137,6 +187,7 @@ class PickleVM:
         return chunk
 
     def _readline(self) -> bytes:
+        """The line up to (not including) its newline; CPython's unpickler requires the newline."""
         end = self.data.find(b"\n", self.pos, min(len(self.data), self.pos + (1 << 20)))
         if end < 0:
             raise self._fail("unterminated text argument")
@@ -147,11 +198,14 @@ class PickleVM:
     def _sized(self, fmt: str) -> int:
         size = struct.calcsize(fmt)
         (n,) = struct.unpack(fmt, self._read(size))
+        return self._check_len(int(n))
+
+    def _check_len(self, n: int) -> int:
         if n > self.limits.max_bytes_item:
             raise LimitExceeded(f"a pickle string of {n} bytes is over the {self.limits.max_bytes_item}-byte cap", path=self.source)
         if n > len(self.data) - self.pos:
             raise self._fail(f"a {n}-byte string runs past the end of the pickle")
-        return int(n)
+        return n
 
     def _pop_mark(self) -> list[Any]:
         if not self.metastack:
@@ -179,6 +233,8 @@ class PickleVM:
         self.stack.append(value)
 
     def _memo_put(self, index: int, value: Any) -> None:
+        if index < 0:
+            raise self._fail("negative memo index")
         if index not in self.memo and len(self.memo) >= self.limits.max_memo:
             raise LimitExceeded(f"pickle memo over its cap of {self.limits.max_memo} entries", path=self.source)
         self.memo[index] = value
@@ -189,11 +245,31 @@ class PickleVM:
         except KeyError:
             raise self._fail(f"memo entry {index} is read before it is written") from None
 
+    def _utf8(self, raw: bytes, what: str) -> str:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self._fail(f"{what} is not valid UTF-8") from None
+
     def _global(self, module: str, name: str) -> Global:
-        # Python 2 spellings, as CPython's unpickler maps them for old protocols.
-        module = _PY2_MODULES.get(module, module)
-        g = Global(module, name)
+        # CPython maps Python 2 names only below protocol 3 (fix_imports); weights_only always maps,
+        # with a smaller table. Where the two disagree on what a name means, neither can be trusted.
+        cpython = module, name
+        if self.trace.protocol < 3:
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                cpython = _compat_pickle.NAME_MAPPING[(module, name)]
+            elif module in _compat_pickle.IMPORT_MAPPING:
+                cpython = _compat_pickle.IMPORT_MAPPING[module], name
+        g = Global(*cpython)
+        wo_name = allowlist.weights_only_name(module, name)
+        if wo_name != g.qualname and allowlist.weights_only_accepts_global(wo_name):
+            raise self._fail(
+                f"global {module}.{name} means {wo_name} to torch.load(weights_only=True) but {g.qualname} to the full "
+                "unpickler; loaders disagree on what it is"
+            )
         self.trace.globals.setdefault(g.qualname, self.pos)
+        if not allowlist.weights_only_accepts_global(wo_name):
+            self.trace.refuse_weights_only(f"global {wo_name}")
         return g
 
     def _call(self, func: Any, args: Any, *, new: bool = False) -> Any:
@@ -201,9 +277,11 @@ class PickleVM:
             raise self._fail("call arguments are not a tuple")
         if isinstance(func, Global):
             self.trace.calls.setdefault(func.qualname, self.pos)
-            reducer = self.reducers.get(func.qualname)
+            reducer = (self.new_reducers if new else self.reducers).get(func.qualname)
             if reducer is not None:
                 return reducer(args)
+        else:
+            self.trace.refuse_weights_only(f"a call of {type(func).__name__}, not of an allowed global")
         return Opaque(func, args, new=new)
 
     @staticmethod
@@ -220,6 +298,7 @@ class PickleVM:
         if isinstance(target, dict):
             dest = target
         elif isinstance(target, Opaque):
+            self.trace.refuse_weights_only("SETITEM on an object that is not a dict")
             dest = target.items
         else:
             raise self._fail(f"SETITEM on a {type(target).__name__}, not a dict")
@@ -230,6 +309,7 @@ class PickleVM:
         if isinstance(target, list):
             target.extend(values)
         elif isinstance(target, Opaque):
+            self.trace.refuse_weights_only("APPEND to an object that is not a list")
             target.list_items.extend(values)
         else:
             raise self._fail(f"APPEND on a {type(target).__name__}, not a list")
@@ -246,113 +326,144 @@ class PickleVM:
         data = self.data
         end = len(data)
         max_ops = self.limits.max_opcodes
-        while True:
-            if self.pos >= end:
-                raise self._fail("the pickle ends without a STOP opcode (truncated?)")
-            ops += 1
-            if ops > max_ops:
-                raise LimitExceeded(f"pickle runs over {max_ops} opcodes", path=self.source)
-            op = data[self.pos]
-            self.pos += 1
-            if op == 0x2E:  # STOP
-                return self._pop(), self.pos
-            handler = _DISPATCH.get(op)
-            if handler is None:
-                self.pos -= 1
-                raise self._fail(f"unknown opcode 0x{op:02x}")
-            handler(self)
+        seen = bytearray(256)
+        try:
+            while True:
+                if self.pos >= end:
+                    raise self._fail("the pickle ends without a STOP opcode (truncated?)")
+                ops += 1
+                if ops > max_ops:
+                    raise LimitExceeded(f"pickle runs over {max_ops} opcodes", path=self.source)
+                op = data[self.pos]
+                self.pos += 1
+                seen[op] = 1
+                if op == 0x2E:  # STOP
+                    return self._pop(), self.pos
+                handler = _DISPATCH.get(op)
+                if handler is None:
+                    self.pos -= 1
+                    raise self._fail(f"unknown opcode 0x{op:02x}")
+                handler(self)
+        finally:
+            for code, flag in enumerate(seen):
+                if flag and code not in _WEIGHTS_ONLY_OPCODE_BYTES:
+                    self.trace.refuse_weights_only(f"opcode {_OPCODE_NAMES.get(code, hex(code))}")
 
-    # -- opcodes -----------------------------------------------------------------------------
+    # -- opcodes, by their pickletools names -----------------------------------------------------
 
-    def op_proto(self) -> None:
+    def op_PROTO(self) -> None:
         proto = self._read(1)[0]
         if proto > 5:
             raise self._fail(f"unsupported pickle protocol {proto}")
+        self.trace.protocol = proto
 
-    def op_frame(self) -> None:
+    def op_FRAME(self) -> None:
         (n,) = struct.unpack("<Q", self._read(8))
         if n > len(self.data) - self.pos:
             raise self._fail("a frame runs past the end of the pickle")
 
-    def op_mark(self) -> None:
+    def op_MARK(self) -> None:
         if len(self.metastack) >= self.limits.max_depth:
             raise LimitExceeded(f"pickle nests deeper than {self.limits.max_depth} levels", path=self.source)
         self.metastack.append(self.stack)
         self.stack = []
 
-    def op_pop(self) -> None:
+    def op_POP(self) -> None:
         if self.stack:
             self.stack.pop()
         else:
             self._pop_mark()
 
-    def op_pop_mark(self) -> None:
+    def op_POP_MARK(self) -> None:
         self._pop_mark()
 
-    def op_dup(self) -> None:
+    def op_DUP(self) -> None:
         self._push(self._top())
 
     # numbers
-    def op_int(self) -> None:
+    def op_INT(self) -> None:
         line = self._readline()
-        if line == b"00":
-            self._push(False)
-        elif line == b"01":
-            self._push(True)
+        if not line:
+            raise self._fail("empty INT argument")
+        value, text_end = _c_strtol(line)
+        if value is None or (text_end < len(line) and line[text_end] != 0):
+            # CPython falls back to int(text, 0) on the whole line, newline included.
+            self._push(self._py_int(line + b"\n", 0))
+        elif len(line) == 2 and value in (0, 1):
+            self._push(bool(value))
         else:
-            self._push(self._parse_int(line))
+            self._push(value)
 
-    def op_long(self) -> None:
+    def op_LONG(self) -> None:
         line = self._readline()
-        self._push(self._parse_int(line[:-1] if line.endswith(b"L") else line))
+        if line.endswith(b"L"):
+            line = line[:-1]
+        self._push(self._py_int(line, 0))
 
-    def _parse_int(self, text: bytes) -> int:
+    def _py_int(self, text: bytes, base: int) -> int:
+        """int(text, base) as PyLong_FromString parses it."""
         if len(text) > 4 * self.limits.max_int_bytes:
             raise LimitExceeded("an integer literal is over its cap", path=self.source)
+        text = text.split(b"\0", 1)[0]  # a C string: PyLong_FromString stops at a NUL
         try:
-            return int(text, 0) if text.strip().lower().startswith((b"0x", b"-0x")) else int(text)
-        except ValueError:
+            return int(text.decode("ascii"), base)
+        except (ValueError, UnicodeDecodeError):
             raise self._fail("bad integer literal") from None
 
-    def op_binint(self) -> None:
+    def op_BININT(self) -> None:
         self._push(struct.unpack("<i", self._read(4))[0])
 
-    def op_binint1(self) -> None:
+    def op_BININT1(self) -> None:
         self._push(self._read(1)[0])
 
-    def op_binint2(self) -> None:
+    def op_BININT2(self) -> None:
         self._push(struct.unpack("<H", self._read(2))[0])
 
-    def op_long1(self) -> None:
+    def op_LONG1(self) -> None:
         n = self._read(1)[0]
         self._push(int.from_bytes(self._read(n), "little", signed=True))
 
-    def op_long4(self) -> None:
+    def op_LONG4(self) -> None:
         (n,) = struct.unpack("<i", self._read(4))
-        if n < 0 or n > self.limits.max_int_bytes:
+        if n < 0:
+            raise self._fail("negative LONG4 length")
+        if n > self.limits.max_int_bytes:
             raise LimitExceeded(f"a {n}-byte integer is over the cap", path=self.source)
         self._push(int.from_bytes(self._read(n), "little", signed=True))
 
-    def op_float(self) -> None:
-        try:
-            self._push(float(self._readline()))
-        except ValueError:
-            raise self._fail("bad float literal") from None
+    def op_FLOAT(self) -> None:
+        line = self._readline()
+        m = _FLOAT.match(line)
+        if m is None or (m.end() < len(line) and line[m.end()] != 0):
+            raise self._fail("bad float literal")
+        value = float(m.group(0))
+        if value in (float("inf"), float("-inf")) and b"inf" not in m.group(0).lower():
+            raise self._fail("float literal out of range")
+        self._push(value)
 
-    def op_binfloat(self) -> None:
+    def op_BINFLOAT(self) -> None:
         self._push(struct.unpack(">d", self._read(8))[0])
 
-    def op_none(self) -> None:
+    def op_NONE(self) -> None:
         self._push(None)
 
-    def op_newtrue(self) -> None:
+    def op_NEWTRUE(self) -> None:
         self._push(True)
 
-    def op_newfalse(self) -> None:
+    def op_NEWFALSE(self) -> None:
         self._push(False)
 
     # strings and bytes
-    def op_string(self) -> None:
+    def _string(self, raw: bytes) -> Any:
+        """A protocol-0/2 byte string, decoded with the loader's encoding (strictly, as CPython does)."""
+        if self.encoding == "bytes":
+            return raw
+        try:
+            return raw.decode(self.encoding)
+        except (UnicodeDecodeError, LookupError):
+            raise self._fail(f"byte string does not decode as {self.encoding}") from None
+
+    def op_STRING(self) -> None:
         line = self._readline()
         if len(line) < 2 or line[0] != line[-1] or line[:1] not in (b"'", b'"'):
             raise self._fail("STRING argument is not quoted")
@@ -360,35 +471,28 @@ class PickleVM:
             value = codecs.escape_decode(line[1:-1])[0]
         except ValueError:
             raise self._fail("bad escape in STRING") from None
-        self._push(value.decode("latin-1"))
+        self._push(self._string(value))
 
-    def op_binstring(self) -> None:
+    def op_BINSTRING(self) -> None:
         (n,) = struct.unpack("<i", self._read(4))
         if n < 0:
             raise self._fail("negative BINSTRING length")
-        self._push(self._read(self._check_len(n)).decode("latin-1"))
+        self._push(self._string(self._read(self._check_len(n))))
 
-    def _check_len(self, n: int) -> int:
-        if n > self.limits.max_bytes_item:
-            raise LimitExceeded(f"a pickle string of {n} bytes is over the cap", path=self.source)
-        if n > len(self.data) - self.pos:
-            raise self._fail(f"a {n}-byte string runs past the end of the pickle")
-        return n
-
-    def op_short_binstring(self) -> None:
+    def op_SHORT_BINSTRING(self) -> None:
         n = self._read(1)[0]
-        self._push(self._read(n).decode("latin-1"))
+        self._push(self._string(self._read(n)))
 
-    def op_binbytes(self) -> None:
+    def op_BINBYTES(self) -> None:
         self._push(self._read(self._sized("<I")))
 
-    def op_short_binbytes(self) -> None:
+    def op_SHORT_BINBYTES(self) -> None:
         self._push(self._read(self._read(1)[0]))
 
-    def op_binbytes8(self) -> None:
+    def op_BINBYTES8(self) -> None:
         self._push(self._read(self._sized("<Q")))
 
-    def op_bytearray8(self) -> None:
+    def op_BYTEARRAY8(self) -> None:
         self._push(bytearray(self._read(self._sized("<Q"))))
 
     def _decode(self, raw: bytes) -> str:
@@ -397,78 +501,78 @@ class PickleVM:
         except UnicodeDecodeError:
             raise self._fail("string is not valid UTF-8") from None
 
-    def op_unicode(self) -> None:
+    def op_UNICODE(self) -> None:
         try:
             self._push(self._readline().decode("raw-unicode-escape"))
         except UnicodeDecodeError:
             raise self._fail("bad UNICODE argument") from None
 
-    def op_binunicode(self) -> None:
+    def op_BINUNICODE(self) -> None:
         self._push(self._decode(self._read(self._sized("<I"))))
 
-    def op_short_binunicode(self) -> None:
+    def op_SHORT_BINUNICODE(self) -> None:
         self._push(self._decode(self._read(self._read(1)[0])))
 
-    def op_binunicode8(self) -> None:
+    def op_BINUNICODE8(self) -> None:
         self._push(self._decode(self._read(self._sized("<Q"))))
 
     # containers
-    def op_empty_list(self) -> None:
+    def op_EMPTY_LIST(self) -> None:
         self._push([])
 
-    def op_append(self) -> None:
+    def op_APPEND(self) -> None:
         value = self._pop()
         self._appends(self._top(), [value])
 
-    def op_appends(self) -> None:
+    def op_APPENDS(self) -> None:
         items = self._pop_mark()
         self._appends(self._top(), items)
 
-    def op_list(self) -> None:
+    def op_LIST(self) -> None:
         self._push(self._pop_mark())
 
-    def op_empty_tuple(self) -> None:
+    def op_EMPTY_TUPLE(self) -> None:
         self._push(())
 
-    def op_tuple(self) -> None:
+    def op_TUPLE(self) -> None:
         self._push(tuple(self._pop_mark()))
 
-    def op_tuple1(self) -> None:
+    def op_TUPLE1(self) -> None:
         self._push((self._pop(),))
 
-    def op_tuple2(self) -> None:
+    def op_TUPLE2(self) -> None:
         b = self._pop()
         a = self._pop()
         self._push((a, b))
 
-    def op_tuple3(self) -> None:
+    def op_TUPLE3(self) -> None:
         c = self._pop()
         b = self._pop()
         a = self._pop()
         self._push((a, b, c))
 
-    def op_empty_dict(self) -> None:
+    def op_EMPTY_DICT(self) -> None:
         self._push({})
 
-    def op_dict(self) -> None:
+    def op_DICT(self) -> None:
         items = self._pop_mark()
         d: dict[Any, Any] = {}
         self._setitems(d, items)
         self._push(d)
 
-    def op_setitem(self) -> None:
+    def op_SETITEM(self) -> None:
         value = self._pop()
         key = self._pop()
         self._setitems(self._top(), [key, value])
 
-    def op_setitems(self) -> None:
+    def op_SETITEMS(self) -> None:
         items = self._pop_mark()
         self._setitems(self._top(), items)
 
-    def op_empty_set(self) -> None:
+    def op_EMPTY_SET(self) -> None:
         self._push(set())
 
-    def op_additems(self) -> None:
+    def op_ADDITEMS(self) -> None:
         items = self._pop_mark()
         target = self._top()
         if not isinstance(target, set):
@@ -476,93 +580,114 @@ class PickleVM:
         for item in items:
             target.add(self._hashable(item, "set member", self._fail))
 
-    def op_frozenset(self) -> None:
+    def op_FROZENSET(self) -> None:
         items = self._pop_mark()
         self._push(frozenset(self._hashable(i, "set member", self._fail) for i in items))
 
     # memo
-    def op_get(self) -> None:
-        self._push(self._memo_get(self._parse_int(self._readline())))
+    def op_GET(self) -> None:
+        self._push(self._memo_get(self._py_int(self._readline(), 10)))
 
-    def op_binget(self) -> None:
+    def op_BINGET(self) -> None:
         self._push(self._memo_get(self._read(1)[0]))
 
-    def op_long_binget(self) -> None:
+    def op_LONG_BINGET(self) -> None:
         self._push(self._memo_get(struct.unpack("<I", self._read(4))[0]))
 
-    def op_put(self) -> None:
-        self._memo_put(self._parse_int(self._readline()), self._top())
+    def op_PUT(self) -> None:
+        self._memo_put(self._py_int(self._readline(), 10), self._top())
 
-    def op_binput(self) -> None:
+    def op_BINPUT(self) -> None:
         self._memo_put(self._read(1)[0], self._top())
 
-    def op_long_binput(self) -> None:
+    def op_LONG_BINPUT(self) -> None:
         self._memo_put(struct.unpack("<I", self._read(4))[0], self._top())
 
-    def op_memoize(self) -> None:
+    def op_MEMOIZE(self) -> None:
         self._memo_put(len(self.memo), self._top())
 
     # globals and calls
-    def op_global(self) -> None:
-        module = self._readline().decode("utf-8", "replace")
-        name = self._readline().decode("utf-8", "replace")
+    def op_GLOBAL(self) -> None:
+        module = self._utf8(self._readline(), "GLOBAL module")
+        name = self._utf8(self._readline(), "GLOBAL name")
         self._push(self._global(module, name))
 
-    def op_stack_global(self) -> None:
+    def op_STACK_GLOBAL(self) -> None:
         name = self._pop()
         module = self._pop()
-        if not isinstance(module, str) or not isinstance(name, str):
+        if type(module) is not str or type(name) is not str:
             raise self._fail("STACK_GLOBAL needs two strings")
         self._push(self._global(module, name))
 
-    def op_reduce(self) -> None:
+    def op_REDUCE(self) -> None:
         args = self._pop()
         func = self._pop()
         self._push(self._call(func, args))
 
-    def op_newobj(self) -> None:
+    def op_NEWOBJ(self) -> None:
         args = self._pop()
         cls = self._pop()
         self._push(self._call(cls, args, new=True))
 
-    def op_newobj_ex(self) -> None:
+    def op_NEWOBJ_EX(self) -> None:
         kwargs = self._pop()
         args = self._pop()
         cls = self._pop()
         if not isinstance(kwargs, dict):
             raise self._fail("NEWOBJ_EX keyword arguments are not a dict")
         obj = self._call(cls, args, new=True)
-        if isinstance(obj, Opaque) and kwargs:
+        if kwargs:
+            if not isinstance(obj, Opaque):
+                raise self._fail("keyword arguments to a constructor that takes none")
             obj.state = {"__kwargs__": kwargs}
         self._push(obj)
 
-    def op_inst(self) -> None:
-        module = self._readline().decode("utf-8", "replace")
-        name = self._readline().decode("utf-8", "replace")
+    def op_INST(self) -> None:
+        module = self._utf8(self._readline(), "INST module")
+        name = self._utf8(self._readline(), "INST name")
         args = tuple(self._pop_mark())
         self._push(self._call(self._global(module, name), args))
 
-    def op_obj(self) -> None:
+    def op_OBJ(self) -> None:
         items = self._pop_mark()
         if not items:
             raise self._fail("OBJ without a class")
         self._push(self._call(items[0], tuple(items[1:])))
 
-    def op_build(self) -> None:
+    def op_BUILD(self) -> None:
         state = self._pop()
         target = self._top()
         if isinstance(target, Opaque):
+            self.trace.refuse_weights_only("BUILD on an object weights_only does not allow")
             if isinstance(target.state, dict) and isinstance(state, dict):
                 target.state.update(state)
             else:
                 target.state = state
-        # BUILD on a value we made ourselves (an OrderedDict's ``_metadata``, a tensor's hooks)
-        # carries nothing an inventory needs; it is dropped rather than applied.
+        elif isinstance(target, DictObject):
+            # OrderedDict and Counter have no __setstate__: both loaders update the instance __dict__.
+            if isinstance(state, tuple) and len(state) == 2:
+                state, slots = state
+                if slots:
+                    raise self._fail(f"BUILD sets slots on a {target.cls}, which has none")
+            if state is not None and not isinstance(state, dict):
+                raise self._fail(f"BUILD state for a {target.cls} is not a dict")
+            for key, value in (state or {}).items():
+                if not isinstance(key, str):
+                    raise self._fail("BUILD sets an attribute whose name is not a string")
+                target.attrs[key] = value
+        elif self.builder is None or not self.builder(target, state):
+            # A plain dict, list, string or number has no __dict__ and no __setstate__: the loaders fail.
+            raise self._fail(f"BUILD on a {type(target).__name__}, which cannot take state")
 
-    def op_persid(self) -> None:
-        self._persistent(self._readline().decode("ascii", "replace"))
+    def op_PERSID(self) -> None:
+        line = self._readline()
+        try:
+            pid = line.decode("ascii")
+        except UnicodeDecodeError:
+            raise self._fail("PERSID argument is not ASCII") from None
+        self._persistent(pid)
 
-    def op_binpersid(self) -> None:
+    def op_BINPERSID(self) -> None:
         self._persistent(self._pop())
 
     def _persistent(self, pid: Any) -> None:
@@ -571,77 +696,32 @@ class PickleVM:
         self._push(self.persistent_load(pid))
 
     def op_unsupported(self) -> None:
-        op = self.data[self.pos - 1]
-        names = {0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4", 0x97: "NEXT_BUFFER", 0x98: "READONLY_BUFFER"}
-        raise self._fail(f"{names.get(op, hex(op))} is not supported in a checkpoint")
+        name = _OPCODE_NAMES.get(self.data[self.pos - 1], "?")
+        raise self._fail(f"{name} is not supported in a checkpoint (the loaders need out-of-band buffers or a registry)")
 
 
+def _c_strtol(line: bytes) -> tuple[int | None, int]:
+    """C ``strtol(line, &end, 0)``: the value (None on overflow or no digits) and the index of ``end``."""
+    m = _STRTOL.match(line)
+    if m is None:
+        return None, 0
+    sign, hexdigits, octal, decimal = m.groups()
+    if hexdigits is not None:
+        value = int(hexdigits, 16)
+    elif octal is not None:
+        value = int(octal, 8)
+    else:
+        value = int(decimal)
+    if sign == b"-":
+        value = -value
+    if not -(1 << 63) <= value < (1 << 63):
+        return None, m.end()
+    return value, m.end()
+
+
+_UNSUPPORTED = ("EXT1", "EXT2", "EXT4", "NEXT_BUFFER", "READONLY_BUFFER")
 _DISPATCH: dict[int, Callable[[PickleVM], None]] = {
-    0x80: PickleVM.op_proto,
-    0x95: PickleVM.op_frame,
-    0x28: PickleVM.op_mark,
-    0x30: PickleVM.op_pop,
-    0x31: PickleVM.op_pop_mark,
-    0x32: PickleVM.op_dup,
-    0x49: PickleVM.op_int,
-    0x4C: PickleVM.op_long,
-    0x4A: PickleVM.op_binint,
-    0x4B: PickleVM.op_binint1,
-    0x4D: PickleVM.op_binint2,
-    0x8A: PickleVM.op_long1,
-    0x8B: PickleVM.op_long4,
-    0x46: PickleVM.op_float,
-    0x47: PickleVM.op_binfloat,
-    0x4E: PickleVM.op_none,
-    0x88: PickleVM.op_newtrue,
-    0x89: PickleVM.op_newfalse,
-    0x53: PickleVM.op_string,
-    0x54: PickleVM.op_binstring,
-    0x55: PickleVM.op_short_binstring,
-    0x42: PickleVM.op_binbytes,
-    0x43: PickleVM.op_short_binbytes,
-    0x8E: PickleVM.op_binbytes8,
-    0x96: PickleVM.op_bytearray8,
-    0x56: PickleVM.op_unicode,
-    0x58: PickleVM.op_binunicode,
-    0x8C: PickleVM.op_short_binunicode,
-    0x8D: PickleVM.op_binunicode8,
-    0x5D: PickleVM.op_empty_list,
-    0x61: PickleVM.op_append,
-    0x65: PickleVM.op_appends,
-    0x6C: PickleVM.op_list,
-    0x29: PickleVM.op_empty_tuple,
-    0x74: PickleVM.op_tuple,
-    0x85: PickleVM.op_tuple1,
-    0x86: PickleVM.op_tuple2,
-    0x87: PickleVM.op_tuple3,
-    0x7D: PickleVM.op_empty_dict,
-    0x64: PickleVM.op_dict,
-    0x73: PickleVM.op_setitem,
-    0x75: PickleVM.op_setitems,
-    0x8F: PickleVM.op_empty_set,
-    0x90: PickleVM.op_additems,
-    0x91: PickleVM.op_frozenset,
-    0x67: PickleVM.op_get,
-    0x68: PickleVM.op_binget,
-    0x6A: PickleVM.op_long_binget,
-    0x70: PickleVM.op_put,
-    0x71: PickleVM.op_binput,
-    0x72: PickleVM.op_long_binput,
-    0x94: PickleVM.op_memoize,
-    0x63: PickleVM.op_global,
-    0x93: PickleVM.op_stack_global,
-    0x52: PickleVM.op_reduce,
-    0x81: PickleVM.op_newobj,
-    0x92: PickleVM.op_newobj_ex,
-    0x69: PickleVM.op_inst,
-    0x6F: PickleVM.op_obj,
-    0x62: PickleVM.op_build,
-    0x50: PickleVM.op_persid,
-    0x51: PickleVM.op_binpersid,
-    0x82: PickleVM.op_unsupported,
-    0x83: PickleVM.op_unsupported,
-    0x84: PickleVM.op_unsupported,
-    0x97: PickleVM.op_unsupported,
-    0x98: PickleVM.op_unsupported,
+    code: getattr(PickleVM, "op_unsupported" if name in _UNSUPPORTED else f"op_{name}")
+    for code, name in _OPCODE_NAMES.items()
+    if name != "STOP"
 }

@@ -1,7 +1,13 @@
 """What torch writes into its pickles: storages, tensor rebuild calls, and the globals around them.
 
-Shared by the zip, TorchScript, legacy and DCP readers. Turns a pickle into named tensor records and
-findings about every global that torch's own ``weights_only`` loader would not accept.
+The one torch-pickle toolkit, shared by the zip, TorchScript, legacy, bare-pickle and DCP readers and by
+conversion: :func:`torch_vm` sets up the interpreter, :func:`children` is the one object-graph
+traversal, :func:`walk` names every tensor, :func:`global_findings` turns the globals into findings.
+
+Each rebuild mirrors the function of the same name in ``torch/_utils.py`` (torch 2.13): the dtype,
+shape and storage a real load ends up with, including what the function's later arguments change
+(``_rebuild_device_tensor_from_cpu_tensor`` casts; a rebuild ``state`` runs ``setattr`` on the tensor).
+Anything whose outcome is not modelled exactly is refused rather than guessed.
 """
 
 from __future__ import annotations
@@ -13,8 +19,9 @@ from typing import Any
 
 from .. import dtypes
 from ..errors import CheckpointError, LimitExceeded
-from ..inventory import Finding, Region
-from .picklevm import Global, Opaque, Reducer, Trace
+from ..inventory import Finding, Region, TensorRecord, link_shared_storage
+from . import allowlist
+from .picklevm import DictObject, Global, Opaque, PickleVM, Reducer, Trace
 
 
 @dataclass(frozen=True)
@@ -22,6 +29,7 @@ class StorageRef:
     """A storage as a persistent id names it; its bytes stay on disk."""
 
     key: str
+    """The record name: ``data/<key>`` in a zip archive."""
     dtype: str
     numel: int
     """Elements of ``dtype`` (bytes for an untyped storage)."""
@@ -35,7 +43,7 @@ class StorageRef:
 class TensorRef:
     """A tensor the pickle rebuilds. Identity matters: the same object under two names is one tensor."""
 
-    __slots__ = ("storage", "dtype", "offset", "shape", "stride", "kind", "layout", "nbytes")
+    __slots__ = ("storage", "dtype", "offset", "shape", "stride", "kind", "layout", "nbytes", "attrs")
 
     def __init__(
         self,
@@ -57,14 +65,48 @@ class TensorRef:
         self.kind = kind
         self.layout = layout
         self.nbytes = math.prod(shape) * dtypes.get(dtype).itemsize if nbytes is None else nbytes
+        self.attrs: dict[str, Any] = {}
+        """Python attributes a rebuild's state set on the tensor (they may hold tensors too)."""
+
+    def copy(self, **changes: Any) -> TensorRef:
+        out = TensorRef(self.storage, self.dtype, self.offset, self.shape, self.stride, kind=self.kind, layout=self.layout)
+        out.nbytes = self.nbytes
+        out.attrs = dict(self.attrs)
+        for key, value in changes.items():
+            setattr(out, key, value)
+        return out
+
+
+class Device(str):
+    """A ``torch.device`` value: equal to another device, never to a plain string key."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Device) and str.__eq__(self, other)
+
+    def __hash__(self) -> int:
+        return hash(("torch.device", str(self)))
+
+
+class Layout(str):
+    """A ``torch.layout`` value (``torch.sparse_coo``), as ``torch.serialization._get_layout`` returns it."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and str.__eq__(self, other)
+
+    def __hash__(self) -> int:
+        return hash(("torch.layout", str(self)))
 
 
 # -- argument checking ----------------------------------------------------------------------------
 
 
-def _ints(value: Any, what: str) -> tuple[int, ...]:
+def _ints(value: Any, what: str, *, nonneg: bool = True) -> tuple[int, ...]:
     if isinstance(value, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        if any(v < 0 for v in value) and what == "size":
+        if nonneg and any(v < 0 for v in value):
             raise CheckpointError(f"tensor {what} has a negative entry")
         return tuple(value)
     raise CheckpointError(f"tensor {what} is not a tuple of integers")
@@ -94,6 +136,19 @@ def _storage(value: Any) -> StorageRef:
     raise CheckpointError("a tensor is rebuilt from something that is not a storage record")
 
 
+def _arity(args: tuple[Any, ...], what: str, low: int, high: int | None = None) -> None:
+    if not low <= len(args) <= (low if high is None else high):
+        raise CheckpointError(f"{what} called with {len(args)} arguments; torch's takes {low}" + (f" to {high}" if high else ""))
+
+
+def _requires_grad(value: Any, dtype: str) -> None:
+    # Setting requires_grad on an integer tensor raises in torch, so such a file does not load.
+    if not isinstance(value, bool):
+        raise CheckpointError("requires_grad is not a boolean")
+    if value and dtypes.get(dtype).family not in ("float", "complex"):
+        raise CheckpointError(f"a {dtype} tensor is marked requires_grad; torch refuses to load it")
+
+
 def _check_bounds(storage: StorageRef, dtype: str, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
     if len(shape) != len(stride):
         raise CheckpointError(f"tensor size {shape} and stride {stride} differ in length")
@@ -107,104 +162,233 @@ def _check_bounds(storage: StorageRef, dtype: str, offset: int, shape: tuple[int
         )
 
 
+def _metadata(value: Any) -> None:
+    # torch._utils.set_tensor_metadata: only the conj/neg view bits are meaningful.
+    if value is None or value == {}:
+        return
+    known = isinstance(value, dict) and set(value) <= allowlist.TENSOR_METADATA_KEYS
+    if not known or not all(isinstance(v, bool) for v in value.values()):
+        raise CheckpointError(f"tensor metadata {_short(value)} is not what torch.save writes; not modelled")
+
+
+def _apply_state(t: TensorRef, state: Any) -> None:
+    """torch._utils._set_obj_state: setattr for each entry of the dict (and slots) state."""
+    if isinstance(state, tuple):
+        if len(state) != 2:
+            raise CheckpointError("a tensor's state is a tuple but not (dict, slots)")
+        parts = state
+    else:
+        parts = (state, None)
+    for part in parts:
+        if not part:
+            continue
+        if not isinstance(part, dict):
+            raise CheckpointError("a tensor's state is not a dict")
+        for key, value in part.items():
+            if not isinstance(key, str):
+                raise CheckpointError("a tensor's state sets an attribute whose name is not a string")
+            if key in allowlist.TENSOR_DESCRIPTORS:
+                raise CheckpointError(f"a tensor's state sets '{key}', which changes the tensor torch loads; refused")
+            t.attrs[key] = value
+
+
 # -- reducers: the only calls a torch pickle may make ---------------------------------------------
 
 
-def _rebuild_v2(args: tuple[Any, ...]) -> TensorRef:
-    if len(args) < 4:
-        raise CheckpointError("tensor rebuild call has too few arguments")
+def _rebuild_v1(args: tuple[Any, ...]) -> TensorRef:
+    _arity(args, "_rebuild_tensor", 4)
+    return _strided(args)
+
+
+def _strided(args: tuple[Any, ...]) -> TensorRef:
     storage = _storage(args[0])
     offset, shape, stride = _int(args[1], "offset"), _ints(args[2], "size"), _ints(args[3], "stride")
     _check_bounds(storage, storage.dtype, offset, shape, stride)
     return TensorRef(storage, storage.dtype, offset, shape, stride)
 
 
+def _rebuild_v2(args: tuple[Any, ...]) -> TensorRef:
+    _arity(args, "_rebuild_tensor_v2", 6, 7)
+    t = _strided(args)
+    _requires_grad(args[4], t.dtype)
+    _metadata(args[6] if len(args) > 6 else None)
+    return t
+
+
 def _rebuild_v3(args: tuple[Any, ...]) -> TensorRef:
-    if len(args) < 7:
-        raise CheckpointError("tensor rebuild call has too few arguments")
+    # torch.empty((0,), dtype=dtype).set_(storage._untyped_storage, ...): the storage is reinterpreted.
+    _arity(args, "_rebuild_tensor_v3", 7, 8)
     storage = _storage(args[0])
     dtype = _dtype_of_global(args[6])
     itemsize = dtypes.get(dtype).itemsize
-    byte_offset_elems = _int(args[1], "offset")
+    offset = _int(args[1], "offset")
     shape, stride = _ints(args[2], "size"), _ints(args[3], "stride")
     typed = StorageRef(storage.key, dtype, storage.nbytes // itemsize, storage.location)
-    _check_bounds(typed, dtype, byte_offset_elems, shape, stride)
-    return TensorRef(typed, dtype, byte_offset_elems, shape, stride)
+    _check_bounds(typed, dtype, offset, shape, stride)
+    _requires_grad(args[4], dtype)
+    _metadata(args[7] if len(args) > 7 else None)
+    return TensorRef(typed, dtype, offset, shape, stride)
 
 
 def _rebuild_parameter(args: tuple[Any, ...]) -> TensorRef:
-    if not args:
-        raise CheckpointError("parameter rebuild call has no tensor")
-    t = _tensor(args[0], "a parameter's data")
-    return TensorRef(t.storage, t.dtype, t.offset, t.shape, t.stride, kind="parameter", layout=t.layout, nbytes=t.nbytes)
+    _arity(args, "_rebuild_parameter", 3)
+    return _parameter(args[0], args[1])
+
+
+def _rebuild_parameter_with_state(args: tuple[Any, ...]) -> TensorRef:
+    _arity(args, "_rebuild_parameter_with_state", 4)
+    t = _parameter(args[0], args[1])
+    _apply_state(t, args[3])
+    return t
+
+
+def _parameter(data: Any, requires_grad: Any) -> TensorRef:
+    t = _tensor(data, "a parameter's data")
+    _requires_grad(requires_grad, t.dtype)
+    return t.copy(kind="parameter")
+
+
+def _parameter_class(args: tuple[Any, ...]) -> TensorRef:
+    # torch.nn.Parameter(data=None, requires_grad=True); with no data it wraps torch.empty(0) in the default dtype.
+    if len(args) > 2:
+        raise CheckpointError("Parameter called with more than two arguments")
+    data = args[0] if args else None
+    requires_grad = args[1] if len(args) > 1 else True
+    if data is None:
+        return TensorRef(None, "float32", 0, (0,), (1,), kind="parameter")
+    return _parameter(data, requires_grad)
 
 
 def _rebuild_from_type(args: tuple[Any, ...]) -> Any:
     # torch._tensor._rebuild_from_type_v2(func, new_type, args, state): tensor subclasses.
-    if len(args) < 3 or not isinstance(args[0], Global) or not isinstance(args[2], tuple):
+    _arity(args, "_rebuild_from_type_v2", 4)
+    func, new_type, inner_args, state = args
+    if not isinstance(func, Global) or not isinstance(inner_args, tuple):
         raise CheckpointError("malformed tensor-subclass rebuild call")
-    inner = REDUCERS.get(args[0].qualname)
+    inner = REDUCERS.get(func.qualname)
     if inner is None:
-        return Opaque(args[0], args[2])
-    value = inner(args[2])
-    if isinstance(value, TensorRef) and isinstance(args[1], Global) and args[1].qualname == "torch.nn.parameter.Parameter":
+        return Opaque(func, inner_args)
+    value = inner(inner_args)
+    if not isinstance(value, TensorRef):
+        raise CheckpointError(f"tensor-subclass rebuild through {func.qualname}, which does not make a tensor")
+    value = value.copy()
+    if isinstance(new_type, Global) and new_type.qualname == "torch.nn.parameter.Parameter":
         value.kind = "parameter"
+    elif not (isinstance(new_type, Global) and new_type.qualname == "torch.Tensor"):
+        raise CheckpointError(f"a tensor rebuilt as {_short(new_type)}, a subclass whose state handling is not modelled")
+    _apply_state(value, state)
     return value
 
 
 def _rebuild_qtensor(args: tuple[Any, ...]) -> TensorRef:
-    t = _rebuild_v2(args)
+    _arity(args, "_rebuild_qtensor", 7)
+    t = _strided(args)
+    _requires_grad(args[5], t.dtype)
     t.layout = "quantized"
     return t
 
 
 def _rebuild_sparse(args: tuple[Any, ...]) -> TensorRef:
-    if len(args) != 2 or not isinstance(args[1], tuple):
+    _arity(args, "_rebuild_sparse_tensor", 2)
+    layout, data = args
+    if isinstance(layout, Global) and layout.module == "torch":
+        layout = Layout(layout.qualname)
+    if not isinstance(layout, Layout) or not isinstance(data, tuple):
         raise CheckpointError("malformed sparse tensor rebuild call")
-    parts = [p for p in args[1] if isinstance(p, TensorRef)]
-    sizes = [p for p in args[1] if isinstance(p, tuple)]
-    if not parts or not sizes:
-        raise CheckpointError("sparse tensor without values or size")
-    values = parts[-1]
-    layout = args[0].removeprefix("torch.") if isinstance(args[0], str) else "sparse"
-    shape = _ints(sizes[-1], "size")
-    return TensorRef(None, values.dtype, 0, shape, None, layout=layout, nbytes=sum(p.nbytes for p in parts))
+    name = layout.removeprefix("torch.")
+    if name == "sparse_coo" and len(data) in (3, 4):
+        values, size = data[1], data[2]
+    elif name in ("sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc") and len(data) == 4:
+        values, size = data[2], data[3]
+    else:
+        raise CheckpointError(f"sparse tensor of layout {name} with {len(data)} parts is not what torch rebuilds")
+    values = _tensor(values, "a sparse tensor's values")
+    parts = [p for p in data if isinstance(p, TensorRef)]
+    return TensorRef(None, values.dtype, 0, _ints(size, "size"), None, layout=name, nbytes=sum(p.nbytes for p in parts))
 
 
 def _rebuild_meta(args: tuple[Any, ...]) -> TensorRef:
-    if len(args) < 3:
-        raise CheckpointError("malformed meta tensor rebuild call")
-    return TensorRef(None, _dtype_of_global(args[0]), 0, _ints(args[1], "size"), _ints(args[2], "stride"), layout="meta", nbytes=0)
+    _arity(args, "_rebuild_meta_tensor_no_storage", 4)
+    dtype = _dtype_of_global(args[0])
+    _requires_grad(args[3], dtype)
+    return TensorRef(None, dtype, 0, _ints(args[1], "size"), _ints(args[2], "stride", nonneg=False), layout="meta", nbytes=0)
 
 
-def _ordered_dict(args: tuple[Any, ...]) -> dict[Any, Any]:
-    if not args:
-        return {}
-    pairs = args[0]
-    if isinstance(pairs, dict):
-        return dict(pairs)
-    if isinstance(pairs, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
-        try:
-            return {k: v for k, v in pairs}
-        except TypeError:
-            raise CheckpointError("OrderedDict with an unhashable key") from None
-    raise CheckpointError("malformed OrderedDict")
+def _rebuild_nested(args: tuple[Any, ...]) -> TensorRef:
+    _arity(args, "_rebuild_nested_tensor", 4)
+    buffer = _tensor(args[0], "a nested tensor's buffer")
+    return buffer.copy(layout="nested")
 
 
-def _first(args: tuple[Any, ...]) -> Any:
-    if not args:
-        raise CheckpointError("call without arguments")
-    return args[0]
+def _rebuild_wrapper_subclass(args: tuple[Any, ...]) -> TensorRef:
+    _arity(args, "_rebuild_wrapper_subclass", 8)
+    cls = args[0]
+    if not (isinstance(cls, Global) and cls.qualname in allowlist.WEIGHTS_ONLY_GLOBALS):
+        raise CheckpointError(f"a wrapper tensor of class {_short(cls)}, whose behaviour is not modelled")
+    dtype = _dtype_of_global(args[1])
+    _requires_grad(args[7], dtype)
+    return TensorRef(None, dtype, 0, _ints(args[2], "size"), _ints(args[3], "stride", nonneg=False), layout="wrapper", nbytes=0)
+
+
+def _rebuild_from_cpu_tensor(args: tuple[Any, ...]) -> TensorRef:
+    # data.to(dtype=dtype, device=device): the dtype the file asks for, not the storage's.
+    _arity(args, "_rebuild_device_tensor_from_cpu_tensor", 4)
+    data = _tensor(args[0], "the data of a device tensor")
+    dtype = _dtype_of_global(args[1])
+    _requires_grad(args[3], dtype)
+    if dtype == data.dtype:
+        return data.copy()
+    return TensorRef(None, dtype, 0, data.shape, None, kind=data.kind, layout=data.layout)
+
+
+def _refuse(what: str) -> Reducer:
+    def call(args: tuple[Any, ...]) -> Any:
+        raise CheckpointError(f"{what}; what torch would build is not modelled, so the file is refused")
+
+    return call
+
+
+def _dict_class(cls: str) -> Reducer:
+    def build(args: tuple[Any, ...]) -> DictObject:
+        # OrderedDict(pairs or mapping), Counter(mapping): the constructor's own semantics for what
+        # pickles hold; Counter over an iterable counts, which no checkpoint needs.
+        if not args:
+            return DictObject(cls)
+        if len(args) > 1:
+            raise CheckpointError(f"{cls} called with {len(args)} arguments")
+        pairs = args[0]
+        if isinstance(pairs, dict):
+            return DictObject(cls, pairs)
+        is_pairs = isinstance(pairs, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs)
+        if cls == "collections.OrderedDict" and is_pairs:
+            try:
+                return DictObject(cls, [(k, v) for k, v in pairs])
+            except TypeError:
+                raise CheckpointError("OrderedDict with an unhashable key") from None
+        raise CheckpointError(f"malformed {cls} call")
+
+    return build
 
 
 def _size(args: tuple[Any, ...]) -> tuple[int, ...]:
-    return _ints(_first(args), "size") if args else ()
+    if len(args) > 1:
+        raise CheckpointError("torch.Size called with more than one argument")
+    return _ints(args[0], "size", nonneg=False) if args else ()
+
+
+def _get_layout(args: tuple[Any, ...]) -> Layout:
+    if len(args) != 1 or not isinstance(args[0], str) or not args[0].startswith("torch."):
+        raise CheckpointError("malformed torch.serialization._get_layout call")
+    return Layout(args[0])
 
 
 def _codecs_encode(args: tuple[Any, ...]) -> bytes:
     # Protocol 2 spells bytes as _codecs.encode(text, "latin1").
-    if len(args) == 2 and isinstance(args[0], str) and args[1] in ("latin1", "latin-1"):
-        return args[0].encode("latin-1")
+    if len(args) == 2 and isinstance(args[0], str) and args[1] in ("latin1", "latin-1", "utf-8", "utf8", "ascii"):
+        try:
+            return args[0].encode(args[1])
+        except UnicodeEncodeError:
+            raise CheckpointError("_codecs.encode of text its codec cannot encode") from None
     raise CheckpointError("unexpected _codecs.encode call")
 
 
@@ -231,24 +415,38 @@ def _bytearray(args: tuple[Any, ...]) -> bytearray:
     return bytearray(_bytes(args))
 
 
-def _device(args: tuple[Any, ...]) -> str:
-    return ":".join(str(a) for a in args)
+def _device(args: tuple[Any, ...]) -> Device:
+    if not 1 <= len(args) <= 2 or not isinstance(args[0], str) or (len(args) == 2 and not isinstance(args[1], int)):
+        raise CheckpointError("malformed torch.device call")
+    return Device(":".join(str(a) for a in args))
+
+
+def _first(args: tuple[Any, ...]) -> Any:
+    if not args:
+        raise CheckpointError("call without arguments")
+    return args[0]
 
 
 REDUCERS: dict[str, Reducer] = {
-    "torch._utils._rebuild_tensor": _rebuild_v2,
+    "torch._utils._rebuild_tensor": _rebuild_v1,
     "torch._utils._rebuild_tensor_v2": _rebuild_v2,
     "torch._utils._rebuild_tensor_v3": _rebuild_v3,
     "torch._utils._rebuild_parameter": _rebuild_parameter,
-    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter_with_state,
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type,
     "torch._utils._rebuild_qtensor": _rebuild_qtensor,
     "torch._utils._rebuild_sparse_tensor": _rebuild_sparse,
     "torch._utils._rebuild_meta_tensor_no_storage": _rebuild_meta,
-    "collections.OrderedDict": _ordered_dict,
+    "torch._utils._rebuild_nested_tensor": _rebuild_nested,
+    "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
+    "torch._utils._rebuild_device_tensor_from_cpu_tensor": _rebuild_from_cpu_tensor,
+    "torch._utils._rebuild_device_tensor_from_numpy": _refuse("a tensor rebuilt from a numpy array"),
+    "torch.nn.parameter.Parameter": _parameter_class,
+    "collections.OrderedDict": _dict_class("collections.OrderedDict"),
+    "collections.Counter": _dict_class("collections.Counter"),
     "torch.Size": _size,
     "torch.device": _device,
-    "torch.serialization._get_layout": _first,
+    "torch.serialization._get_layout": _get_layout,
     "_codecs.encode": _codecs_encode,
     "builtins.set": _plain(set),
     "builtins.frozenset": _plain(frozenset),
@@ -262,33 +460,66 @@ REDUCERS: dict[str, Reducer] = {
     "torch.jit._pickle.build_tensorlist": _first,
     "torch.jit._pickle.build_complexlist": _first,
     "torch.jit._pickle.restore_type_tag": _first,
+    # Tensors and storages made by calling their classes (the legacy constructors): allowed by
+    # weights_only, never written by torch.save, and each can make any dtype or size.
+    **{name: _refuse(f"calls {name}") for name in allowlist.WEIGHTS_ONLY_GLOBALS if name.endswith(("Tensor", "Storage"))},
+}
+
+# NEWOBJ runs ``cls.__new__(cls, *args)``: dict and set classes come out empty (their __init__ fills them).
+NEW_REDUCERS: dict[str, Reducer] = {
+    **REDUCERS,
+    "collections.OrderedDict": lambda args: DictObject("collections.OrderedDict"),
+    "collections.Counter": lambda args: DictObject("collections.Counter"),
+    "builtins.set": lambda args: set(),
+    "builtins.bytearray": lambda args: bytearray(),
 }
 
 
+def _build_tensor(target: Any, state: Any) -> bool:
+    if isinstance(target, TensorRef):
+        # Tensor.__setstate__ (and weights_only's BUILD) call set_() or replace .data: a different tensor.
+        raise CheckpointError("BUILD on a tensor would replace its data or storage (Tensor.__setstate__); refused")
+    return False
+
+
 def storage_loader(on_storage: Callable[[StorageRef], None] | None = None, *, legacy: bool = False) -> Callable[[Any], StorageRef]:
-    """A persistent_load for torch's ``('storage', type, key, location, numel[, view])`` records."""
-    cache: dict[tuple[str, str], StorageRef] = {}
+    """A persistent_load for torch's ``('storage', type, key, location, numel[, view])`` records.
+
+    As torch.serialization does, a key seen before returns the storage made the first time, whatever
+    type or size the later record claims; an empty storage is not remembered (the zip loader caches
+    only storages with data, and the legacy one re-types an empty one), so each record types its own.
+    """
+    cache: dict[Any, StorageRef] = {}
 
     def load(pid: Any) -> StorageRef:
-        if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
+        if not isinstance(pid, tuple) or len(pid) < 5:
             raise CheckpointError(f"persistent id {_short(pid)} is not a storage record")
+        typename = pid[0].decode("ascii", "replace") if isinstance(pid[0], bytes) else pid[0]
+        if typename != "storage":
+            raise CheckpointError(f"persistent id {_short(pid)} is not a storage record")
+        if len(pid) != (6 if legacy else 5):
+            raise CheckpointError(f"storage record has {len(pid)} fields, not {6 if legacy else 5}")
         _, kind, key, location, numel = pid[:5]
-        if legacy and len(pid) > 5 and pid[5] is not None:
+        if legacy and pid[5] is not None:
             raise CheckpointError("legacy storage views are not supported")
         if not isinstance(kind, Global):
             raise CheckpointError("storage record names no storage type")
-        if kind.name == "UntypedStorage":
+        # torch's unpickler maps any global whose name holds "Storage" to that storage type by name.
+        if kind.name == "UntypedStorage" and kind.module in ("torch", "torch.storage"):
             dtype = "uint8"
-        elif kind.module == "torch" and kind.name in dtypes.STORAGE_CLASSES:
+        elif kind.name in dtypes.STORAGE_CLASSES:
             dtype = dtypes.STORAGE_CLASSES[kind.name]
         else:
             raise CheckpointError(f"unknown storage type {kind.qualname}")
-        if not isinstance(key, (str, int)) or not isinstance(numel, int) or numel < 0:
+        if not isinstance(key, (str, int)) or isinstance(key, bool) or not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
             raise CheckpointError("storage record has a bad key or size")
-        ref = cache.get((str(key), dtype))
+        if not isinstance(location, (str, bytes)):
+            raise CheckpointError("storage record has a bad location")
+        ref = cache.get(key)
         if ref is None:
-            ref = StorageRef(str(key), dtype, numel, str(location))
-            cache[(str(key), dtype)] = ref
+            ref = StorageRef(str(key), dtype, numel, location.decode("ascii", "replace") if isinstance(location, bytes) else location)
+            if ref.nbytes:
+                cache[key] = ref
             if on_storage is not None:
                 on_storage(ref)
         return ref
@@ -296,12 +527,82 @@ def storage_loader(on_storage: Callable[[StorageRef], None] | None = None, *, le
     return load
 
 
+def torch_vm(
+    data: Any,
+    *,
+    source: str | None,
+    on_storage: Callable[[StorageRef], None] | None = None,
+    legacy: bool = False,
+    persistent: bool = True,
+    encoding: str = "utf-8",
+) -> PickleVM:
+    """The interpreter as torch.load runs it: torch's rebuilds, its storage records, its encoding."""
+    return PickleVM(
+        data,
+        reducers=REDUCERS,
+        new_reducers=NEW_REDUCERS,
+        builder=_build_tensor,
+        persistent_load=storage_loader(on_storage, legacy=legacy) if persistent else None,
+        source=source,
+        encoding=encoding,
+    )
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-# -- naming: walk the object graph ---------------------------------------------------------------
+# -- the object graph ---------------------------------------------------------------------------
+
+
+def _key_part(key: Any, index: int) -> str | None:
+    """How a dict key reads in a tensor name; None for keys that are objects (tensors, tuples, ...)."""
+    if isinstance(key, str):
+        return key
+    if isinstance(key, (int, float, complex, bytes)) or key is None:
+        return str(key)
+    if isinstance(key, Global):
+        return key.qualname
+    return None
+
+
+def children(value: Any) -> Iterator[tuple[str, Any, bool]]:
+    """The values directly inside ``value`` as ``(name part, child, is_state)``: the one traversal.
+
+    Dict keys that are objects (a tensor used as a key) come out as ``__key<i>__`` with their value
+    at ``__value<i>__``; a dict class's attributes under ``__dict__``; an opaque object's arguments
+    as ``__arg<i>__``. ``is_state`` marks what lives in an opaque object's or a tensor's state.
+    """
+    if isinstance(value, TensorRef):
+        for k, v in value.attrs.items():
+            yield k, v, True
+    elif isinstance(value, dict):
+        for i, (k, v) in enumerate(value.items()):
+            part = _key_part(k, i)
+            if part is None:
+                yield f"__key{i}__", k, False
+                part = f"__value{i}__"
+            yield part, v, False
+        if isinstance(value, DictObject) and value.attrs:
+            yield "__dict__", value.attrs, True
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield str(i), v, False
+    elif isinstance(value, (set, frozenset)):
+        for i, v in enumerate(value):
+            yield str(i), v, False
+    elif isinstance(value, Opaque):
+        yield from children(value.items)
+        for i, v in enumerate(value.list_items):
+            yield str(i), v, True
+        if isinstance(value.state, dict):
+            for k, v in value.state.items():
+                yield (k if isinstance(k, str) else str(k)), v, True
+        elif value.state is not None:
+            yield "__state__", value.state, True
+        for i, v in enumerate(value.args):
+            yield f"__arg{i}__", v, True
 
 
 @dataclass(frozen=True)
@@ -314,21 +615,26 @@ class Found:
     owner: Opaque | None
 
 
-def _is_optimizer_state(d: Mapping[Any, Any]) -> bool:
-    return "state" in d and "param_groups" in d
+def is_optimizer_state(value: Any) -> bool:
+    """A torch optimizer's state_dict: ``state`` and ``param_groups`` side by side."""
+    keys: Any = value.items if isinstance(value, Opaque) else value
+    return isinstance(keys, Mapping) and "state" in keys and "param_groups" in keys
 
 
-def walk(root: Any, *, max_visits: int = 1_000_000, max_depth: int = 200) -> Iterator[Found]:
+def is_module_state(value: Any) -> bool:
+    """An ``nn.Module`` pickled whole: its instance dict has ``_parameters`` and ``_modules``."""
+    return isinstance(value, Opaque) and isinstance(value.state, dict) and "_parameters" in value.state and "_modules" in value.state
+
+
+def walk(
+    root: Any, *, max_visits: int = 1_000_000, max_depth: int = 200, on_object: Callable[[Opaque], None] | None = None
+) -> Iterator[Found]:
     """Every tensor under ``root`` with its dotted key path, in pickle order.
 
     Shared sub-objects are walked once per path, as torch.load would show them; the visit and
     depth caps stop reference bombs (the billion-laughs shape) from costing more than a real file.
     """
     visits = 0
-
-    def join(prefix: str, key: Any) -> str:
-        part = key if isinstance(key, str) else str(key)
-        return f"{prefix}.{part}" if prefix else part
 
     def go(value: Any, name: str, region: Region, owner: Opaque | None, depth: int) -> Iterator[Found]:
         nonlocal visits
@@ -339,158 +645,50 @@ def walk(root: Any, *, max_visits: int = 1_000_000, max_depth: int = 200) -> Ite
             raise LimitExceeded(f"the pickle nests deeper than {max_depth} levels")
         if isinstance(value, TensorRef):
             yield Found(name, value, region, owner)
-        elif isinstance(value, dict):
-            inner: Region = "optimizer" if _is_optimizer_state(value) else region
-            for k, v in value.items():
-                yield from go(v, join(name, k), inner, None, depth + 1)
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                yield from go(v, join(name, i), region, None, depth + 1)
-        elif isinstance(value, (set, frozenset)):
-            for i, v in enumerate(value):
-                yield from go(v, join(name, i), region, None, depth + 1)
-        elif isinstance(value, Opaque):
-            inner = "optimizer" if _is_optimizer_state(value.items) else region
-            for k, v in value.items.items():
-                yield from go(v, join(name, k), inner, value, depth + 1)
-            for i, v in enumerate(value.list_items):
-                yield from go(v, join(name, i), region, value, depth + 1)
-            if isinstance(value.state, dict):
-                for k, v in value.state.items():
-                    yield from go(v, join(name, k), region, value, depth + 1)
-            elif value.state is not None:
-                yield from go(value.state, join(name, "__state__"), region, value, depth + 1)
-            for i, v in enumerate(value.args):
-                yield from go(v, join(name, f"__arg{i}__"), region, value, depth + 1)
+        elif isinstance(value, Opaque) and on_object is not None:
+            on_object(value)
+        inner: Region = "optimizer" if is_optimizer_state(value) else region
+        this = value if isinstance(value, Opaque) else None
+        for part, child, is_state in children(value):
+            if isinstance(child, (str, int, float, bytes, bool)) or child is None:
+                continue
+            yield from go(child, f"{name}.{part}" if name else part, inner, this if is_state else None, depth + 1)
 
     yield from go(root, "", "model", None, 0)
 
 
+def module_findings(objects: list[Opaque]) -> list[Finding]:
+    """One ``pickled-module`` error per class of whole nn.Module the pickle holds."""
+    seen: dict[str, None] = {}
+    for obj in objects:
+        if is_module_state(obj):
+            seen.setdefault(obj.qualname)
+    return [
+        Finding(
+            "pickled-module",
+            "error",
+            f"pickles a whole nn.Module ({q}): loading it imports and runs that class's code; save its state_dict and load that",
+        )
+        for q in seen
+    ]
+
+
 # -- globals: what torch's weights_only loader would refuse ---------------------------------------
 
-_SAFE_PREFIXES = ("torch._utils._rebuild_", "torch.jit._pickle.")
-_SAFE_EXACT = frozenset(
-    {
-        *REDUCERS,
-        "torch.storage.UntypedStorage",
-        "torch.UntypedStorage",
-        "torch.nn.parameter.Parameter",
-        "copyreg._reconstructor",
-        "builtins.object",
-        "torch.strided",
-        "torch.sparse_coo",
-        "torch.sparse_csr",
-        "torch.sparse_csc",
-        "torch.sparse_bsr",
-        "torch.sparse_bsc",
-        "torch.per_tensor_affine",
-        "torch.per_channel_affine",
-        "torch.per_tensor_symmetric",
-        "torch.per_channel_symmetric",
-        "torch.per_channel_affine_float_qparams",
-        "torch.contiguous_format",
-        "torch.channels_last",
-        "torch.channels_last_3d",
-        "torch.preserve_format",
-        *(f"torch.{name}" for name in dtypes.STORAGE_CLASSES),
-        *(f"torch.{name}" for name in dtypes.DTYPES),
-    }
-)
 
-# Globals that can run code or touch the system when a trusting loader resolves them.
-_DANGEROUS_MODULES = (
-    "os", "posix", "nt", "subprocess", "sys", "runpy", "importlib", "pickle", "_pickle", "shutil",
-    "socket", "webbrowser", "pty", "code", "codeop", "ctypes", "marshal", "multiprocessing", "asyncio",
-    "http", "urllib", "requests", "types", "io", "pathlib._local", "tempfile", "signal", "threading",
-    "torch.hub", "torch.jit", "dill", "cloudpickle", "numpy.testing", "pip", "setuptools",
-)  # fmt: skip
-_DANGEROUS_EXACT = frozenset(
-    {
-        *(
-            f"builtins.{n}"
-            for n in (
-                "eval",
-                "exec",
-                "compile",
-                "getattr",
-                "setattr",
-                "delattr",
-                "__import__",
-                "open",
-                "globals",
-                "locals",
-                "vars",
-                "breakpoint",
-                "input",
-                "apply",
-                "execfile",
-            )
-        ),  # fmt: skip
-        "functools.partial",
-        "functools.reduce",
-        "operator.attrgetter",
-        "operator.methodcaller",
-        "operator.itemgetter",
-        "torch.load",
-        "torch.save",
-        "torch.serialization.load",
-        "torch._C._load_for_lite_interpreter",
-        "numpy.load",
-        "numpy.lib.npyio.load",
-    }
-)
-# Plain data classes common in training checkpoints: harmless in practice, yet torch's
-# weights_only loader refuses them, so loading the file still means trusting it.
-_DATA_CLASSES = frozenset(
-    {
-        "argparse.Namespace",
-        "pytorch_lightning.utilities.parsing.AttributeDict",
-        "lightning.fabric.utilities.data.AttributeDict",
-        "lightning_fabric.utilities.data.AttributeDict",
-        "numpy.core.multiarray.scalar",
-        "numpy._core.multiarray.scalar",
-        "numpy.core.multiarray._reconstruct",
-        "numpy._core.multiarray._reconstruct",
-        "numpy.ndarray",
-        "numpy.dtype",
-        "pathlib.PosixPath",
-        "pathlib.WindowsPath",
-        "pathlib.PurePosixPath",
-        "datetime.datetime",
-        "datetime.date",
-        "datetime.timedelta",
-        "builtins.dict",
-        "builtins.list",
-        "builtins.tuple",
-        "builtins.int",
-        "builtins.float",
-        "builtins.str",
-        "builtins.bool",
-        "enum.Enum",
-    }
-)
-
-
-def classify_global(qualname: str) -> str:
-    """``safe``, ``data`` (a plain data class) or ``dangerous``/``unknown`` (both unsafe)."""
-    if qualname in _SAFE_EXACT or qualname.startswith(_SAFE_PREFIXES):
-        return "safe"
-    if (
-        qualname in _DANGEROUS_EXACT
-        or qualname.split(".")[0] in _DANGEROUS_MODULES
-        or any(qualname.startswith(m + ".") for m in _DANGEROUS_MODULES)
-    ):
-        return "dangerous"
-    if qualname in _DATA_CLASSES or qualname.startswith(("numpy.dtypes.", "omegaconf.")):
-        return "data"
-    return "unknown"
-
-
-def global_findings(trace: Trace, *, also_safe: Callable[[str], bool] = lambda q: False, file: str | None = None) -> list[Finding]:
-    """One finding per global that a safe loader would refuse."""
+def global_findings(
+    trace: Trace,
+    *,
+    also_safe: Callable[[str], bool] = lambda q: False,
+    file: str | None = None,
+    torchscript: bool = False,
+    weights_only_loader: bool = False,
+) -> list[Finding]:
+    """One finding per global that a safe loader would refuse; with ``weights_only_loader`` (the
+    stream is one torch.load reads), a ``loader-divergence`` note when weights_only refuses it."""
     out: list[Finding] = []
     for qualname in trace.globals:
-        verdict = "safe" if also_safe(qualname) else classify_global(qualname)
+        verdict = "safe" if also_safe(qualname) else allowlist.classify_global(qualname, torchscript=torchscript)
         if verdict == "safe":
             continue
         called = qualname in trace.calls
@@ -515,4 +713,72 @@ def global_findings(trace: Trace, *, also_safe: Callable[[str], bool] = lambda q
                     file=file,
                 )
             )
+    # Globals it refuses are reported above; anything else it refuses is worth a note of its own.
+    # An object made from a refused global is refused again where it is built or filled: only opcodes then.
+    refused_global = any(r.startswith("global ") for r in trace.weights_only_refusals)
+    reasons = [r for r in trace.weights_only_refusals if r.startswith("opcode ") or not (refused_global or r.startswith("global "))]
+    if weights_only_loader and reasons:
+        out.append(
+            Finding(
+                "loader-divergence",
+                "info",
+                f"torch.load(weights_only=True) refuses this pickle ({', '.join(reasons)}); loading it takes "
+                "weights_only=False, CPython's full unpickler, which dtypeaudit models",
+                file=file,
+            )
+        )
     return out
+
+
+# -- records and trailing pickles -------------------------------------------------------------------
+
+
+def tensor_records(found: list[Found], *, module_of: Callable[[Found], tuple[str | None, str]] | None = None) -> tuple[TensorRecord, ...]:
+    """The inventory's records for the tensors :func:`walk` found, with shared storages linked."""
+    out = []
+    for f in found:
+        t = f.tensor
+        module, kind = module_of(f) if module_of else (None, t.kind)
+        out.append(
+            TensorRecord(
+                name=f.name,
+                dtype=t.dtype,
+                shape=t.shape,
+                nbytes=t.nbytes,
+                kind=kind,  # type: ignore[arg-type]
+                storage=t.storage.key if t.storage else None,
+                offset=t.offset,
+                stride=t.stride,
+                layout=t.layout,
+                region=f.region,
+                module=module,
+            )
+        )
+    return link_shared_storage(out)
+
+
+def trailing_findings(data: Any, end: int, source: str, limit: int = 16) -> list[Finding]:
+    """Bytes after the pickle's STOP: loaders ignore them, so a second pickle there is a smuggling attempt.
+
+    Each further pickle is interpreted (never executed) for its globals, so what it would call is
+    reported. Bytes that do not interpret as pickles fail the file: what they hold cannot be checked.
+    """
+    if end >= len(data):
+        return []
+    out = [
+        Finding(
+            "trailing-data", "warning", f"{len(data) - end} bytes follow the pickle; torch.load ignores them, so something is hidden there"
+        )
+    ]
+    for _ in range(limit):
+        if end >= len(data):
+            return out
+        vm = PickleVM(data, persistent_load=lambda pid: None, source=source)
+        try:
+            _, end = vm.load(end)
+        except CheckpointError as exc:
+            raise CheckpointError(
+                f"bytes after the pickle do not interpret as pickles ({exc.message}); what they hold cannot be checked", path=source
+            ) from None
+        out.extend(global_findings(vm.trace))
+    raise LimitExceeded(f"more than {limit} pickles follow the main one", path=source)

@@ -1,142 +1,93 @@
-"""torch.save archives (zip, and the pre-1.6 legacy stream) and TorchScript archives.
+"""torch.save zip archives (``.pt .pth .bin .ckpt``, Lightning checkpoints) and TorchScript archives.
 
-Reads the central directory and ``data.pkl`` only; storage records are checked by size, never read.
+Reads the central directory and the pickles only; storage records are checked by size, never read.
+Mirrors ``PyTorchStreamReader`` (caffe2/serialize/inline_container.cc) and ``_load`` in
+torch/serialization.py, torch 2.13: the archive's folder is the first entry's; records are looked up
+case-insensitively (miniz); a ``version`` record from 1 to 10 is required; ``byteorder`` must read
+exactly ``little`` or ``big``; an archive with ``constants.pkl`` is TorchScript, which torch.load hands
+to torch.jit.load. Every pickle in the archive is interpreted for its globals, not only ``data.pkl``.
 """
 
 from __future__ import annotations
 
-import mmap
 import re
-import struct
-import zipfile
-import zlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from ..errors import CheckpointError, LimitExceeded
-from ..inventory import Finding, Inventory, TensorRecord, link_shared_storage
-from .picklevm import Global, Opaque, PickleVM, Trace
-from .torchpickle import REDUCERS, Found, StorageRef, global_findings, storage_loader, walk
+from ..errors import CheckpointError
+from ..inventory import Finding, Inventory, Layout
+from .barepickle import read_pickle
+from .legacy import read_legacy
+from .picklevm import Global, Opaque, PickleVM
+from .torchpickle import Found, StorageRef, global_findings, module_findings, tensor_records, torch_vm, trailing_findings, walk
+from .ziparchive import Entry, ZipArchive
 
 MAX_PICKLE_BYTES = 1 << 30
-LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-LEGACY_PROTOCOL = 1001
+MIN_VERSION, MAX_VERSION = 1, 10
+"""The archive format versions torch 2.13's reader accepts (caffe2/serialize/versions.h)."""
 
 
-def _records(found: list[Found], *, module_of: Callable[[Found], tuple[str | None, str]] | None = None) -> tuple[TensorRecord, ...]:
-    out = []
-    for f in found:
-        t = f.tensor
-        module, kind = module_of(f) if module_of else (None, t.kind)
-        out.append(
-            TensorRecord(
-                name=f.name,
-                dtype=t.dtype,
-                shape=t.shape,
-                nbytes=t.nbytes,
-                kind=kind,  # type: ignore[arg-type]
-                storage=t.storage.key if t.storage else None,
-                offset=t.offset,
-                stride=t.stride,
-                layout=t.layout,
-                region=f.region,
-                module=module,
-            )
-        )
-    return link_shared_storage(out)
-
-
-# -- zip archives -------------------------------------------------------------------------------
-
-# What Python's zipfile raises on a damaged archive (found by fuzz/fuzz_readers.py): each becomes one line.
-ZIP_ERRORS = (zipfile.BadZipFile, NotImplementedError, UnicodeDecodeError, struct.error, ValueError, OverflowError, EOFError, zlib.error)
-
-
-@contextmanager
-def zip_errors(path: Path) -> Iterator[None]:
-    """Turn zipfile's many failure modes on a damaged archive into one CheckpointError line."""
-    try:
-        yield
-    except ZIP_ERRORS as exc:
-        raise CheckpointError(f"corrupt zip archive ({type(exc).__name__}: {exc})", path=str(path)) from None
-
-
-def _open_zip(path: Path) -> zipfile.ZipFile:
-    try:
-        return zipfile.ZipFile(path)
-    except zipfile.BadZipFile as exc:
-        raise CheckpointError(f"truncated or corrupt zip archive ({exc}); an incomplete download?", path=str(path)) from None
-    except ZIP_ERRORS as exc:
-        raise CheckpointError(f"corrupt zip archive ({type(exc).__name__}: {exc})", path=str(path)) from None
-
-
-def _prefix(zf: zipfile.ZipFile, path: Path) -> str:
-    names = zf.namelist()
-    if not names:
+def _prefix(za: ZipArchive, path: Path) -> str:
+    if not za.entries:
         raise CheckpointError("zip archive is empty", path=str(path))
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise CheckpointError(f"zip archive has the entry '{dup}' twice; torch refuses such files", path=str(path))
-    pkls = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
-    if not pkls:
-        if "data.pkl" in names:
-            raise CheckpointError("zip archive's data.pkl has no top-level folder; torch needs one", path=str(path))
-        raise CheckpointError("zip archive has no data.pkl: not a torch.save or TorchScript file", path=str(path))
-    if len(pkls) > 1:
-        raise CheckpointError(f"zip archive has {len(pkls)} data.pkl entries under different folders", path=str(path))
-    prefix = pkls[0][: -len("data.pkl")]
-    strays = [n for n in names if not n.startswith(prefix)]
+    first = za.entries[0].name
+    if "/" not in first:
+        raise CheckpointError(f"zip archive's first entry '{first}' is not in a folder; torch refuses such files", path=str(path))
+    prefix = first[: first.index("/") + 1]
+    strays = [e.name for e in za.entries if not e.name.startswith(prefix)]
     if strays:
-        raise CheckpointError(f"zip archive mixes folders: '{strays[0]}' is outside '{prefix}'", path=str(path))
+        raise CheckpointError(f"zip archive mixes folders: '{strays[0]}' is outside '{prefix}', which torch ignores", path=str(path))
     return prefix
 
 
-def _read_member(zf: zipfile.ZipFile, name: str, path: Path, cap: int = MAX_PICKLE_BYTES) -> bytes:
-    info = zf.getinfo(name)
-    if info.file_size > cap:
-        raise LimitExceeded(f"{name} is {info.file_size} bytes, over the {cap}-byte cap", path=str(path))
-    try:
-        with zf.open(info) as fh:
-            data = fh.read(cap + 1)
-    except (*ZIP_ERRORS, OSError, RuntimeError) as exc:
-        raise CheckpointError(f"cannot read {name} ({exc})", path=str(path)) from None
-    if len(data) > cap:
-        raise LimitExceeded(f"{name} inflates past the {cap}-byte cap (a zip bomb?)", path=str(path))
-    return data
+def _record(za: ZipArchive, prefix: str, name: str) -> Entry | None:
+    return za.find(prefix + name)
 
 
-def _check_storages(zf: zipfile.ZipFile, prefix: str, storages: list[StorageRef], path: Path) -> None:
+def _read(za: ZipArchive, entry: Entry, cap: int = MAX_PICKLE_BYTES) -> bytes:
+    return za.read(entry, cap)
+
+
+def _version(za: ZipArchive, prefix: str, path: Path) -> None:
+    entry = _record(za, prefix, ".data/version") or _record(za, prefix, "version")
+    if entry is None:
+        raise CheckpointError("zip archive has no version record; torch refuses it", path=str(path))
+    text = _read(za, entry, cap=64).decode("ascii", "replace")
+    m = re.match(r"\s*\+?(\d+)", text)  # std::stoull: leading space, a sign, digits, anything after
+    if m is None:
+        raise CheckpointError(f"zip archive's version record '{text[:20]}' is not a number; torch refuses it", path=str(path))
+    if not MIN_VERSION <= int(m.group(1)) <= MAX_VERSION:
+        what = f"zip archive format version {m.group(1)} is outside the {MIN_VERSION}-{MAX_VERSION} torch reads"
+        raise CheckpointError(what, path=str(path))
+
+
+def _check_storages(za: ZipArchive, prefix: str, storages: list[StorageRef], path: Path) -> dict[str, tuple[int, int]]:
+    """Each storage's record, which torch requires to be stored and exactly the size the pickle says."""
+    spans: dict[str, tuple[int, int]] = {}
     for ref in storages:
         name = f"{prefix}data/{ref.key}"
-        try:
-            info = zf.getinfo(name)
-        except KeyError:
-            raise CheckpointError(f"storage '{ref.key}' is missing from the archive (no {name})", path=str(path)) from None
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise CheckpointError(
-                f"storage record {name} is compressed; torch writes them uncompressed, so it was not read", path=str(path)
-            )
-        if info.file_size < ref.nbytes:
-            raise CheckpointError(
-                f"storage record {name} holds {info.file_size} bytes but the pickle needs {ref.nbytes}",
-                path=str(path),
-            )
+        entry = za.find(name)
+        if entry is None:
+            raise CheckpointError(f"storage '{ref.key}' is missing from the archive (no {name})", path=str(path))
+        if entry.method != 0:
+            raise CheckpointError(f"storage record {name} is compressed; torch writes them stored, so it was not read", path=str(path))
+        if entry.size != ref.nbytes:
+            raise CheckpointError(f"storage record {name} holds {entry.size} bytes but the pickle needs {ref.nbytes}", path=str(path))
+        spans.setdefault(ref.key, za.span(entry))
+    return spans
 
 
 _TS_CLASS = re.compile(r"^class ([\w.]+)\(Module\):\n  __parameters__ = \[([^\]]*)\]\n  __buffers__ = \[([^\]]*)\]", re.M)
 
 
-def _torchscript_kinds(zf: zipfile.ZipFile, prefix: str, path: Path) -> dict[str, dict[str, str]]:
+def _torchscript_kinds(za: ZipArchive, prefix: str) -> dict[str, dict[str, str]]:
     """Class qualname -> {attribute: 'parameter'|'buffer'}, from the archive's generated code (text, not run)."""
     kinds: dict[str, dict[str, str]] = {}
-    for name in zf.namelist():
+    for entry in za.entries:
+        name = entry.name
         if not (name.startswith(prefix + "code/") and name.endswith(".py")):
             continue
         module = name[len(prefix + "code/") : -len(".py")].replace("/", ".")
-        text = _read_member(zf, name, path, cap=64 << 20).decode("utf-8", "replace")
+        text = _read(za, entry, cap=64 << 20).decode("utf-8", "replace")
         for m in _TS_CLASS.finditer(text):
             attrs = {a: "parameter" for a in re.findall(r'"([^"]+)"', m.group(2))}
             attrs.update({a: "buffer" for a in re.findall(r'"([^"]+)"', m.group(3))})
@@ -144,30 +95,55 @@ def _torchscript_kinds(zf: zipfile.ZipFile, prefix: str, path: Path) -> dict[str
     return kinds
 
 
-def _module_type(qualname: str) -> str:
-    return qualname.rsplit(".", 1)[-1]
+def _other_pickles(za: ZipArchive, main: Entry, path: Path, *, torchscript: bool) -> list[Finding]:
+    """Globals of every other pickle in the archive (a second data.pkl, constants.pkl, a stray .pkl)."""
+    out: list[Finding] = []
+    for entry in za.pickle_entries():
+        if entry == main:
+            continue
+        data = _read(za, entry)
+        vm = PickleVM(data, persistent_load=lambda pid: None, source=f"{path}:{entry.name}")
+        try:
+            _, end = vm.load()
+        except CheckpointError as exc:
+            what = f"the archive's {entry.name} cannot be interpreted ({exc.message}), so what it holds cannot be checked"
+            raise CheckpointError(what, path=str(path)) from None
+        label = entry.name
+        out += global_findings(vm.trace, file=label, torchscript=torchscript)
+        out += [Finding(f.rule, f.severity, f.message, file=label) for f in trailing_findings(data, end, f"{path}:{entry.name}")]
+    return out
 
 
 def read_zip(path: Path) -> Inventory:
-    with zip_errors(path), _open_zip(path) as zf:
-        prefix = _prefix(zf, path)
-        names = set(zf.namelist())
-        torchscript = any(n.startswith(prefix + "code/") for n in names) or f"{prefix}constants.pkl" in names
+    with ZipArchive.open(path) as za:
+        first = za.entries[0].name if za.entries else ""
+        main = za.find(first[: first.index("/") + 1] + "data.pkl") if "/" in first else None
+        if main is None:
+            return _foreign_zip(za, path)
+        prefix = _prefix(za, path)
+        _version(za, prefix, path)
+        # torch.load's test for TorchScript: a record named exactly constants.pkl (get_all_records, then `in`).
+        torchscript = any(e.name == prefix + "constants.pkl" for e in za.entries)
         metadata: dict[str, object] = {"archive_prefix": prefix.rstrip("/")}
-        if f"{prefix}byteorder" in names:
-            order = _read_member(zf, f"{prefix}byteorder", path, cap=64).decode("ascii", "replace").strip()
-            if order not in ("little", "big"):
-                raise CheckpointError(f"unknown byteorder '{order[:20]}' in the archive", path=str(path))
-            metadata["byteorder"] = order
-        data = _read_member(zf, f"{prefix}data.pkl", path)
+        byteorder = _record(za, prefix, "byteorder")
+        if byteorder is not None:
+            order = _read(za, byteorder, cap=64)
+            if order not in (b"little", b"big"):
+                what = order[:20].decode("ascii", "replace")
+                raise CheckpointError(f"unknown byteorder '{what}' in the archive; torch refuses it", path=str(path))
+            metadata["byteorder"] = order.decode()
+        data = _read(za, main)
         storages: list[StorageRef] = []
-        vm = PickleVM(data, reducers=REDUCERS, persistent_load=storage_loader(storages.append), source=str(path))
+        vm = torch_vm(data, source=str(path), on_storage=storages.append)
         root, end = vm.load()
-        found = list(walk(root))
-        trailing = _trailing_findings(data, end, path)
-        _check_storages(zf, prefix, storages, path)
+        objects: list[Opaque] = []
+        found = list(walk(root, on_object=objects.append))
+        extra = trailing_findings(data, end, str(path)) + module_findings(objects) + _other_pickles(za, main, path, torchscript=torchscript)
+        spans = _check_storages(za, prefix, storages, path)
+        records = tuple(e.name[len(prefix) :] for e in za.entries if e != main and not e.name.startswith(prefix + "data/"))
+        layout = Layout("zip", spans, archive_prefix=prefix, records=records)
         if torchscript:
-            kinds = _torchscript_kinds(zf, prefix, path)
+            kinds = _torchscript_kinds(za, prefix)
 
             def module_of(f: Found) -> tuple[str | None, str]:
                 if f.owner is None or not isinstance(f.owner.callable, Global):
@@ -176,131 +152,37 @@ def read_zip(path: Path) -> Inventory:
                 attr = f.name.rsplit(".", 1)[-1]
                 return _module_type(owner), kinds.get(owner, {}).get(attr, f.tensor.kind)
 
-            tensors = _records(found, module_of=module_of)
-            findings = global_findings(vm.trace, also_safe=lambda q: q.startswith("__torch__."))
-            return Inventory(str(path), "torchscript", tensors, tuple(findings + trailing), metadata)
-        return Inventory(str(path), "torch-zip", _records(found), tuple(global_findings(vm.trace) + trailing), metadata)
+            findings = global_findings(vm.trace, torchscript=True) + extra
+            return Inventory(str(path), "torchscript", tensor_records(found, module_of=module_of), tuple(findings), metadata, layout)
+        findings = global_findings(vm.trace, weights_only_loader=True) + extra
+        return Inventory(str(path), "torch-zip", tensor_records(found), tuple(findings), metadata, layout)
 
 
-def _trailing_findings(data: bytes, end: int, path: Path, limit: int = 16) -> list[Finding]:
-    """Bytes after the pickle's STOP: loaders ignore them, so a second pickle there is a smuggling attempt.
-
-    Each further pickle is interpreted (never executed) for its globals, so what it would call is reported.
-    """
-    if end >= len(data):
-        return []
-    out = [
-        Finding(
-            "trailing-data", "warning", f"{len(data) - end} bytes follow the pickle; torch.load ignores them, so something is hidden there"
-        )
-    ]
-    for _ in range(limit):
-        if end >= len(data):
-            break
-        vm = PickleVM(data, persistent_load=lambda pid: None, source=str(path))
+def _foreign_zip(za: ZipArchive, path: Path) -> Inventory:
+    """A zip that is no torch archive: still report what its pickles would call, else say what it is not."""
+    if not za.entries:
+        raise CheckpointError("zip archive is empty", path=str(path))
+    first = za.entries[0].name
+    findings: list[Finding] = []
+    for entry in za.pickle_entries():
+        data = _read(za, entry)
+        vm = PickleVM(data, persistent_load=lambda pid: None, source=f"{path}:{entry.name}")
         try:
-            _, end = vm.load(end)
+            vm.load()
         except CheckpointError:
-            break
-        out.extend(global_findings(vm.trace))
-    return out
+            continue
+        findings += global_findings(vm.trace, file=entry.name)
+    if any(f.severity == "error" for f in findings):
+        return Inventory(str(path), "zip", (), tuple(findings), {})
+    if "/" not in first and any(e.name.lower() == "data.pkl" for e in za.entries):
+        raise CheckpointError(f"zip archive has no top-level folder (its first entry is '{first}'); torch needs one", path=str(path))
+    if any(e.name.lower().endswith("/data.pkl") for e in za.entries):
+        raise CheckpointError("zip archive's data.pkl is not in the folder of its first entry, where torch looks", path=str(path))
+    raise CheckpointError("zip archive has no data.pkl: not a torch.save or TorchScript file", path=str(path))
 
 
-# -- legacy (pre-1.6) stream --------------------------------------------------------------------
+def _module_type(qualname: str) -> str:
+    return qualname.rsplit(".", 1)[-1]
 
 
-def read_legacy(path: Path) -> Inventory:
-    try:
-        with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return _read_legacy(path, mm)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot map the file ({exc})", path=str(path)) from None
-
-
-@dataclass(frozen=True)
-class LegacyHeader:
-    """The three small pickles a legacy file opens with: magic number, protocol, system info."""
-
-    main: int
-    """Offset of the main pickle (the checkpoint's object graph)."""
-    little_endian: bool
-    trace: Trace
-
-
-def legacy_header(buf: bytes | mmap.mmap, path: Path) -> LegacyHeader:
-    vm = PickleVM(buf, source=str(path))
-    magic, pos = vm.load(0)
-    if magic != LEGACY_MAGIC or isinstance(magic, bool):
-        raise CheckpointError("starts like a legacy torch.save file but its magic number is wrong", path=str(path))
-    protocol, pos = vm.load(pos)
-    if protocol != LEGACY_PROTOCOL:
-        raise CheckpointError(f"legacy torch.save protocol {protocol!r} is not {LEGACY_PROTOCOL}", path=str(path))
-    sys_info, pos = vm.load(pos)
-    if not isinstance(sys_info, dict):
-        raise CheckpointError("legacy torch.save header is malformed", path=str(path))
-    return LegacyHeader(pos, bool(sys_info.get("little_endian", True)), vm.trace)
-
-
-def legacy_storage_keys(buf: bytes | mmap.mmap, pos: int, path: Path) -> tuple[list[str], int, Trace]:
-    """The list of storage keys that follows the main pickle, and where the storage data starts."""
-    vm = PickleVM(buf, source=str(path))
-    keys, end = vm.load(pos)
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise CheckpointError("legacy torch.save storage list is malformed", path=str(path))
-    return keys, end, vm.trace
-
-
-def _read_legacy(path: Path, mm: mmap.mmap) -> Inventory:
-    storages: list[StorageRef] = []
-    header = legacy_header(mm, path)
-    little = header.little_endian
-    vm = PickleVM(mm, reducers=REDUCERS, persistent_load=storage_loader(storages.append, legacy=True), source=str(path))
-    root, pos = vm.load(header.main)
-    found = list(walk(root))
-    keys, pos, keys_trace = legacy_storage_keys(mm, pos, path)
-    _check_legacy_storages(mm, pos, keys, storages, path, little=little)
-    findings = global_findings(vm.trace) + global_findings(header.trace) + global_findings(keys_trace)
-    metadata: dict[str, object] = {"byteorder": "little" if little else "big"}
-    return Inventory(str(path), "torch-legacy", _records(found), tuple(findings), metadata)
-
-
-def _check_legacy_storages(mm: mmap.mmap, pos: int, keys: list[str], storages: list[StorageRef], path: Path, *, little: bool) -> None:
-    by_key = {s.key: s for s in storages}
-    missing = [s.key for s in storages if s.key not in keys]
-    if missing:
-        raise CheckpointError(f"storage '{missing[0]}' is missing from the file", path=str(path))
-    fmt = "<q" if little else ">q"
-    for key in keys:
-        if pos + 8 > len(mm):
-            raise CheckpointError(f"file ends before storage '{key}' (truncated)", path=str(path))
-        (count,) = struct.unpack(fmt, mm[pos : pos + 8])
-        pos += 8
-        ref = by_key.get(key)
-        itemsize = ref.nbytes // ref.numel if ref and ref.numel else 1
-        if ref is not None and count != ref.numel:
-            raise CheckpointError(f"storage '{key}' holds {count} elements but the pickle needs {ref.numel}", path=str(path))
-        pos += count * itemsize
-        if pos > len(mm):
-            raise CheckpointError(f"file ends inside storage '{key}' (truncated)", path=str(path))
-
-
-def read_pickle(path: Path) -> Inventory:
-    """A bare pickle (``pickle.dump`` of tensors): read for its globals, which is where the danger is."""
-    with path.open("rb") as fh:
-        data = fh.read(MAX_PICKLE_BYTES + 1)
-    if len(data) > MAX_PICKLE_BYTES:
-        raise LimitExceeded("bare pickle is over the 1 GiB cap", path=str(path))
-    vm = PickleVM(data, reducers=REDUCERS, persistent_load=_no_persistent(path), source=str(path))
-    root, end = vm.load()
-    findings = global_findings(vm.trace) + _trailing_findings(data, end, path)
-    return Inventory(str(path), "pickle", _records(list(walk(root))), tuple(findings), {})
-
-
-def _no_persistent(path: Path) -> Callable[[Any], Any]:
-    def load(pid: Any) -> Any:
-        raise CheckpointError("a bare pickle refers to external storage; not a torch.save file", path=str(path))
-
-    return load
-
-
-__all__ = ["read_zip", "read_legacy", "read_pickle", "Opaque"]
+__all__ = ["read_zip", "read_legacy", "read_pickle", "MAX_PICKLE_BYTES"]

@@ -1,0 +1,38 @@
+"""Bare pickles (``pickle.dump`` of tensors or anything else): read for their globals, which is where the danger is.
+
+``pickle.load`` is the loader here: CPython's full unpickler with its default ASCII encoding, and no
+persistent ids. torch.load refuses such a file (no zip signature, no legacy magic number).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, LimitExceeded
+from ..inventory import Inventory
+from .picklevm import Opaque
+from .torchpickle import global_findings, module_findings, tensor_records, torch_vm, trailing_findings, walk
+
+MAX_PICKLE_BYTES = 1 << 30
+
+
+def read_pickle(path: Path) -> Inventory:
+    with path.open("rb") as fh:
+        data = fh.read(MAX_PICKLE_BYTES + 1)
+    if len(data) > MAX_PICKLE_BYTES:
+        raise LimitExceeded("bare pickle is over the 1 GiB cap", path=str(path))
+    vm = torch_vm(data, source=str(path), persistent=False, encoding="ASCII")
+    vm.persistent_load = _no_persistent(path)
+    root, end = vm.load()
+    objects: list[Opaque] = []
+    found = list(walk(root, on_object=objects.append))
+    findings = global_findings(vm.trace) + module_findings(objects) + trailing_findings(data, end, str(path))
+    return Inventory(str(path), "pickle", tensor_records(found), tuple(findings), {})
+
+
+def _no_persistent(path: Path) -> Any:
+    def load(pid: Any) -> Any:
+        raise CheckpointError("a bare pickle refers to external storage; not a torch.save file", path=str(path))
+
+    return load
