@@ -6,8 +6,12 @@ Library API::
     inventory = dtypeaudit.read("model.safetensors")                     # Inventory: every tensor, no torch
     policy = dtypeaudit.load_policy("fp16-mixed")                        # a preset name or a YAML file
     findings = dtypeaudit.check(inventory, policy)                       # list[Finding]
-    report = dtypeaudit.scan(["ckpts/"], checks=dtypeaudit.checks_for(policy))
+    report = dtypeaudit.scan(["ckpts/"], checks=dtypeaudit.checks_for(policy), strict=policy.strict)
     result = dtypeaudit.convert("model.pt", "fp16", policy=policy)      # plan, check, write, verify
+    result.refused                                                       # findings that forbid converting; nothing written
+
+``strict=True`` raises every finding a loader might read differently from dtypeaudit (loader-divergence,
+foreign-global, trailing-data, unused-weights) to an error: for security-sensitive gates.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-from .check import check, checks_for  # noqa: E402
+from .check import check, checks_for, strict_findings  # noqa: E402
 from .errors import CheckpointError, ConversionError, DtypeAuditError, PolicyError  # noqa: E402
 from .formats import read_checkpoint as read  # noqa: E402
 from .inventory import CheckpointReport, Finding, Inventory, Report, TensorRecord  # noqa: E402
@@ -47,6 +51,7 @@ __all__ = [
     "Policy",
     "check",
     "checks_for",
+    "strict_findings",
     "convert",
     "CheckpointError",
     "ConversionError",

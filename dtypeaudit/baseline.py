@@ -74,5 +74,7 @@ def render_baseline(inv: Inventory) -> str:
         f"# Baseline for {inv.path} ({inv.format}, {len(inv.tensors)} tensors), written by `dtypeaudit policy init`.\n"
         "# The checkpoint passes it exactly. Loosen what may change, then check with\n"
         "#   dtypeaudit scan CHECKPOINT --policy THIS_FILE\n"
+        "# For a security-sensitive gate, add `strict: true`: anything a loader might read differently\n"
+        "# from dtypeaudit (foreign globals, trailing data, unused weight files) then fails the scan.\n"
     )
     return header + yaml.safe_dump(baseline(inv), sort_keys=False, width=120)

@@ -7,7 +7,8 @@ config.json whose dtype disagrees with the weights.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from . import dtypes
@@ -17,6 +18,10 @@ if TYPE_CHECKING:  # the policy module (and YAML) load only when a policy is in 
     from .policy import Decision, Policy
 
 Check = Callable[[Inventory], list[Finding]]
+
+# What a loader might read differently from dtypeaudit: harmless for ordinary files, fatal for a security gate.
+STRICT_RULES = frozenset({"loader-divergence", "foreign-global", "trailing-data", "unused-weights"})
+STRICT_MARKER = " (strict)"
 
 # Statistics that may legitimately stay fp32 beside half-precision weights (cuDNN's batch norm takes them so).
 _STAT_SUFFIXES = ("running_mean", "running_var")
@@ -151,9 +156,21 @@ def checks_for(policy: Policy | None) -> list[Check]:
     return checks
 
 
-def check(inv: Inventory, policy: Policy | None = None) -> list[Finding]:
-    """All findings for one inventory: the reader's own, then each check's."""
+def strict_findings(findings: Iterable[Finding]) -> list[Finding]:
+    """Strict mode (``--strict``, ``strict: true``): every finding of a STRICT_RULES rule becomes an error.
+
+    The message keeps its words and gains a "(strict)" marker, so a reader of any report sees why a
+    warning now fails the run.
+    """
+    return [
+        replace(f, severity="error", message=f.message + STRICT_MARKER) if f.rule in STRICT_RULES and f.severity != "error" else f
+        for f in findings
+    ]
+
+
+def check(inv: Inventory, policy: Policy | None = None, *, strict: bool = False) -> list[Finding]:
+    """All findings for one inventory: the reader's own, then each check's; promoted by ``strict``."""
     out = list(inv.findings)
     for c in checks_for(policy):
         out.extend(c(inv))
-    return out
+    return strict_findings(out) if strict else out

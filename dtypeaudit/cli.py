@@ -174,6 +174,15 @@ def scan(
         typer.Option("--values", help="Also read tensor values: NaN/Inf, and what a cast to fp16 would overflow or flush to zero."),
     ] = False,
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Checkpoints read in parallel (default: one per core).")] = None,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="Fail on anything a loader might read differently from dtypeaudit, for security-sensitive gates: "
+            "loader-divergence, foreign-global, trailing-data and unused-weights findings become errors. "
+            "Default: the policy's `strict`, else off.",
+        ),
+    ] = False,
     verbose: VerboseOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -187,6 +196,7 @@ def scan(
       dtypeaudit scan ckpts/ --policy policy.yaml --format sarif -o dtypeaudit.sarif
       dtypeaudit scan model.pt --policy policy.yaml --explain lm_head.weight
       dtypeaudit scan model.pt --values
+      dtypeaudit scan model.pt --strict
       dtypeaudit scan mymodels/net.py:build_model
     """
 
@@ -213,6 +223,7 @@ def scan(
             jobs=jobs,
             raise_errors=debug,
             progress=progress,
+            strict=strict or (pol.strict if pol else False),
         )
         chosen = fmt or (OutputFormat.plain if output else default_format())
         emit(renderer_for(chosen, width=_terminal_width(), verbose=verbose)(report), output)
@@ -307,7 +318,7 @@ def policy_validate(
         for f in files:
             pol = load_policy(f)
             extends = f", extends {' -> '.join(pol.extends)}" if pol.extends else ""
-            typer.echo(f"{f}: valid ({len(pol.rules)} rules{extends})")
+            typer.echo(f"{f}: valid ({len(pol.rules)} rules{extends}{', strict' if pol.strict else ''})")
 
     run_guarded(body, debug)
 
@@ -396,9 +407,12 @@ def convert(
 ) -> None:
     """Rewrite a checkpoint in fp16, bf16 or fp32, keeping every non-tensor byte, ties and views.
 
-    Values are checked first: overflow, NaN/Inf or heavy underflow refuse the conversion (exit 1)
-    unless --clamp or --keep-unsafe. The output is written to a temporary file, verified against
-    torch's own cast of the source, then renamed into place. The source is never touched.
+    A checkpoint that scan flags as an error (a code-running global, a pickled whole model, an index
+    that disagrees with its shards) or that hides bytes after its pickle is refused (exit 1): a
+    rewrite must never launder a payload. Values are checked next: overflow, NaN/Inf or heavy
+    underflow refuse the conversion (exit 1) unless --clamp or --keep-unsafe. The output is written
+    to a temporary file, verified against torch's own cast of the source, then renamed into place.
+    The source is never touched.
 
     \b
     Examples:
@@ -411,7 +425,7 @@ def convert(
 
     def body() -> None:
         from .conversion import convert as run_convert
-        from .render.convert import render_json, render_text
+        from .render.convert import refusal_lines, render_json, render_text
 
         if fmt not in ("text", "json"):
             raise UsageError(f"--format must be text or json, not '{fmt}'")
@@ -439,7 +453,9 @@ def convert(
             if progress is not None:
                 progress.close()
         emit(render_json(result) if fmt == "json" else render_text(result, verbose=verbose), None)
-        raise typer.Exit(exitcodes.FINDINGS if result.unsafe else exitcodes.CLEAN)
+        for line in refusal_lines(result):
+            typer.echo(f"dtypeaudit: {line}", err=True)
+        raise typer.Exit(exitcodes.FINDINGS if result.blocked else exitcodes.CLEAN)
 
     run_guarded(body, debug)
 

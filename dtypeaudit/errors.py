@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
 
 

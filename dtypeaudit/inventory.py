@@ -161,6 +161,8 @@ class Report:
     """Findings at or above this severity make the run fail."""
     policy: str | None = None
     """Where the policy came from (file or preset), if one was used."""
+    strict: bool = False
+    """Strict mode: what a loader might read differently from dtypeaudit was raised to an error."""
 
     @property
     def findings(self) -> list[Finding]:

@@ -6,6 +6,7 @@ A policy says which dtype each tensor should have::
     extends: fp16-mixed          # a preset name or another file, relative to this one
     default: float16             # floating tensors no rule matches
     check_integers: true         # also hold integer/bool tensors to the rules
+    strict: true                 # fail on anything a loader might read differently (security gates)
     ignore: ["optimizer.*"]      # never checked
     rules:                       # first match wins
       - match: "*norm*"          # glob, or "re:<regex>"; a list means any of them
@@ -172,6 +173,8 @@ class Policy:
     ignore: tuple[Matcher, ...] = ()
     rules: tuple[Rule, ...] = ()
     fail_on: Severity | None = None
+    strict: bool = False
+    """Raise every finding a loader might read differently from dtypeaudit to an error (``--strict``)."""
     extends: tuple[str, ...] = field(default=())
     """The chain of sources this policy extends, nearest first."""
 
@@ -264,6 +267,7 @@ def _load(path: Path, chain: tuple[str, ...]) -> Policy:
         ignore=own.ignore + parent.ignore,
         rules=rules,
         fail_on=own.fail_on if own.fail_on is not None else parent.fail_on,
+        strict=own.strict if "strict" in raw else parent.strict,
         extends=(parent.source, *parent.extends),
     )
 
@@ -333,7 +337,7 @@ def _construct(node: Any, where: tuple[object, ...], lines: Lines, path: str) ->
 
 # -- validation: a declarative schema ------------------------------------------------------------
 
-TOP_KEYS = ("version", "extends", "default", "check_integers", "ignore", "rules", "fail_on")
+TOP_KEYS = ("version", "extends", "default", "check_integers", "ignore", "rules", "fail_on", "strict")
 RULE_KEYS = ("name", "match", "ndim", "kind", "module", "region", "dtype", "severity", "reason")
 
 
@@ -370,6 +374,9 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str) -> Policy:
     if not isinstance(check_integers, bool):
         raise fail(("check_integers",), "check_integers must be true or false")
     fail_on = _severity(raw["fail_on"], ("fail_on",), fail) if "fail_on" in raw else None
+    strict = raw.get("strict", False)
+    if not isinstance(strict, bool):
+        raise fail(("strict",), "strict must be true or false")
 
     ignore = _matchers(raw.get("ignore", []), ("ignore",), fail)
     rules_raw = raw.get("rules", [])
@@ -433,6 +440,7 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str) -> Policy:
         ignore=ignore,
         rules=tuple(rules),
         fail_on=fail_on,
+        strict=strict,
     )
 
 

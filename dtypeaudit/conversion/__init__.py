@@ -7,13 +7,14 @@ Memory stays bounded by a chunk (a tensor, for non-contiguous views into safeten
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
 from ..formats import read_checkpoint
+from ..inventory import Finding, Inventory
 from ..policy import Policy
 from ..torchcast import load_torch
 from ..values import ValueStats
@@ -28,9 +29,41 @@ from .write import parse_size, write_directory, write_file
 @dataclass
 class Result:
     plan: Plan
+    """What happens to each tensor; empty when the conversion was ``refused``."""
     output: Path | None
+    """What was written, or None (a dry run, unsafe values, a refusal)."""
     unsafe: list[ValueStats]
+    """Tensors whose values block the conversion; nothing was written."""
     dry_run: bool = False
+    refused: tuple[Finding, ...] = ()
+    """The reader's findings that forbid converting this checkpoint at all (see ``refusals``); nothing was written."""
+
+    @property
+    def blocked(self) -> bool:
+        """Nothing was written because of the checkpoint itself or its values: the command fails (exit 1)."""
+        return bool(self.refused or self.unsafe)
+
+
+# A rewrite would carry what hides after the pickle along or silently drop it: either way it launders it.
+REFUSED_WARNINGS = frozenset({"trailing-data"})
+
+
+def refusals(inv: Inventory) -> tuple[Finding, ...]:
+    """The reader's findings that make ``convert`` refuse before anything is written.
+
+    Every error the reader raises (a code-running global, a pickled whole module, an index that
+    disagrees with its shards) and trailing data.
+    """
+    return tuple(f for f in inv.findings if f.severity == "error" or f.rule in REFUSED_WARNINGS)
+
+
+def pickled_module_files(findings: Iterable[Finding]) -> list[str | None]:
+    """The files (None: the checkpoint itself) that the reader found to pickle a whole nn.Module."""
+    out: list[str | None] = []
+    for f in findings:
+        if f.rule == "pickled-module" and f.file not in out:
+            out.append(f.file)
+    return out
 
 
 def output_format(source_format: str, dest: Path, source: Path) -> str:
@@ -60,11 +93,20 @@ def convert(
     progress_factory: Callable[[str, int], Progress] | None = None,
     max_shard_size: str | None = None,
 ) -> Result:
-    """Plan, check values, write atomically and verify. Unsafe values block (see ``Result.unsafe``)."""
+    """Plan, check values, write atomically and verify.
+
+    A checkpoint ``scan`` flags as an error is refused before anything is written (see ``Result.refused``);
+    unsafe values block too (see ``Result.unsafe``). Neither raises: the Result says why.
+    """
     src_path = Path(source)
     inv = read_checkpoint(src_path)
     if include_optimizer and strip_optimizer:
         raise UsageError("--include-optimizer and --strip-optimizer contradict each other")
+    refused = refusals(inv)
+    if refused:
+        # make_plan owns what --to means; an empty inventory asks it only that.
+        target = make_plan(Inventory(inv.path, "torch-zip", ()), to).target
+        return Result(Plan(inv, target, []), None, [], dry_run=dry_run, refused=refused)
     plan = make_plan(inv, to, policy=policy, keep=keep, include_optimizer=include_optimizer, strip_optimizer=strip_optimizer, clamp=clamp)
     dest = src_path if in_place else Path(output) if output else default_output(src_path, plan.target)
     out_format = output_format(inv.format, dest, src_path)
@@ -107,4 +149,16 @@ def convert(
     return Result(plan, dest, [])
 
 
-__all__ = ["CASTABLE", "TARGETS", "Plan", "Result", "TensorPlan", "check_values", "convert", "make_plan", "value_findings"]
+__all__ = [
+    "CASTABLE",
+    "TARGETS",
+    "Plan",
+    "Result",
+    "TensorPlan",
+    "check_values",
+    "convert",
+    "make_plan",
+    "pickled_module_files",
+    "refusals",
+    "value_findings",
+]

@@ -183,7 +183,7 @@ def _find_eocd(path: Path, mm: mmap.mmap) -> int:
     start = max(0, size - (_U16 + _EOCD.size) - 4096)  # miniz reads in 4 KiB blocks, so may look a little further
     pos = mm.rfind(_SIG_EOCD, start, size - _EOCD.size + 4)
     if pos < 0:
-        raise _refuse(path, "no end-of-central-directory record near the end of the file: a truncated zip archive (an incomplete download?) or not one at all")
+        raise _refuse(path, "no end-of-central-directory record: a truncated zip archive (an incomplete download?) or none at all")
     return pos
 
 

@@ -3,14 +3,39 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
-from ..conversion import Result
+from ..conversion import Result, pickled_module_files
 from .humanize import human_bytes
+from .json import finding_dict
+
+STATE_DICT_ADVICE = "a pickled nn.Module is code, not weights: save its state_dict and convert that"
+
+
+def refusal_lines(result: Result) -> list[str]:
+    """One line per finding that forbids the conversion, naming the file, the rule and the global or tensor;
+    then, for a whole pickled module, what to do instead."""
+    source = Path(result.plan.source.path)
+
+    def where(file: str | None) -> Path:
+        return source / file if file and source.is_dir() else source
+
+    out = []
+    for f in result.refused:
+        tensor = f"{f.tensor}: " if f.tensor else ""
+        out.append(f"{where(f.file)}: refusing to convert: {f.rule}: {tensor}{f.message}")
+    for file in pickled_module_files(result.refused):
+        out.append(f"{where(file)}: {STATE_DICT_ADVICE} (torch.save(model.state_dict(), PATH))")
+    return out
 
 
 def render_text(result: Result, *, verbose: bool = False) -> str:
     plan = result.plan
+    if result.refused:
+        n = len(result.refused)
+        forbid = f"{n} findings forbid" if n != 1 else "1 finding forbids"
+        return f"refused: {plan.source.path} (to {plan.target}): {forbid} converting it; nothing was written\n"
     lines = []
     head = "plan" if result.dry_run else ("refused" if result.unsafe else "converted")
     where = f" -> {result.output}" if result.output else ""
@@ -64,7 +89,8 @@ def render_json(result: Result) -> str:
         "output": str(result.output) if result.output else None,
         "target": plan.target,
         "dry_run": result.dry_run,
-        "refused": bool(result.unsafe),
+        "refused": result.blocked,
+        "refusals": [finding_dict(f) for f in result.refused],
         "nbytes": [plan.bytes_before, plan.bytes_after],
         "tensors": [
             {"name": p.tensor.name, "from": p.tensor.dtype, "to": p.target, "action": p.action, "reason": p.reason} for p in plan.tensors

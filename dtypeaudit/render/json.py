@@ -80,6 +80,7 @@ def report_dict(report: Report) -> dict[str, Any]:
         "tool": {"name": "dtypeaudit", "version": __version__},
         "fail_on": report.fail_on,
         "policy": report.policy,
+        "strict": report.strict,
         "checkpoints": [checkpoint_dict(c) for c in report.checkpoints],
     }
 
