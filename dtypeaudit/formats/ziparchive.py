@@ -12,6 +12,7 @@ name, never member data, so a 10 GB archive opens as fast as a small one.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -82,17 +83,21 @@ class ZipArchive:
     def open(cls, path: Path) -> ZipArchive:
         path = Path(path)
         try:
-            with open(path, "rb") as fh:
+            fh = open(path, "rb")  # closed below, once the headers are read
+        except OSError as exc:
+            raise _refuse(path, f"cannot read the file ({exc.strerror or exc})") from None
+        with fh:
+            try:
                 if fh.seek(0, 2) < _EOCD.size:
                     raise _refuse(path, f"truncated zip archive: too short to be one ({fh.tell()} bytes); an incomplete download?")
                 mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        except OSError as exc:
-            raise _refuse(path, f"cannot read the file ({exc.strerror or exc})") from None
-        try:
-            return cls(path, mm, _read_entries(path, mm))
-        except BaseException:
-            mm.close()
-            raise
+            except OSError as exc:
+                raise _refuse(path, f"cannot read the file ({exc.strerror or exc})") from None
+            try:
+                return cls(path, mm, _read_entries(path, mm, fh.fileno()))
+            except BaseException:
+                mm.close()
+                raise
 
     def close(self) -> None:
         self._mm.close()
@@ -187,7 +192,7 @@ def _find_eocd(path: Path, mm: mmap.mmap) -> int:
     return pos
 
 
-def _read_entries(path: Path, mm: mmap.mmap) -> tuple[Entry, ...]:
+def _read_entries(path: Path, mm: mmap.mmap, fd: int) -> tuple[Entry, ...]:
     size = len(mm)
     eocd = _find_eocd(path, mm)
     _, disk, cd_disk, count_disk, count, cd_size, cd_offset, comment_len = _EOCD.unpack_from(mm, eocd)
@@ -250,12 +255,12 @@ def _read_entries(path: Path, mm: mmap.mmap) -> tuple[Entry, ...]:
             f"zip archive's central directory is not where its end record says (offset {cd_offset} + size {cd_size} != {directory_end}): "
             f"bytes were inserted or prepended, and {_DISAGREE} (zipfile shifts offsets, torch does not)",
         )
-    entries = _read_directory(path, mm, cd_offset, cd_size, count)
+    entries = _read_directory(path, mm, fd, cd_offset, cd_size, count)
     _check_layout(path, entries, cd_offset)
     return entries
 
 
-def _read_directory(path: Path, mm: mmap.mmap, cd_offset: int, cd_size: int, count: int) -> tuple[Entry, ...]:
+def _read_directory(path: Path, mm: mmap.mmap, fd: int, cd_offset: int, cd_size: int, count: int) -> tuple[Entry, ...]:
     entries = []
     seen: dict[bytes, str] = {}
     pos, end = cd_offset, cd_offset + cd_size
@@ -295,7 +300,7 @@ def _read_directory(path: Path, mm: mmap.mmap, cd_offset: int, cd_size: int, cou
         if (external_attr & _DOS_DIRECTORY or name.endswith("/")) and usize:
             # mz_zip_reader_extract_to_mem returns at once for a directory: torch would hand back unread memory
             raise _refuse(path, f"zip entry '{name}' is marked as a directory but holds {usize} bytes; torch reads no data for directories")
-        data_offset = _local_header(path, mm, name, raw, flags, header_offset)
+        data_offset = _local_header(path, fd, name, raw, flags, header_offset)
         if data_offset + csize > len(mm):
             raise _refuse(path, f"zip entry '{name}' runs past the end of the file ({data_offset} + {csize} > {len(mm)} bytes)")
         entries.append(Entry(name, header_offset, data_offset, csize, usize, method, crc))
@@ -354,13 +359,16 @@ def _zip64_fields(path: Path, name: str, extra: bytes, usize: int, csize: int, o
     return values[0], values[1], values[2]
 
 
-def _local_header(path: Path, mm: mmap.mmap, name: str, raw: bytes, flags: int, offset: int) -> int:
-    if offset + _LFH.size > len(mm):
+def _local_header(path: Path, fd: int, name: str, raw: bytes, flags: int, offset: int) -> int:
+    # Read with pread, not through the mapping: one small read per member keeps memory flat however
+    # large the archive (a mapped page drags its cached neighbours into the process's resident set).
+    head = os.pread(fd, _LFH.size + len(raw), offset)
+    if len(head) < _LFH.size:
         raise _refuse(path, f"zip entry '{name}': its local header offset {offset} lies past the end of the file")
-    sig, _, local_flags, *_, name_len, extra_len = _LFH.unpack_from(mm, offset)
+    sig, _, local_flags, *_, name_len, extra_len = _LFH.unpack_from(head, 0)
     if sig != _SIG_LFH:
         raise _refuse(path, f"zip entry '{name}' has no local header at offset {offset} (bad signature)")
-    local_name = mm[offset + _LFH.size : offset + _LFH.size + name_len]
+    local_name = head[_LFH.size : _LFH.size + name_len] if name_len <= len(raw) else os.pread(fd, name_len, offset + _LFH.size)
     if local_name != raw:
         # miniz never reads the local name; zipfile refuses a mismatch, other tools list the local one
         shown = bytes(local_name[:80]).decode("utf-8", "replace")
