@@ -9,8 +9,8 @@ from typing import Any
 from .. import dtypes
 from ..errors import CheckpointError, LimitExceeded
 from ..inventory import Inventory, TensorRecord
-from .picklevm import Global, Opaque, PickleVM
-from .torchpickle import REDUCERS, global_findings
+from .picklevm import Global, Opaque
+from .torchpickle import global_findings, torch_vm
 
 MAX_METADATA_BYTES = 1 << 30
 _DCP_MODULES = ("torch.distributed.checkpoint.",)
@@ -31,7 +31,7 @@ def read(path: Path) -> Inventory:
     size = meta_path.stat().st_size
     if size > MAX_METADATA_BYTES:
         raise LimitExceeded(".metadata is over the 1 GiB cap", path=str(meta_path))
-    vm = PickleVM(meta_path.read_bytes(), reducers=REDUCERS, source=str(meta_path))
+    vm = torch_vm(meta_path.read_bytes(), source=str(meta_path), persistent=False)
     root, _ = vm.load()
     if _cls(root) != "Metadata" or not isinstance(root.state, dict):
         raise CheckpointError("not a torch.distributed.checkpoint Metadata object", path=str(meta_path))
