@@ -106,7 +106,8 @@ STORAGE_CLASSES: dict[str, str] = {
 }
 STORAGE_CLASS_OF: dict[str, str] = {v: k for k, v in STORAGE_CLASSES.items()}
 
-# The safetensors header's dtype codes (see the format's README).
+# The safetensors header's dtype codes: the crate's ``Dtype`` enum (safetensors 0.8), each mapped to the
+# torch dtype ``safetensors.torch.load_file`` gives it. The crate has no complex128 (``C128`` is refused).
 SAFETENSORS_CODES: dict[str, str] = {
     "F64": "float64",
     "F32": "float32",
@@ -117,8 +118,8 @@ SAFETENSORS_CODES: dict[str, str] = {
     "F8_E5M2": "float8_e5m2",
     "F8_E5M2FNUZ": "float8_e5m2fnuz",
     "F8_E8M0": "float8_e8m0fnu",
+    "F4": "float4_e2m1fn_x2",
     "C64": "complex64",
-    "C128": "complex128",
     "I64": "int64",
     "I32": "int32",
     "I16": "int16",
@@ -129,7 +130,21 @@ SAFETENSORS_CODES: dict[str, str] = {
     "U8": "uint8",
     "BOOL": "bool",
 }
-SAFETENSORS_CODE_OF: dict[str, str] = {v: k for k, v in SAFETENSORS_CODES.items()}
+# Codes the crate accepts in a header but torch has no dtype for: safe_open opens the file, get_tensor fails.
+SAFETENSORS_TORCHLESS: frozenset[str] = frozenset({"F6_E2M3", "F6_E3M2"})
+# Bits per element as the crate counts them (its ``Dtype::bitsize``); everything else is 8 x itemsize.
+_SAFETENSORS_SUB_BYTE: dict[str, int] = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+# F4 holds two values per byte: the header's shape counts values, torch's (float4_e2m1fn_x2) counts bytes,
+# so safetensors halves the last dimension. The writers write torch's shape, so F4 has no code to write.
+SAFETENSORS_PACKED: dict[str, int] = {"F4": 2}
+SAFETENSORS_CODE_OF: dict[str, str] = {v: k for k, v in SAFETENSORS_CODES.items() if k not in SAFETENSORS_PACKED}
+
+
+def safetensors_bits(code: str) -> int:
+    """Bits per element of a safetensors dtype code the crate knows; KeyError for any other code."""
+    if code in _SAFETENSORS_SUB_BYTE:
+        return _SAFETENSORS_SUB_BYTE[code]
+    return 8 * DTYPES[SAFETENSORS_CODES[code]].itemsize
 
 
 def get(name: str) -> DType:

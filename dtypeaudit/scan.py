@@ -7,13 +7,13 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from .check import Check
+from .check import Check, strict_findings
 from .errors import DtypeAuditError, UsageError
 from .formats import directory, read_checkpoint
 from .formats import factory as factory_mod
+from .formats.sniff import is_candidate
 from .inventory import CheckpointReport, Inventory, Report, Severity
 
-CHECKPOINT_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar", ".model", ".pkl", ".pickle"})
 PARALLEL_THRESHOLD = 4
 
 
@@ -35,18 +35,16 @@ def expand(targets: Iterable[str]) -> list[str]:
     return list(unique.values())
 
 
+def _is_checkpoint_dir(path: Path) -> bool:
+    return (path / ".metadata").is_file() or directory.is_model_directory(path)
+
+
 def _expand_one(path: Path) -> list[str]:
-    if not path.is_dir() or (path / ".metadata").is_file() or directory.is_model_directory(path):
+    """A file or checkpoint directory as named; a plain directory is walked, and every regular file in it
+    is looked at by content (not by suffix), skipping what is clearly not a checkpoint."""
+    if not path.is_dir() or _is_checkpoint_dir(path):
         return [str(path)]
-    found: list[str] = []
-    for root, dirs, files in os.walk(path):
-        dirs.sort()
-        here = Path(root)
-        if here != path and ((here / ".metadata").is_file() or directory.find_index(here)):
-            found.append(str(here))
-            dirs.clear()
-            continue
-        found.extend(str(here / f) for f in sorted(files) if Path(f).suffix.lower() in CHECKPOINT_SUFFIXES)
+    found = [str(p) for p in directory.walk_files(path, stop_at=_is_checkpoint_dir) if p.is_dir() or is_candidate(p)]
     if not found:
         raise UsageError(f"no checkpoints found under directory '{path}'")
     return found
@@ -79,10 +77,12 @@ def scan(
     jobs: int | None = None,
     raise_errors: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
+    strict: bool = False,
 ) -> Report:
     """Read every target, attach the model's kinds if given, run the checks, and report.
 
-    An unreadable checkpoint becomes an entry with ``error`` set, unless ``raise_errors``.
+    An unreadable checkpoint becomes an entry with ``error`` set, unless ``raise_errors``. ``strict``
+    raises every finding a loader might read differently to an error (see ``check.strict_findings``).
     """
     reader = _read_raising if raise_errors else _read_safely
     paths = expand(targets)
@@ -112,5 +112,7 @@ def scan(
         findings = list(inv.findings)
         for check in checks:
             findings.extend(check(inv))
+        if strict:
+            findings = strict_findings(findings)
         reports.append(CheckpointReport(path=path, format=inv.format, error=None, inventory=inv, findings=tuple(findings)))
-    return Report(tuple(reports), fail_on=fail_on, policy=policy_name)
+    return Report(tuple(reports), fail_on=fail_on, policy=policy_name, strict=strict)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from dtypeaudit import dtypes
@@ -35,3 +37,25 @@ def test_aliases() -> None:
         "float64",
         None,
     ]
+
+
+def test_safetensors_codes_are_the_crates(tmp_path: Path) -> None:
+    """The crate names its whole Dtype enum when it refuses an unknown code: ours is exactly that list."""
+    import json
+    import re
+    import struct
+
+    from safetensors import safe_open
+
+    header = json.dumps({"t": {"dtype": "NOT_A_DTYPE", "shape": [0], "data_offsets": [0, 0]}}).encode()
+    path = tmp_path / "t.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    try:
+        safe_open(str(path), "pt")
+    except Exception as exc:  # noqa: BLE001 - the crate's own error type
+        listed = set(re.findall(r"`(\w+)`", str(exc).split("expected one of", 1)[1]))
+    else:
+        raise AssertionError("the crate accepted an unknown dtype")
+    assert listed == set(dtypes.SAFETENSORS_CODES) | dtypes.SAFETENSORS_TORCHLESS
+    for code in listed - dtypes.SAFETENSORS_TORCHLESS:
+        assert dtypes.safetensors_bits(code) in (4, 8, 16, 32, 64), code

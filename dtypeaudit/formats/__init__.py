@@ -1,6 +1,7 @@
 """Readers, one module per container. Each turns a path into an Inventory without running checkpoint code.
 
-:func:`read_checkpoint` picks the reader from the content, never the extension.
+:func:`read_checkpoint` picks the reader from the content, never the extension, as torch.load and
+safetensors decide (see :mod:`.sniff`); a file that is two formats at once is refused.
 """
 
 from __future__ import annotations

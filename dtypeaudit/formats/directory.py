@@ -1,23 +1,45 @@
-"""Hugging Face model directories: sharded safetensors or ``pytorch_model*.bin`` files, with or without an index.
+"""Hugging Face model directories, audited as transformers' ``from_pretrained`` would load them.
 
-Shard names come from a file the user downloaded, so each is confined to the directory before it is
-opened. Where the index and the shards disagree, the report says so tensor by tensor.
+Which files are read mirrors ``PreTrainedModel.from_pretrained`` in transformers 5.24 with its default
+arguments (no subfolder, no variant, ``use_safetensors=None``): distributed shards first, then
+``transformers_weights`` from config.json, then ``model.safetensors``, its index, ``pytorch_model.bin``
+and its index, in that order (``_get_resolved_checkpoint_files``), plus the config class's
+``extra_files``. Every other weight file in the directory is reported as ``unused-weights``.
+
+Names that come from a file the user downloaded (an index's shards, ``transformers_weights``) are
+confined to the directory before they are opened. Where the index and the shards disagree, the
+report says so tensor by tensor.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, LimitExceeded
+from ..errors import CheckpointError, DtypeAuditError, LimitExceeded
 from ..inventory import Finding, Inventory, TensorRecord, link_shared_storage
 from .jsonfile import DuplicateKey, loads_unique
 
-INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+WEIGHTS_NAME = "pytorch_model.bin"
+WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+INDEX_NAMES = (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME)
 MAX_JSON_BYTES = 64 << 20
+SKIPPED_DIRS = frozenset({".git", ".hg", ".svn"})
+
+# transformers.distributed.checkpoint.is_sharded_checkpoint: one such name and from_pretrained reads every
+# *.safetensors file in the folder through torch.distributed.checkpoint instead.
+_DISTRIBUTED_SHARD = re.compile(r"^shard-[0-9]{5}-model-[0-9]{5}-of-[0-9]{5}\.safetensors$")
+# PretrainedConfig.extra_files of the config classes that set it (a class attribute, chosen by model_type).
+_EXTRA_FILES: dict[str, tuple[str, ...]] = {"jev": ("head.safetensors", "readout.safetensors")}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+_SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.(safetensors|bin)$")
 
 
 def _load_json(path: Path) -> Any:
@@ -32,9 +54,13 @@ def _load_json(path: Path) -> Any:
         raise CheckpointError(f"not valid JSON ({exc})", path=str(path)) from None
 
 
+def _unsafe_name(name: str) -> bool:
+    return not name or name.startswith(("/", "\\")) or ":" in name[:3] or any(p == ".." for p in name.replace("\\", "/").split("/"))
+
+
 def confine(root: Path, name: str, *, origin: Path) -> Path:
     """The shard ``name`` inside ``root``, refusing absolute paths, ``..`` and links that lead out."""
-    if not name or name.startswith(("/", "\\")) or ":" in name[:3] or any(p == ".." for p in name.replace("\\", "/").split("/")):
+    if _unsafe_name(name):
         raise CheckpointError(f"shard name '{name}' leaves the directory; refused", path=str(origin))
     candidate = root / name
     resolved = candidate.resolve()
@@ -45,11 +71,102 @@ def confine(root: Path, name: str, *, origin: Path) -> Path:
     return candidate
 
 
-def find_index(path: Path) -> Path | None:
-    for name in INDEX_NAMES:
-        if (path / name).is_file():
-            return path / name
-    return None
+def _label(name: str) -> str:
+    """A file's name relative to the directory, as reports show it (``sub/x.safetensors``)."""
+    return os.path.normpath(name.replace("\\", "/")).replace(os.sep, "/")
+
+
+# -- which files from_pretrained reads ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The weight files of a directory, in the order the loader reads them (a later file wins a name)."""
+
+    files: tuple[str, ...]
+    """Names relative to the directory."""
+    chosen: str
+    """How they were chosen, for messages: ``model.safetensors``, ``the shards of model.safetensors.index.json``."""
+    index: str | None = None
+    """The index whose weight_map named them."""
+    weight_map: dict[str, str] | None = None
+    from_pretrained: bool = True
+    """False where from_pretrained finds nothing to load and dtypeaudit reads the shards it sees instead."""
+
+
+def _config(path: Path) -> dict[str, Any]:
+    config = path / "config.json"
+    if not config.is_file():
+        return {}
+    try:
+        cfg = _load_json(config)
+    except (CheckpointError, OSError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _weight_map(path: Path, index_name: str) -> dict[str, str]:
+    index_path = path / index_name
+    index = _load_json(index_path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError("index has no weight_map of tensor names to shard files", path=str(index_path))
+    return weight_map
+
+
+def _sharded(path: Path, index_name: str, chosen: str) -> Resolution:
+    weight_map = _weight_map(path, index_name)
+    # get_checkpoint_shard_files: sorted(set(weight_map.values())), each joined to the model directory
+    # (not to the index's own folder); merged in that order, so a later shard wins a name.
+    shards = sorted(set(weight_map.values()))
+    for name in shards:
+        confine(path, name, origin=path / index_name)
+    return Resolution(tuple(_label(s) for s in shards), chosen, index_name, weight_map)
+
+
+def resolve(path: Path) -> Resolution | None:
+    """The files ``from_pretrained(path)`` loads, or None where it finds none of its names."""
+    names = sorted(os.listdir(path))
+    if any(_DISTRIBUTED_SHARD.match(n) for n in names):
+        # _get_resolved_distributed_checkpoint_files: every name ending .safetensors, sorted.
+        files = tuple(n for n in names if n.endswith(".safetensors") and (path / n).is_file())
+        return Resolution(files, "every *.safetensors file here, as distributed shards")
+    cfg = _config(path)
+    explicit = cfg.get("transformers_weights")
+    if explicit is not None:
+        origin = path / "config.json"
+        if not isinstance(explicit, str) or not (
+            explicit.endswith((".safetensors", ".safetensors.index.json")) or explicit == "adapter_model.bin"
+        ):
+            raise CheckpointError(
+                f"config.json's transformers_weights {explicit!r} is not a safetensors file or index; from_pretrained refuses it",
+                path=str(origin),
+            )
+        if _unsafe_name(explicit):
+            raise CheckpointError(f"config.json's transformers_weights '{explicit}' leaves the directory; refused", path=str(origin))
+        if not (path / explicit).is_file():
+            raise CheckpointError(f"config.json's transformers_weights names '{explicit}', which is missing", path=str(origin))
+        confine(path, explicit, origin=origin)
+        if explicit.endswith(".safetensors.index.json"):
+            res = _sharded(path, explicit, f"the shards of {_label(explicit)}, named by config.json's transformers_weights")
+        else:
+            res = Resolution((_label(explicit),), f"{_label(explicit)}, named by config.json's transformers_weights")
+    elif (path / SAFE_WEIGHTS_NAME).is_file():
+        res = Resolution((SAFE_WEIGHTS_NAME,), SAFE_WEIGHTS_NAME)
+    elif (path / SAFE_WEIGHTS_INDEX_NAME).is_file():
+        res = _sharded(path, SAFE_WEIGHTS_INDEX_NAME, f"the shards of {SAFE_WEIGHTS_INDEX_NAME}")
+    elif (path / WEIGHTS_NAME).is_file():
+        res = Resolution((WEIGHTS_NAME,), WEIGHTS_NAME)
+    elif (path / WEIGHTS_INDEX_NAME).is_file():
+        res = _sharded(path, WEIGHTS_INDEX_NAME, f"the shards of {WEIGHTS_INDEX_NAME}")
+    else:
+        return None
+    model_type = cfg.get("model_type")
+    extra_names = _EXTRA_FILES.get(model_type, ()) if isinstance(model_type, str) else ()
+    extra = [f for f in extra_names if (path / f).is_file() and f not in res.files]
+    if extra:
+        res = Resolution(res.files + tuple(extra), f"{res.chosen} and {', '.join(extra)}", res.index, res.weight_map)
+    return res
 
 
 def shard_files(path: Path) -> list[Path]:
@@ -59,40 +176,111 @@ def shard_files(path: Path) -> list[Path]:
     return sorted(p for p in path.glob("pytorch_model*.bin") if p.is_file())
 
 
-_SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.(safetensors|bin)$")
+def find_index(path: Path) -> Path | None:
+    for name in INDEX_NAMES:
+        if (path / name).is_file():
+            return path / name
+    return None
+
+
+def _fallback(path: Path) -> Resolution | None:
+    """What dtypeaudit reads where from_pretrained finds none of its names (diffusers' folders, bare
+    shards): every ``*.safetensors`` file, else every ``pytorch_model*.bin``."""
+    shards = shard_files(path)
+    if not shards:
+        return None
+    names = tuple(s.name for s in shards)
+    return Resolution(names, ", ".join(names), from_pretrained=False)
 
 
 def is_model_directory(path: Path) -> bool:
-    """An index, or shard files with a config.json or numbered like ``model-00001-of-00004``.
-
-    A folder that merely holds a few unrelated checkpoints is not one model.
-    """
+    """A config.json next to weights from_pretrained would load, an index, or shard files with a
+    config.json or numbered like ``model-00001-of-00004``. A folder that merely holds a few
+    unrelated checkpoints is not one model."""
+    has_config = (path / "config.json").is_file()
+    try:
+        if has_config and resolve(path) is not None:
+            return True
+    except (DtypeAuditError, OSError):
+        return True  # its index or config is broken: reading it says how
     if find_index(path) is not None:
         return True
     shards = shard_files(path)
-    return bool(shards) and ((path / "config.json").is_file() or all(_SHARD_NAME.search(s.name) for s in shards))
+    return bool(shards) and (has_config or all(_SHARD_NAME.search(s.name) for s in shards))
+
+
+# -- walking a tree -------------------------------------------------------------------------------
+
+
+def walk_files(root: Path, *, stop_at: Callable[[Path], bool] | None = None) -> Iterator[Path]:
+    """Every regular file under ``root`` in sorted order, skipping VCS folders and links that lead out
+    of ``root`` (a link to a folder is not entered). A folder below ``root`` for which ``stop_at`` is
+    true is yielded itself instead of entered."""
+    top = root.resolve()
+    stack = [root]
+    while stack:
+        here = stack.pop()
+        if here != root and stop_at is not None and stop_at(here):
+            yield here
+            continue
+        try:
+            with os.scandir(here) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError:
+            continue
+        subdirs = []
+        for entry in entries:
+            p = Path(entry.path)
+            try:
+                if entry.is_symlink():
+                    target = p.resolve()
+                    if target.is_relative_to(top) and target.is_file():
+                        yield p
+                elif entry.is_dir(follow_symlinks=False):
+                    if entry.name not in SKIPPED_DIRS:
+                        subdirs.append(p)
+                elif entry.is_file(follow_symlinks=False):
+                    yield p
+            except OSError:
+                continue
+        stack.extend(reversed(subdirs))
+
+
+# -- reading --------------------------------------------------------------------------------------
+
+
+def _unused(path: Path, res: Resolution, read_file: Callable[[Path], Inventory]) -> list[Finding]:
+    from .sniff import is_candidate
+
+    used = {(path / f).resolve() for f in res.files}  # a blob the loader reads through a link is not unused
+    out = []
+    for p in walk_files(path):
+        label = p.relative_to(path).as_posix()
+        if p.resolve() in used or not (is_candidate(p) or p.name.endswith(_WEIGHT_SUFFIXES)):
+            continue
+        try:
+            holds = bool(read_file(p).tensors)
+        except (DtypeAuditError, OSError, RecursionError, MemoryError):
+            holds = True  # unreadable: it may hold weights, and it is not looked at with the rest
+        if not holds:
+            continue  # training_args.bin, a tokenizer pickle: nothing a loader takes for weights
+        if res.from_pretrained:
+            message = f"{label} holds weights that from_pretrained would not load (it loads {res.chosen})"
+        else:
+            message = f"{label} holds weights not audited with the model (from_pretrained finds no weights file here; read: {res.chosen})"
+        out.append(Finding("unused-weights", "warning", message, file=label))
+    return out
 
 
 def read(path: Path, read_file: Callable[[Path], Inventory]) -> Inventory:
-    index_path = find_index(path)
-    findings: list[Finding] = []
-    weight_map: dict[str, str] | None = None
-    if index_path is not None:
-        index = _load_json(index_path)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-            raise CheckpointError("index has no weight_map of tensor names to shard files", path=str(index_path))
-        shards = [confine(path, name, origin=index_path) for name in dict.fromkeys(weight_map.values())]
-    else:
-        shards = shard_files(path)
-    if not shards:
+    res = resolve(path) or _fallback(path)
+    if res is None:
         raise CheckpointError("directory holds no checkpoint: no index, no *.safetensors, no pytorch_model*.bin", path=str(path))
-
+    findings: list[Finding] = []
     tensors: list[TensorRecord] = []
     holder: dict[str, str] = {}
-    for shard in shards:
-        label = shard.name
-        inv = read_file(shard)
+    for label in res.files:
+        inv = read_file(path / label)
         findings.extend(f if f.file else Finding(**{**f.__dict__, "file": label}) for f in inv.findings)
         for t in inv.tensors:
             if t.name in holder:
@@ -103,47 +291,36 @@ def read(path: Path, read_file: Callable[[Path], Inventory]) -> Inventory:
             holder[t.name] = label
             tensors.append(t.with_(file=label, shares_with=()))
 
-    if weight_map is not None:
-        assert index_path is not None
-        for name, shard_name in weight_map.items():
+    if res.weight_map is not None and res.index is not None:
+        index_label = _label(res.index)
+        for name, shard_name in res.weight_map.items():
             where = holder.get(name)
             if where is None:
                 findings.append(
                     Finding(
-                        "index-mismatch",
-                        "error",
-                        f"index lists it in {shard_name}, but no shard holds it",
-                        tensor=name,
-                        file=index_path.name,
+                        "index-mismatch", "error", f"index lists it in {shard_name}, but no shard holds it", tensor=name, file=index_label
                     )
                 )
-            elif Path(shard_name).name != where:
+            elif _label(shard_name) != where:
                 findings.append(
                     Finding(
-                        "index-mismatch",
-                        "error",
-                        f"index says {shard_name}, but it is stored in {where}",
-                        tensor=name,
-                        file=index_path.name,
+                        "index-mismatch", "error", f"index says {shard_name}, but it is stored in {where}", tensor=name, file=index_label
                     )
                 )
         for name, where in holder.items():
-            if name not in weight_map:
+            if name not in res.weight_map:
                 findings.append(
                     Finding("index-mismatch", "warning", f"stored in {where} but missing from the index", tensor=name, file=where)
                 )
+    findings.extend(_unused(path, res, read_file))
 
-    metadata: dict[str, object] = {"shards": [s.name for s in shards]}
-    if index_path is not None:
-        metadata["index"] = index_path.name
-    config = path / "config.json"
-    if config.is_file():
-        try:
-            cfg = _load_json(config)
-        except CheckpointError:
-            cfg = None
-        if isinstance(cfg, dict):
-            dtype = cfg.get("torch_dtype", cfg.get("dtype"))
-            if isinstance(dtype, str):
-                metadata["config_dtype"] = dtype
+    metadata: dict[str, object] = {"shards": list(res.files)}
+    if res.index is not None:
+        metadata["index"] = _label(res.index)
+    if not res.from_pretrained:
+        metadata["from_pretrained"] = "finds no weights file here"
+    cfg = _config(path)
+    dtype = cfg.get("torch_dtype", cfg.get("dtype"))
+    if isinstance(dtype, str):
+        metadata["config_dtype"] = dtype
     return Inventory(str(path), "hf-directory", link_shared_storage(tensors), tuple(findings), metadata)

@@ -1,13 +1,40 @@
-"""Name a file's format from its first bytes, and name what it is when it is not a checkpoint."""
+"""Name a file's format from its content, the way the loaders that read it afterwards decide.
+
+``torch.load`` (torch/serialization.py) takes a file whose first four bytes are ``PK\\x03\\x04`` as a zip
+archive; otherwise it opens it with ``tarfile.open(mode="r:")`` (the pre-0.4 tar format); otherwise it
+unpickles the first pickle and goes on as a legacy file if that is the magic number. safetensors
+(``safe_open``, and transformers and torch.load for a ``.safetensors`` path) reads any file whose header
+parses. A file valid as two of these is refused: two loaders would read two different things.
+"""
 
 from __future__ import annotations
 
+import mmap
+import os
+import struct
 from pathlib import Path
+from typing import IO, Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, LimitExceeded
+from . import safetensors
+from .legacy import LEGACY_MAGIC, is_legacy_magic
 
-# Legacy torch.save starts with a pickled 10-byte integer (its magic number); the reader checks the value.
-_LEGACY_PREFIX = b"\x80\x02\x8a\x0a"
+HEAD_BYTES = 64 << 10
+"""Bytes read to name a format; a first pickle that runs past them is interpreted over the whole file."""
+WALK_HEAD_BYTES = 512
+"""Bytes read per file when a directory walk decides what to scan."""
+TAR_PROBE_BYTES = 1 << 20
+"""tarfile may read a long-name or pax header past its first block; past this many bytes we stop and refuse."""
+
+# What torch.save writes first in a legacy file at its default protocol: a pickle of the magic number.
+_LEGACY_FAST = b"\x80\x02\x8a\x0a" + LEGACY_MAGIC.to_bytes(10, "little") + b"."
+_ZIP_LOCAL = b"PK\x03\x04"  # torch.serialization._is_zipfile checks exactly these four bytes
+_ZIP_EMPTY = b"PK\x05\x06"
+_JSON_WS = b" \t\n\r"
+_CHECKPOINT_SUFFIXES = frozenset({".pt", ".pth", ".ckpt", ".safetensors"})
+"""Named like a checkpoint: a walk reports these even when their content is not one (an LFS pointer, a login page)."""
+
+_NAMES = {"zip": "a zip archive", "tar": "a tar archive", "legacy": "a legacy torch.save file", "safetensors": "a safetensors file"}
 
 # Things people end up holding instead of a checkpoint, and what to tell them.
 _NOT_CHECKPOINTS: tuple[tuple[bytes, str], ...] = (
@@ -26,33 +53,221 @@ _NOT_CHECKPOINTS: tuple[tuple[bytes, str], ...] = (
 )
 
 
-def sniff(path: Path) -> str:
-    """``zip``, ``legacy``, ``safetensors`` or ``pickle``; anything else raises a one-line CheckpointError."""
+class _NoPickle:
+    """The file does not start with a complete pickle."""
+
+
+_NO_PICKLE = _NoPickle()
+_TOO_BIG = (None, -1)
+"""A first pickle over the interpreter's limits: the pickle reader says so."""
+
+
+# -- the pieces ---------------------------------------------------------------------------------
+
+
+def _head(path: Path, n: int) -> tuple[bytes, int]:
     try:
         with path.open("rb") as fh:
-            head = fh.read(512)
+            return fh.read(n), os.fstat(fh.fileno()).st_size
     except IsADirectoryError:
         raise CheckpointError("is a directory", path=str(path)) from None
+
+
+def _is_zip(head: bytes) -> bool:
+    return head.startswith(_ZIP_LOCAL) or head.startswith(_ZIP_EMPTY)
+
+
+class _PastProbe(Exception):
+    """tarfile asked for more than TAR_PROBE_BYTES of the file."""
+
+
+class _Capped:
+    """A read-only file that refuses to be read past ``cap`` bytes (unless the file is no longer than that)."""
+
+    def __init__(self, fh: IO[bytes], size: int, cap: int) -> None:
+        self.fh, self.size, self.cap = fh, size, cap
+
+    def read(self, n: int | None = -1) -> bytes:
+        pos = self.fh.tell()
+        want = self.size - pos if n is None or n < 0 else n
+        if pos + want > self.cap and self.size > self.cap:
+            raise _PastProbe
+        return self.fh.read(want)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.fh.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.fh.tell()
+
+
+def _tar(path: Path, size: int) -> str | None:
+    """``"tar"`` where torch.load's ``tarfile.open(mode="r:")`` succeeds, ``"empty-tar"`` where it opens a
+    tar of no members (a first block of zeros), None where it raises TarError and torch moves on."""
+    import tarfile
+
+    with path.open("rb") as fh:
+        try:
+            with tarfile.open(fileobj=_Capped(fh, size, TAR_PROBE_BYTES), mode="r:", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
+                return "tar" if tar.firstmember is not None else "empty-tar"
+        except tarfile.TarError:
+            return None
+        except _PastProbe:
+            return "tar"  # a header claiming a megabyte of long name: a tar to tarfile, and refused as one
+        except Exception:
+            return "tar"  # torch.load would raise this same error out of tarfile: the file is unreadable to it
+
+
+def _tar_block(head: bytes) -> bool:
+    """The first 512 bytes are a tar header with a valid checksum (the check tarfile makes first)."""
+    import tarfile
+
+    if len(head) < 512 or not head[:512].strip(b"\0"):
+        return False
+    try:
+        tarfile.TarInfo.frombuf(head[:512], "utf-8", "surrogateescape")
+    except tarfile.HeaderError:
+        return False
+    return True
+
+
+def _first_pickle(path: Path, head: bytes, size: int) -> tuple[Any, int] | _NoPickle:
+    """The value of the pickle at byte 0 and where it ends, interpreted (never run) by dtypeaudit's VM."""
+    if head.startswith(_LEGACY_FAST):
+        return LEGACY_MAGIC, len(_LEGACY_FAST)
+    from .picklevm import PickleVM
+
+    try:
+        return PickleVM(head, source=str(path)).load(0)
+    except LimitExceeded:
+        return _TOO_BIG
+    except CheckpointError:
+        if len(head) >= size:
+            return _NO_PICKLE
+    # It ran past the bytes read: the file decides. Any protocol, so no prefix is trusted.
+    try:
+        with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return PickleVM(mm, source=str(path)).load(0)
+    except LimitExceeded:
+        return _TOO_BIG
+    except (CheckpointError, OSError, ValueError):
+        return _NO_PICKLE
+
+
+def _safetensors_plausible(head: bytes, size: int) -> bool:
+    """Where the safetensors reader should say what is wrong: a ``{`` at byte 8 (today's rule), or a
+    header length that fits the file and a header that opens, after JSON whitespace, with ``{``."""
+    if len(head) < 9:
+        return False
+    if head[8:9] == b"{":
+        return True
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > safetensors.MAX_HEADER_BYTES or 8 + n > size:
+        return False
+    text = head[8 : 8 + n].lstrip(_JSON_WS)
+    return text.startswith(b"{") or (not text and len(head) < 8 + n)
+
+
+def _both(path: Path, formats: list[str]) -> CheckpointError:
+    what = " and ".join(_NAMES[f] for f in formats)
+    if "safetensors" in formats:
+        why = "torch.load and safetensors would read different tensors"
+    else:
+        why = "loaders would read different things from it"
+    return CheckpointError(f"is both {what}; {why}", path=str(path))
+
+
+# -- the decisions ------------------------------------------------------------------------------
+
+
+def sniff(path: Path) -> str:
+    """``zip``, ``legacy``, ``safetensors`` or ``pickle``; anything else raises a one-line CheckpointError."""
+    head, size = _head(path, HEAD_BYTES)
     if not head:
         raise CheckpointError("empty file (0 bytes); an interrupted download?", path=str(path))
-    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
-        return "zip"
-    if head.startswith(_LEGACY_PREFIX):
-        return "legacy"
-    if head[8:9] == b"{":  # an 8-byte header length, then the JSON header; the reader checks the length
+    formats: list[str] = []
+    if _is_zip(head):
+        formats.append("zip")
+    tar = _tar(path, size)
+    if tar is not None:
+        formats.append("tar")
+    first = _first_pickle(path, head, size)
+    # torch compares with !=: only an int equals the magic (a float cannot; it needs 75 bits of mantissa).
+    if not isinstance(first, _NoPickle) and is_legacy_magic(first[0]):
+        formats.append("legacy")
+    plausible = _safetensors_plausible(head, size)
+    if plausible and formats and safetensors.accepts(path):
+        formats.append("safetensors")
+    if len(formats) > 1:
+        raise _both(path, formats)
+    if formats == ["tar"]:
+        if tar == "empty-tar":
+            raise CheckpointError(
+                "is not a checkpoint: it starts with a block of zero bytes, which torch.load takes for an empty tar archive",
+                path=str(path),
+            )
+        raise CheckpointError(
+            "is a tar archive (torch.save's pre-0.4 format, not supported); re-save it with a current torch", path=str(path)
+        )
+    if formats:
+        return formats[0]
+    if plausible:
         return "safetensors"
-    if head[:1] == b"\x80" and len(head) > 1 and head[1] <= 5:
-        return "pickle"
+    if not isinstance(first, _NoPickle):
+        value, end = first
+        if type(value) is int and 0 <= end < size:
+            return "legacy"  # a number and more pickles: a legacy file whose magic is wrong, and its reader says so
+        return "pickle"  # any protocol: its globals are reported
+    if head[0] == 0x80 and len(head) > 1 and head[1] <= 5:
+        return "pickle"  # a damaged pickle: its reader says where
     for magic, what in _NOT_CHECKPOINTS:
         if head.startswith(magic):
             raise CheckpointError(f"is {what}", path=str(path))
-    text = head.lstrip().lower()
+    text = head[:512].lstrip().lower()
     if text.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head")):
         raise CheckpointError("is an HTML page, not a checkpoint (a login or error page saved in its place?)", path=str(path))
     if text.startswith((b"{", b"[")):
         raise CheckpointError("is a JSON file, not a checkpoint", path=str(path))
-    if len(head) >= 262 and head[257:262] == b"ustar":
-        raise CheckpointError(
-            "is a tar archive (torch.save's pre-0.4 format, not supported); re-save it with a current torch", path=str(path)
-        )
     raise CheckpointError(f"is not a checkpoint: unrecognised content starting {head[:8]!r}", path=str(path))
+
+
+def _zip_may_hold_pickles(path: Path) -> bool:
+    """Whether a zip archive may hold a pickle; True unless Python's zipfile lists it cleanly without one.
+
+    miniz (torch's reader) looks names up case-insensitively, so ``.PKL`` counts.
+    """
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return any(name.lower().endswith(".pkl") for name in zf.namelist())
+    except Exception:
+        return True
+
+
+def is_candidate(path: Path) -> bool:
+    """Whether a file found by walking a directory should be scanned: its content may be a checkpoint
+    (or its name says it should be one). Reads a few hundred bytes; only pickles without a protocol
+    header (protocols 0 and 1) are interpreted further."""
+    if path.suffix.lower() in _CHECKPOINT_SUFFIXES:
+        return True
+    try:
+        head, size = _head(path, WALK_HEAD_BYTES)
+    except (OSError, CheckpointError):
+        return True  # cannot look: say so by scanning it, rather than pass it over
+    if not head:
+        return False
+    if head.startswith(_ZIP_LOCAL):
+        return _zip_may_hold_pickles(path)
+    if head[0] == 0x80 and len(head) > 1 and head[1] <= 5:
+        return True  # a pickle with a protocol header: legacy torch.save or a bare pickle
+    if _safetensors_plausible(head, size) or _tar_block(head):
+        return True
+    if head[:1] not in _PICKLE_OPCODES:
+        return False
+    more, size = _head(path, HEAD_BYTES)
+    return not isinstance(_first_pickle(path, more, size), _NoPickle)
+
+
+# Bytes a pickle can start with (pickletools' opcode codes, protocols 0 to 5).
+_PICKLE_OPCODES = frozenset(bytes([b]) for b in b"().012BCFGIJKLMNPQRSTUVX]abcdeghijlopqrstu}" + bytes(range(0x80, 0x99)))
