@@ -41,6 +41,25 @@ RULES: dict[str, Rule] = {
             "Bytes follow the pickle that loaders ignore.",
             "A second pickle hidden after the first is a known smuggling trick; its globals are reported too.",
         ),
+        Rule(
+            "pickled-module",
+            "error",
+            "The file pickles a whole nn.Module, not a state_dict.",
+            "Loading it imports and runs the module's class. Save model.state_dict() and ship that instead.",
+        ),
+        Rule(
+            "loader-divergence",
+            "info",
+            "A loader might read this file differently from dtypeaudit (for example torch.load(weights_only=True) refuses it).",
+            "Loading it then takes weights_only=False, which trusts the file. Re-save with torch.save's defaults; "
+            "scan --strict fails on this.",
+        ),
+        Rule(
+            "unused-weights",
+            "warning",
+            "A model directory holds weight files that from_pretrained would not load.",
+            "Delete the stale files or fix the index: what is audited should be what loads. scan --strict fails on this.",
+        ),
         Rule("unreadable", "error", "The checkpoint could not be read.", "The message says why; fix or re-download the file."),
         Rule(
             "dtype-mismatch",
