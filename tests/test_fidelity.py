@@ -329,3 +329,45 @@ def test_a_zip_that_is_not_torchs_but_holds_a_payload_is_reported(tmp_path: Path
         z.writestr("model/weights.pkl", pickle2(call(global_op("os", "system"), text("id"))))
     proc = run_cli("scan", str(path), "-f", "json")
     assert proc.returncode == 1 and "os.system" in proc.stdout
+
+
+# -- found by fuzz/fuzz_differential.py ------------------------------------------------------------
+
+
+def test_a_cast_or_a_plain_tensor_rebuild_of_a_parameter_is_no_parameter(tmp_path: Path) -> None:
+    param = call(global_op("torch._utils", "_rebuild_parameter"), tensor(storage("0"), (4,)), FALSE, ordered_dict())
+    cast = call(
+        global_op("torch._utils", "_rebuild_device_tensor_from_cpu_tensor"), param, global_op("torch", "float16"), text("cpu"), FALSE
+    )
+    as_tensor = call(
+        global_op("torch._tensor", "_rebuild_from_type_v2"),
+        global_op("torch._utils", "_rebuild_parameter"),
+        global_op("torch", "Tensor"),
+        tup(tensor(storage("1"), (4,)), FALSE, ordered_dict()),
+        dictionary(),
+    )
+    path = crafted(tmp_path, "kinds.pt", dictionary((text("cast"), cast), (text("plain"), as_tensor)), {"0": F4, "1": F4})
+    assert torch_facts(path) == {"cast": ("float16", (4,), "unknown"), "plain": ("float32", (4,), "unknown")}
+    assert facts(read_checkpoint(path)) == torch_facts(path)
+
+
+def test_one_cast_tensor_under_two_names_is_shared(tmp_path: Path) -> None:
+    rebuild = global_op("torch._utils", "_rebuild_device_tensor_from_cpu_tensor")
+    cast = call(rebuild, tensor(storage("0"), (4,)), global_op("torch", "float16"), text("cpu"), FALSE) + b"q\x10"
+    path = crafted(tmp_path, "shared.pt", dictionary((text("a"), cast), (text("b"), b"h\x10")), {"0": F4})
+    assert oracle.sharing(oracle.load(path)) == {frozenset({"a", "b"})}
+    assert read_checkpoint(path).by_name()["a"].shares_with == ("b",)
+
+
+def test_a_storage_key_torch_cannot_look_up_is_refused(tmp_path: Path) -> None:
+    body = dictionary((text("a"), tensor(storage("0"), (4,)))).replace(text("0"), b"X\x03\x00\x00\x00\xed\xa0\x80")  # a lone surrogate
+    path = crafted(tmp_path, "surrogate.pt", body, {"0": F4})
+    with pytest.raises(TypeError, match="get_storage_from_record"):
+        torch.load(path, weights_only=True)
+    refused(path, "storage", "missing")
+
+
+def test_tuple_keys_read_as_python_prints_them(tmp_path: Path) -> None:
+    path = crafted(tmp_path, "tuple.pt", dictionary((tup(text("t"), integer(1)), tensor(storage("0"), (4,)))), {"0": F4})
+    assert set(oracle.load(path)) == {"('t', 1)"}
+    assert [t.name for t in read_checkpoint(path).tensors] == ["('t', 1)"]

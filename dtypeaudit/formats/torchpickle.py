@@ -271,10 +271,13 @@ def _rebuild_from_type(args: tuple[Any, ...]) -> Any:
     value = inner(inner_args)
     if not isinstance(value, TensorRef):
         raise CheckpointError(f"tensor-subclass rebuild through {func.qualname}, which does not make a tensor")
+    # ret.as_subclass(new_type) when its type differs: a Parameter made a plain Tensor, or the reverse.
     value = value.copy()
     if isinstance(new_type, Global) and new_type.qualname == "torch.nn.parameter.Parameter":
         value.kind = "parameter"
-    elif not (isinstance(new_type, Global) and new_type.qualname == "torch.Tensor"):
+    elif isinstance(new_type, Global) and new_type.qualname == "torch.Tensor":
+        value.kind = "unknown"
+    else:
         raise CheckpointError(f"a tensor rebuilt as {_short(new_type)}, a subclass whose state handling is not modelled")
     _apply_state(value, state)
     return value
@@ -337,8 +340,8 @@ def _rebuild_from_cpu_tensor(args: tuple[Any, ...]) -> TensorRef:
     dtype = _dtype_of_global(args[1])
     _requires_grad(args[3], dtype)
     if dtype == data.dtype:
-        return data.copy()
-    return TensorRef(None, dtype, 0, data.shape, None, kind=data.kind, layout=data.layout)
+        return data.copy()  # .to() of the same dtype on the CPU returns the tensor itself
+    return TensorRef(None, dtype, 0, data.shape, None, layout=data.layout)  # a new plain tensor
 
 
 def _refuse(what: str) -> Reducer:
@@ -564,6 +567,8 @@ def _key_part(key: Any, index: int) -> str | None:
         return str(key)
     if isinstance(key, Global):
         return key.qualname
+    if isinstance(key, tuple) and all(_key_part(k, 0) is not None and not isinstance(k, Global) for k in key):
+        return str(key)  # a tuple of plain values reads as Python prints it: ('t', 1)
     return None
 
 
@@ -754,7 +759,16 @@ def tensor_records(found: list[Found], *, module_of: Callable[[Found], tuple[str
                 module=module,
             )
         )
-    return link_shared_storage(out)
+    # A tensor with no storage record of its own (a cast, a wrapper) is still one object under each of its names.
+    fresh: dict[int, list[int]] = {}
+    for i, f in enumerate(found):
+        if f.tensor.storage is None:
+            fresh.setdefault(id(f.tensor), []).append(i)
+    linked = list(link_shared_storage(out))
+    for indices in fresh.values():
+        for i in indices:
+            linked[i] = linked[i].with_(shares_with=tuple(out[j].name for j in indices if j != i))
+    return tuple(linked)
 
 
 def trailing_findings(data: Any, end: int, source: str, limit: int = 16) -> list[Finding]:

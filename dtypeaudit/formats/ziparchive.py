@@ -111,7 +111,7 @@ class ZipArchive:
     def find(self, name: str) -> Entry | None:
         """The entry miniz's ``mz_zip_reader_locate_file(..., flags=0)`` finds: names compare with A-Z folded
         (case-insensitively), and the name ends at a NUL as a C string does (torch passes ``c_str()``)."""
-        return self._by_name.get(_ascii_lower(name.split("\0", 1)[0].encode("utf-8")))
+        return self._by_name.get(_ascii_lower(name.split("\0", 1)[0].encode("utf-8", "surrogatepass")))
 
     def read(self, entry: Entry, cap: int) -> bytes:
         """The member's bytes, inflated if deflated; refused past ``cap`` bytes or on a CRC-32 mismatch."""
