@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, LimitExceeded
-from ..inventory import Inventory
+from ..inventory import Finding, Inventory
 from .picklevm import Opaque
 from .torchpickle import global_findings, module_findings, tensor_records, torch_vm, trailing_findings, walk
 
@@ -28,6 +28,13 @@ def read_pickle(path: Path) -> Inventory:
     objects: list[Opaque] = []
     found = list(walk(root, on_object=objects.append))
     findings = global_findings(vm.trace) + module_findings(objects) + trailing_findings(data, end, str(path))
+    findings.append(
+        Finding(
+            "loader-divergence",
+            "info",
+            "a bare pickle: torch.load refuses it (no zip signature, no legacy magic number), pickle.load runs it in full",
+        )
+    )
     return Inventory(str(path), "pickle", tensor_records(found), tuple(findings), {})
 
 

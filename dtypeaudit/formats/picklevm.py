@@ -280,6 +280,9 @@ class PickleVM:
             reducer = (self.new_reducers if new else self.reducers).get(func.qualname)
             if reducer is not None:
                 return reducer(args)
+        elif not isinstance(func, Opaque):
+            # A tuple, string, number or container called: every unpickler raises "not callable".
+            raise self._fail(f"calls a {type(func).__name__}, which cannot be called")
         else:
             self.trace.refuse_weights_only(f"a call of {type(func).__name__}, not of an allowed global")
         return Opaque(func, args, new=new)

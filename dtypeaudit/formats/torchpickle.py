@@ -245,7 +245,8 @@ def _rebuild_parameter_with_state(args: tuple[Any, ...]) -> TensorRef:
 def _parameter(data: Any, requires_grad: Any) -> TensorRef:
     t = _tensor(data, "a parameter's data")
     _requires_grad(requires_grad, t.dtype)
-    return t.copy(kind="parameter")
+    # nn.Parameter(data) is a new object: the data's Python attributes do not come with it.
+    return t.copy(kind="parameter", attrs={})
 
 
 def _parameter_class(args: tuple[Any, ...]) -> TensorRef:

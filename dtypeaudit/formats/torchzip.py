@@ -153,6 +153,14 @@ def read_zip(path: Path) -> Inventory:
                 return _module_type(owner), kinds.get(owner, {}).get(attr, f.tensor.kind)
 
             findings = global_findings(vm.trace, torchscript=True) + extra
+            findings.append(
+                Finding(
+                    "loader-divergence",
+                    "info",
+                    "a TorchScript archive: torch.load(weights_only=True) refuses it, and torch.jit.load (where torch.load "
+                    "sends it otherwise) compiles and runs the code it carries; dtypeaudit reads its data.pkl",
+                )
+            )
             return Inventory(str(path), "torchscript", tensor_records(found, module_of=module_of), tuple(findings), metadata, layout)
         findings = global_findings(vm.trace, weights_only_loader=True) + extra
         return Inventory(str(path), "torch-zip", tensor_records(found), tuple(findings), metadata, layout)
