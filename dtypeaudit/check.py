@@ -1,18 +1,20 @@
 """Inventory x Policy -> findings. Pure functions; no I/O.
 
-Some checks need no policy: tensors of one module that disagree in floating dtype, and a Hugging Face
-config.json whose dtype disagrees with the weights.
+Some checks need no policy: modules whose dtypes PyTorch's kernels refuse (within a module, or against the
+model's dominant dtype; see ``structure`` for how modules are found), and a Hugging Face config.json whose
+dtype disagrees with the weights.
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
-from . import dtypes
-from .inventory import Finding, Inventory, TensorRecord
+from . import dtypes, structure
+from .inventory import Finding, Inventory
+from .structure import Module
 
 if TYPE_CHECKING:  # the policy module (and YAML) load only when a policy is in use
     from .policy import Decision, Policy
@@ -22,9 +24,6 @@ Check = Callable[[Inventory], list[Finding]]
 # What a loader might read differently from dtypeaudit: harmless for ordinary files, fatal for a security gate.
 STRICT_RULES = frozenset({"loader-divergence", "foreign-global", "trailing-data", "unused-weights"})
 STRICT_MARKER = " (strict)"
-
-# Statistics that may legitimately stay fp32 beside half-precision weights (cuDNN's batch norm takes them so).
-_STAT_SUFFIXES = ("running_mean", "running_var")
 
 
 def _expected_text(expected: frozenset[str] | None) -> str:
@@ -95,30 +94,175 @@ def tied_conflicts(inv: Inventory, policy: Policy) -> list[Finding]:
     return out
 
 
-def module_dtype_mix(inv: Inventory) -> list[Finding]:
-    """Tensors of one module with different floating dtypes: the forward pass would fail."""
-    groups: dict[tuple[str, str], list[TensorRecord]] = defaultdict(list)
-    for t in inv.tensors:
-        if t.region != "model" or "." not in t.name or t.layout != "strided":
-            continue
-        if t.dtype not in dtypes.DTYPES or not dtypes.get(t.dtype).is_floating or t.name.endswith(_STAT_SUFFIXES):
-            continue
-        groups[(t.file, t.name.rsplit(".", 1)[0])].append(t)
-    out = []
-    for (file, module), members in groups.items():
-        kinds = {m.dtype for m in members}
-        if len(kinds) > 1:
-            listing = ", ".join(f"{m.name.rsplit('.', 1)[1]} {m.dtype}" for m in members)
-            out.append(
-                Finding(
-                    "module-dtype-mix",
-                    "error",
-                    f"module mixes floating dtypes ({listing}); a forward pass fails with 'expected scalar type ... but found ...'",
-                    tensor=module,
-                    file=file or None,
-                )
+# What PyTorch's CPU kernels accept, measured by tests/test_runtime_truth.py (torch 2.13):
+# - Linear, Conv (and transformers' Conv1D): input, weight and bias all in one dtype, else
+#   "mat1 and mat2 must have the same dtype" / "Input type ... and bias type ... should be the same";
+#   ConvTranspose1d/2d also take a bias of another dtype for float32 or float16 input;
+# - BatchNorm, LayerNorm, GroupNorm: weight, bias and running statistics in one dtype P; the input must be P,
+#   except that an all-float32 norm takes float16 or bfloat16 input and returns the input's dtype. Any other
+#   combination fails ("expected scalar type Half but found Float", "mixed dtype (CPU): expect parameter to
+#   have scalar type of Float"). InstanceNorm: the same for weight and bias; its statistics may be any dtype;
+# - torch.nn.RMSNorm takes any input and returns its dtype; Embedding returns its weight's dtype.
+# Activations flow in the model's dominant dtype, so a module that does not take it, or hands on another dtype,
+# breaks the next layer.
+Semantics = Literal["strict", "transpose", "norm", "any", "promote", "embedding"]
+_CRASH = "crash"
+_MEASURED = ("float32", "float16", "bfloat16")
+
+_MIX_REASONS: dict[str, str] = {
+    "linear": "weight and bias must share one dtype, so the forward pass fails ('self and mat2 must have the same dtype')",
+    "conv": "weight and bias must share one dtype, so the forward pass fails ('Input type ... and bias type ... should be the same')",
+    "batchnorm": "weight, bias and running statistics must share one dtype (only an all-float32 BatchNorm takes half input), "
+    "so the forward pass fails with 'expected scalar type ... but found ...'",
+    "norm": "weight and bias must share one dtype, so the forward pass fails with 'expected scalar type ... but found ...'",
+}
+
+
+def _promote(a: str, b: str) -> str:
+    if a == b:
+        return a
+    if {a, b} <= structure.HALF_DTYPES:
+        return "float32"
+    return max((a, b), key=lambda d: dtypes.get(d).itemsize)
+
+
+def semantics(m: Module) -> Semantics | None:
+    """Which of the measured dtype rules ``m``'s forward follows; None for a module of unknown kind."""
+    if m.kind in ("linear", "conv"):
+        return "transpose" if m.confidence == "fact" and m.type_name in ("ConvTranspose1d", "ConvTranspose2d") else "strict"
+    if m.kind == "embedding":
+        return "embedding"
+    if m.kind == "batchnorm":
+        return "norm"
+    if m.kind == "norm":
+        if m.confidence == "fact":
+            return "any" if m.type_name == "RMSNorm" else "norm"
+        # A weight-only norm may be an RMSNorm written as weight * x (Hugging Face's), which returns the wider dtype.
+        return "norm" if m.leaf("bias") is not None else "promote"
+    return None
+
+
+def forward_dtype(m: Module, x: str) -> str | None:
+    """The dtype ``m`` hands on for input of dtype ``x``, ``"crash"`` if its forward raises, None if unknown."""
+    sem = semantics(m)
+    found = m.kernel_dtypes
+    p = m.dtype
+    if sem is None or not found:
+        return None
+    if sem == "embedding":
+        return p
+    if sem == "strict":
+        return x if found == {x} else _CRASH
+    if sem == "transpose":
+        w, b = m.weight, m.leaf("bias")
+        ok = w is not None and w.dtype == x and (b is None or b.dtype == x or x in ("float32", "float16"))
+        return x if ok else _CRASH
+    if p is None:
+        return _CRASH  # a norm whose weight, bias and statistics disagree
+    if sem == "any":
+        return x
+    if sem == "promote":
+        return _promote(p, x)
+    return x if p == x or (p == "float32" and x in structure.HALF_DTYPES) else _CRASH
+
+
+def _certain(m: Module) -> bool:
+    """Whether a predicted failure is known (the module type is a fact with measured rules) or guessed."""
+    return m.confidence == "fact" and semantics(m) != "promote"
+
+
+def _mix_finding(m: Module, dominant: str | None) -> Finding | None:
+    """A module whose own tensors disagree in a way its kernel refuses for the model's input dtype."""
+    if len(m.kernel_dtypes) < 2 or (m.kind == "unknown" and not m.prefix):
+        return None  # loose tensors at the root are not a module
+    inputs = (dominant,) if dominant in _MEASURED else _MEASURED
+    reason = _MIX_REASONS.get(m.kind)
+    if reason is not None and all(forward_dtype(m, x) != _CRASH for x in inputs):
+        return None  # ConvTranspose2d with a float16 bias in a float32 model runs
+    listing = ", ".join(f"{structure.split_name(t.name)[1]} {t.dtype}" for t in m.kernel_tensors)
+    known = reason is not None and m.confidence != "low"
+    return Finding(
+        "module-dtype-mix",
+        "error" if known else "warning",
+        f"{m.label} ({m.provenance}) mixes floating dtypes ({listing}); "
+        + (reason or "its forward fails if it combines them (give --model for module types)"),
+        tensor=m.prefix,
+        file=m.file,
+    )
+
+
+def _outlier_reason(m: Module, p: str, d: str) -> str | None:
+    """Why ``m``, all in ``p``, breaks a ``d`` model's forward pass; None if it does not."""
+    if semantics(m) == "promote":
+        if p == "float32" and d in structure.HALF_DTYPES:
+            return (
+                f"torch's own norms return the input's dtype, but a norm written as weight * x (Hugging Face's RMSNorm) "
+                f"returns float32 and the next {d} layer fails"
             )
+        wider = _promote(p, d)
+        return f"a LayerNorm without bias fails on {d} input; a norm written as weight * x (Hugging Face's RMSNorm) returns {wider}"
+    result = forward_dtype(m, d)
+    if result is None or result == d:
+        return None  # an all-fp32 norm in a half model is fine
+    if m.kind in ("linear", "conv"):
+        error = "mat1 and mat2 must have the same dtype" if m.kind == "linear" else "Input type ... should be the same"
+        return f"it needs its input in its own dtype, so a forward pass that reaches it in {d} fails ('{error}')"
+    if m.kind == "embedding":
+        return f"it hands {p} activations on, and the next {d} layer fails"
+    if result == _CRASH:
+        return (
+            f"a norm takes only its own dtype as input (an all-float32 norm also takes half input), so {d} input fails "
+            "('mixed dtype (CPU): expect parameter to have scalar type of Float')"
+        )
+    return f"it hands {result} activations on, and the next {d} layer fails"
+
+
+def _outlier_finding(m: Module, dominant: str | None) -> Finding | None:
+    """A module, all in one dtype, that does not take the model's dominant dtype or hands on another one."""
+    p = m.dtype
+    if dominant not in _MEASURED or p is None or p == dominant:
+        return None  # fp8 and fp64 models: their forwards were not measured (fp8 weights need kernels of their own)
+    reason = _outlier_reason(m, p, dominant)
+    if reason is None:
+        return None
+    certain = _certain(m)
+    hint = "" if certain or m.type_name else "; give --model to know the module types"
+    return Finding(
+        "dtype-outlier",
+        "error" if certain else "warning",
+        f"{m.label} ({m.provenance}) is {p} in a {dominant} model: {reason}{hint}",
+        tensor=m.prefix,
+        file=m.file,
+        expected=(dominant,),
+        actual=p,
+    )
+
+
+def _module_findings(inv: Inventory, *, mixes: bool = True, outliers: bool = True) -> list[Finding]:
+    modules = structure.infer_modules(inv)
+    dominant = structure.dominant_dtype(inv, modules)
+    out = []
+    for m in modules:
+        for wanted, finding in ((mixes, _mix_finding), (outliers, _outlier_finding)):
+            f = finding(m, dominant) if wanted else None
+            if f is not None:
+                out.append(f)
     return out
+
+
+def module_dtype_mix(inv: Inventory) -> list[Finding]:
+    """Modules whose own tensors disagree in floating dtype where PyTorch's kernel refuses the combination."""
+    return _module_findings(inv, outliers=False)
+
+
+def dtype_outliers(inv: Inventory) -> list[Finding]:
+    """Modules whose dtype differs from the model's dominant one in a way a forward pass does not survive."""
+    return _module_findings(inv, mixes=False)
+
+
+def module_consistency(inv: Inventory) -> list[Finding]:
+    """``module-dtype-mix`` and ``dtype-outlier``, over one inference of the model's structure."""
+    return _module_findings(inv)
 
 
 def config_dtype(inv: Inventory) -> list[Finding]:
@@ -150,7 +294,7 @@ def config_dtype(inv: Inventory) -> list[Finding]:
 
 def checks_for(policy: Policy | None) -> list[Check]:
     """Every check to run: the policy-free ones, plus the policy's when there is one."""
-    checks: list[Check] = [module_dtype_mix, config_dtype]
+    checks: list[Check] = [module_consistency, config_dtype]
     if policy is not None:
         checks += [lambda inv: policy_findings(inv, policy), lambda inv: tied_conflicts(inv, policy)]
     return checks

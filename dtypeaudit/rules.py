@@ -70,8 +70,33 @@ RULES: dict[str, Rule] = {
         Rule(
             "module-dtype-mix",
             "error",
-            "Tensors of one module disagree in floating dtype.",
-            "A forward pass fails with 'expected scalar type Half but found Float'; convert the module's tensors together.",
+            "Tensors of one module disagree in floating dtype in a way PyTorch's kernel refuses.",
+            "Linear and Conv need weight and bias in one dtype; BatchNorm, LayerNorm and GroupNorm need weight, bias and "
+            "running statistics in one dtype (an fp16 BatchNorm with fp32 statistics fails with 'expected scalar type Half "
+            "but found Float'). Convert the module's floating tensors together. A module of unknown kind is a warning.",
+        ),
+        Rule(
+            "dtype-outlier",
+            "warning",
+            "A module's dtype differs from the model's dominant dtype in a way a forward pass does not survive.",
+            "A Linear or Conv needs its input in its own dtype and an Embedding hands its own dtype on, so one left in "
+            "float32 inside a float16 model fails ('mat1 and mat2 must have the same dtype'). Norm layers entirely in "
+            "float32 are fine: they take half input. A warning when module kinds are guessed from names and shapes; "
+            "an error with --model when the module type's rule is known.",
+        ),
+        Rule(
+            "unused-rule",
+            "warning",
+            "A policy rule or ignore pattern decides no tensor in any checkpoint of the run.",
+            "Its pattern matches nothing (globs match whole dotted names or tails after a dot; ^ anchors), an earlier "
+            "rule decides every tensor it matches, or it selects by module without --model. Fix it, or mark it optional: true.",
+        ),
+        Rule(
+            "model-mismatch",
+            "error",
+            "Fewer than half of the checkpoint's model tensors match a name of the --model factory.",
+            "Kinds and module rules would apply to a few tensors in silence. Give the factory of the model the checkpoint "
+            "was saved from; the message shows the prefix that comes closest.",
         ),
         Rule(
             "tied-dtype-conflict",

@@ -1,0 +1,253 @@
+"""The module structure a state dict implies, from names, shapes and buffers alone.
+
+A module is the set of tensors directly under one dotted prefix (``layer1.0.bn1.{weight,bias,running_mean,
+running_var,num_batches_tracked}``). Its kind comes from ``--model`` where the factory names a module type
+PyTorch's kernels are known for (a fact), else from the tensors' names and shapes (a guess, high or low).
+Checks, presets and conversion plans all read this one structure. No torch here: metadata only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from . import dtypes
+from .inventory import Inventory, TensorRecord
+
+ModuleKind = Literal["batchnorm", "linear", "conv", "embedding", "norm", "unknown"]
+Confidence = Literal["fact", "high", "low"]
+
+# What training code wraps a state_dict in: the PyTorch tutorial's ``model_state_dict``, Lightning's
+# ``state_dict``, a plain ``model``, DDP's ``module``, torch.compile's ``_orig_mod``. Stripped for naming only.
+WRAPPER_PREFIXES: tuple[str, ...] = ("model_state_dict.", "state_dict.", "model.", "module.", "_orig_mod.")
+
+HALF_DTYPES = frozenset({"float16", "bfloat16"})
+
+# Module types whose forward dtype rules are known: measured on CPU by tests/test_runtime_truth.py for the
+# common ones, the rest run the same kernels. A type named here makes the kind a fact; any other type name is
+# kept, but its kind is guessed from the tensors.
+_TYPE_KINDS: dict[str, ModuleKind] = {
+    **dict.fromkeys(("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm"), "batchnorm"),
+    **dict.fromkeys(("LazyBatchNorm1d", "LazyBatchNorm2d", "LazyBatchNorm3d"), "batchnorm"),
+    # transformers' Conv1D (GPT-2) is a Linear with a transposed weight: addmm(bias, x, weight).
+    **dict.fromkeys(("Linear", "LazyLinear", "NonDynamicallyQuantizableLinear", "Conv1D"), "linear"),
+    **dict.fromkeys(("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"), "conv"),
+    **dict.fromkeys(("LazyConv1d", "LazyConv2d", "LazyConv3d"), "conv"),
+    **dict.fromkeys(("Embedding",), "embedding"),
+    # InstanceNorm's running statistics are not held to its input's dtype: a norm, not a BatchNorm.
+    **dict.fromkeys(("LayerNorm", "GroupNorm", "RMSNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"), "norm"),
+}
+
+_EMBED_HINT = re.compile(r"(?i)(embed|emb$|wte$|wpe$|tok|vocab|shared$)")
+_PROJ_HINT = re.compile(r"(?i)(head$|proj$|fc\d*$|linear\d*$|dense$|classifier$|(^|_)(q|k|v|o|gate|up|down|query|key|value|out)$)")
+_STATS = ("running_mean", "running_var")
+
+
+def is_floating(dtype: str) -> bool:
+    return dtype in dtypes.DTYPES and dtypes.get(dtype).is_floating
+
+
+def strip_wrappers(name: str) -> str:
+    """``model_state_dict.module.fc.weight`` -> ``fc.weight``: the name without the wrappers training code adds.
+
+    For naming and matching only: a model whose own child is called ``model`` (Hugging Face's
+    ``model.layers.0``) loses it too, which is why modules are never grouped by the stripped name.
+    """
+    changed = True
+    while changed:
+        changed = False
+        for prefix in WRAPPER_PREFIXES:
+            if name.startswith(prefix) and len(name) > len(prefix):
+                name = name[len(prefix) :]
+                changed = True
+    return name
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """``a.b.weight`` -> ``("a.b", "weight")``; a name without a dot belongs to the root module ``""``."""
+    prefix, _, leaf = name.rpartition(".")
+    return prefix, leaf
+
+
+@dataclass(frozen=True)
+class Module:
+    """The tensors directly under one dotted prefix, and what kind of module they look like."""
+
+    prefix: str
+    """The prefix as the checkpoint spells it (``model.layer1.0.bn1``); ``""`` for tensors at the root."""
+    kind: ModuleKind
+    """``batchnorm``, ``linear``, ``conv``, ``embedding``, ``norm`` (LayerNorm/RMSNorm/GroupNorm-like) or ``unknown``."""
+    type_name: str | None
+    """The module's class name where ``--model`` gave it (``BatchNorm2d``), else None."""
+    confidence: Confidence
+    """``fact`` where the kind comes from ``--model``'s module type, else ``high`` or ``low`` for a guess."""
+    tensors: tuple[TensorRecord, ...]
+    """Every tensor directly under the prefix, in file order, integer buffers included."""
+
+    @property
+    def name(self) -> str:
+        """The prefix without wrapper prefixes (``model.``, ``module.``, ``_orig_mod.``), for messages and matching."""
+        return strip_wrappers(self.prefix)
+
+    @property
+    def floating(self) -> tuple[TensorRecord, ...]:
+        """The tensors a floating-dtype rule applies to: integer and bool buffers (``num_batches_tracked``) never are."""
+        return tuple(t for t in self.tensors if is_floating(t.dtype) and not t.layout.startswith("sparse"))
+
+    @property
+    def floating_dtypes(self) -> frozenset[str]:
+        return frozenset(t.dtype for t in self.floating)
+
+    @property
+    def kernel_tensors(self) -> tuple[TensorRecord, ...]:
+        """The floating tensors its kind's kernel reads: weight and bias (and running statistics for a BatchNorm).
+
+        Other tensors under the prefix (an fp8 checkpoint's ``weight_scale``) are not held to the kernel's dtype
+        rules; for a module of unknown kind every floating tensor is.
+        """
+        if self.kind == "unknown":
+            return self.floating
+        leaves = ("weight", "bias", *_STATS) if self.kind == "batchnorm" else ("weight", "bias")
+        return tuple(t for t in self.floating if split_name(t.name)[1] in leaves)
+
+    @property
+    def kernel_dtypes(self) -> frozenset[str]:
+        return frozenset(t.dtype for t in self.kernel_tensors)
+
+    @property
+    def dtype(self) -> str | None:
+        """The one floating dtype its kernel tensors share; None when they mix dtypes or there are none."""
+        found = self.kernel_dtypes
+        return next(iter(found)) if len(found) == 1 else None
+
+    @property
+    def weight(self) -> TensorRecord | None:
+        return self.leaf("weight")
+
+    @property
+    def file(self) -> str | None:
+        """The file holding it inside a directory checkpoint, if all its tensors sit in one."""
+        files = {t.file for t in self.tensors}
+        return next(iter(files)) or None if len(files) == 1 else None
+
+    def leaf(self, leaf: str) -> TensorRecord | None:
+        for t in self.tensors:
+            if split_name(t.name)[1] == leaf:
+                return t
+        return None
+
+    @property
+    def label(self) -> str:
+        """``BatchNorm2d`` for a fact, ``Linear-like`` for a guess."""
+        if self.confidence == "fact" and self.type_name:
+            return self.type_name
+        base = {"batchnorm": "BatchNorm", "linear": "Linear", "conv": "Conv", "embedding": "Embedding", "norm": "norm"}.get(self.kind)
+        what = f"{base}-like" if base else "module of unknown kind"
+        return f"{self.type_name}, {what}" if self.type_name else what
+
+    @property
+    def provenance(self) -> str:
+        """How the kind is known, in words."""
+        if self.confidence == "fact":
+            return "module type from --model"
+        if self.type_name:
+            return f"a type from --model whose dtype rules are not known; kind guessed from its tensors, {self.confidence} confidence"
+        return f"guessed from names and shapes, {self.confidence} confidence"
+
+
+def _guess(prefix: str, leaves: dict[str, TensorRecord]) -> tuple[ModuleKind, Confidence]:
+    """Kind and confidence from the tensors' names and shapes alone."""
+    if any(s in leaves for s in _STATS):
+        return "batchnorm", "high"
+    w, b = leaves.get("weight"), leaves.get("bias")
+    if w is None:
+        return "unknown", "low"
+    extra = [t for leaf, t in leaves.items() if leaf not in ("weight", "bias") and is_floating(t.dtype)]
+    if b is not None and b.ndim != 1:
+        return "unknown", "low"
+    name = prefix.rpartition(".")[2]
+    kind: ModuleKind
+    conf: Confidence
+    if w.ndim in (3, 4, 5):
+        # Conv weights are [out, in/groups, *k] with a bias of [out]; a transposed conv's are [in, out/groups, *k],
+        # and its kernel differs (tests/test_runtime_truth.py), so a bias of the second dimension is a low guess.
+        kind, conf = "conv", "high" if b is None or b.shape[0] == w.shape[0] else "low"
+    elif w.ndim == 2:
+        if b is not None:
+            # nn.Linear: bias of the weight's first dimension; transformers' Conv1D: of its second.
+            kind, conf = "linear", "high" if b.shape[0] in w.shape else "low"
+        elif _EMBED_HINT.search(name):
+            kind, conf = "embedding", "high"
+        elif _PROJ_HINT.search(name):
+            kind, conf = "linear", "low"
+        else:
+            kind, conf = "embedding", "low"
+    elif w.ndim == 1:
+        kind, conf = "norm", "high" if b is not None and b.shape == w.shape else "low"
+    else:
+        return "unknown", "low"
+    return kind, "low" if extra else conf
+
+
+def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
+    """Every module of the model region, in the order its first tensor appears.
+
+    Grouping uses the names as written: wrapper prefixes are stripped for naming only, so two prefixes that
+    differ only by a wrapper stay two modules.
+    """
+    tensors = inv.tensors if isinstance(inv, Inventory) else tuple(inv)
+    groups: dict[str, list[TensorRecord]] = {}
+    for t in tensors:
+        if t.region == "model":
+            groups.setdefault(split_name(t.name)[0], []).append(t)
+    out = []
+    for prefix, members in groups.items():
+        leaves = {split_name(t.name)[1]: t for t in members}
+        type_name = next((t.module for t in members if t.module), None)
+        fact = _TYPE_KINDS.get(type_name) if type_name else None
+        if fact is not None:
+            kind: ModuleKind = fact
+            conf: Confidence = "fact"
+        else:
+            kind, conf = _guess(prefix, leaves)
+            if type_name and kind == "norm" and "norm" in type_name.lower() and conf == "low":
+                conf = "high"  # the factory says it is a norm of its own making (LlamaRMSNorm)
+        out.append(Module(prefix, kind, type_name, conf, tuple(members)))
+    return out
+
+
+COMPUTE_KINDS = frozenset({"linear", "conv", "embedding"})
+
+
+def dominant_dtype(inv: Inventory | Iterable[TensorRecord], modules: Iterable[Module] | None = None) -> str | None:
+    """The floating dtype activations flow in: the dtype most compute modules (Linear, Conv, Embedding) hold.
+
+    Counted by module, ties broken by elements: a forgotten ``.half()`` on one big layer must not make the
+    rest of the model look like the outlier, and bytes would count an fp32 layer twice. Norm layers do not
+    vote (fp32 norms in a half model are ordinary). Without compute modules, the floating dtype with the most
+    elements in the model region. None if the model holds no floating tensor.
+    """
+    mods = list(modules) if modules is not None else infer_modules(inv)
+    votes: Counter[str] = Counter()
+    elements: Counter[str] = Counter()
+    for m in mods:
+        w = m.weight
+        if m.kind in COMPUTE_KINDS and w is not None and is_floating(w.dtype):
+            votes[w.dtype] += 1
+            elements[w.dtype] += w.numel
+    if not votes:
+        for m in mods:
+            for t in m.floating:
+                votes[t.dtype] += t.numel
+    if not votes:
+        return None
+    # Deterministic on a full tie: the narrower dtype (a half model with one fp32 layer is the common case).
+    return max(votes, key=lambda d: (votes[d], elements[d], -dtypes.get(d).itemsize, d))
+
+
+def by_tensor(modules: Iterable[Module]) -> dict[str, Module]:
+    """Tensor name -> the module that holds it."""
+    return {t.name: m for m in modules for t in m.tensors}

@@ -1,0 +1,162 @@
+"""The module structure a state dict implies: guesses from names and shapes, facts from --model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dtypeaudit.formats import read_checkpoint
+from dtypeaudit.inventory import Inventory, TensorRecord
+from dtypeaudit.structure import Module, by_tensor, dominant_dtype, infer_modules, strip_wrappers
+
+from .conftest import TinyCNN, TinyLM
+from .test_runtime_truth import MODELS, inventory_of
+
+
+def rec(name: str, shape: tuple[int, ...], dtype: str = "float32", **kw: object) -> TensorRecord:
+    return TensorRecord(name, dtype, shape, 4, **kw)  # type: ignore[arg-type]
+
+
+def modules(*records: TensorRecord) -> dict[str, Module]:
+    return {m.prefix: m for m in infer_modules(Inventory("x", "test", records))}
+
+
+REAL_MODELS: dict[str, Callable[[], nn.Module]] = {**MODELS, "tiny_cnn": TinyCNN, "tiny_lm": TinyLM}
+
+
+@pytest.mark.parametrize("name", list(REAL_MODELS))
+def test_guesses_agree_with_the_real_module_types(name: str) -> None:
+    """On real models, the kind guessed from names and shapes is the kind of the module type torch reports."""
+    model = REAL_MODELS[name]()
+    facts = {m.prefix: m for m in infer_modules(inventory_of(model, facts=True))}
+    guesses = {m.prefix: m for m in infer_modules(inventory_of(model, facts=False))}
+    assert facts.keys() == guesses.keys()
+    real = {n: type(m).__name__ for n, m in model.named_modules()}
+    for prefix, fact in facts.items():
+        guess = guesses[prefix]
+        assert fact.type_name == real[prefix] and guess.type_name is None
+        assert guess.confidence in ("high", "low")
+        if fact.confidence == "fact":
+            assert guess.kind == fact.kind, (prefix, fact, guess)
+        # What a forward pass needs to know is never guessed low for BatchNorm, Conv, biased Linear or LayerNorm.
+        if fact.kind in ("batchnorm", "conv") or (fact.kind in ("linear", "norm") and fact.leaf("bias") is not None):
+            assert guess.confidence == "high", prefix
+
+
+def test_batchnorm_inside_sequentials_is_found_wherever_it_sits() -> None:
+    """torchvision's pattern: BatchNorms as ``layer1.1``, ``downsample.1``; the step counter is no floating tensor."""
+    bn = ("weight", "bias", "running_mean", "running_var")
+    found = modules(
+        *(rec(f"layer1.1.{leaf}", (8,), "float16") for leaf in bn),
+        rec("layer1.1.num_batches_tracked", (), "int64"),
+        *(rec(f"layer2.0.downsample.1.{leaf}", (16,)) for leaf in bn),
+        rec("layer2.0.downsample.0.weight", (16, 8, 1, 1)),
+    )
+    assert (found["layer1.1"].kind, found["layer1.1"].confidence) == ("batchnorm", "high")
+    assert found["layer2.0.downsample.1"].kind == "batchnorm"
+    assert found["layer2.0.downsample.0"].kind == "conv"
+    assert len(found["layer1.1"].tensors) == 5
+    assert found["layer1.1"].floating_dtypes == {"float16"} and found["layer1.1"].dtype == "float16"
+    # Running statistics alone (affine=False) are still a BatchNorm.
+    assert modules(rec("bn.running_mean", (4,)), rec("bn.running_var", (4,)))["bn"].kind == "batchnorm"
+
+
+@pytest.mark.parametrize(
+    ("records", "kind", "confidence"),
+    [
+        ((rec("fc.weight", (4, 8)), rec("fc.bias", (4,))), "linear", "high"),
+        ((rec("c_attn.weight", (32, 96)), rec("c_attn.bias", (96,))), "linear", "high"),  # transformers' Conv1D
+        ((rec("fc.weight", (4, 8)), rec("fc.bias", (5,))), "linear", "low"),
+        ((rec("conv.weight", (8, 3, 3, 3)),), "conv", "high"),
+        ((rec("conv.weight", (8, 3, 3)), rec("conv.bias", (8,))), "conv", "high"),
+        ((rec("wte.weight", (64, 16)),), "embedding", "high"),
+        ((rec("embed_tokens.weight", (64, 16)),), "embedding", "high"),
+        ((rec("table.weight", (64, 16)),), "embedding", "low"),
+        ((rec("lm_head.weight", (64, 16)),), "linear", "low"),
+        ((rec("ln.weight", (16,)), rec("ln.bias", (16,))), "norm", "high"),
+        ((rec("norm.weight", (16,)),), "norm", "low"),
+        ((rec("attn.in_proj_weight", (48, 16)), rec("attn.in_proj_bias", (48,))), "unknown", "low"),
+        ((rec("w.weight", (2, 2, 2, 2, 2, 2)),), "unknown", "low"),
+        ((rec("fc.weight", (4, 8)), rec("fc.bias", (4,)), rec("fc.scale", (4,))), "linear", "low"),
+    ],
+)
+def test_kind_from_names_and_shapes(records: tuple[TensorRecord, ...], kind: str, confidence: str) -> None:
+    (m,) = modules(*records).values()
+    assert (m.kind, m.confidence, m.type_name) == (kind, confidence, None)
+
+
+def test_module_types_from_the_model_are_facts() -> None:
+    found = modules(
+        rec("h.0.ln.weight", (8,), module="LayerNorm"),
+        rec("h.0.ln.bias", (8,), module="LayerNorm"),
+        rec("h.0.norm.weight", (8,), module="LlamaRMSNorm"),
+        rec("h.0.c_fc.weight", (8, 32), module="Conv1D"),
+        rec("h.0.c_fc.bias", (32,), module="Conv1D"),
+        rec("h.0.odd.weight", (8, 8), module="MyProjection"),
+        rec("h.0.inorm.weight", (8,), module="InstanceNorm2d"),
+        rec("h.0.inorm.bias", (8,), module="InstanceNorm2d"),
+        rec("h.0.inorm.running_mean", (8,), module="InstanceNorm2d"),
+    )
+    assert (found["h.0.ln"].kind, found["h.0.ln"].confidence, found["h.0.ln"].type_name) == ("norm", "fact", "LayerNorm")
+    assert (found["h.0.c_fc"].kind, found["h.0.c_fc"].confidence) == ("linear", "fact")
+    # A type PyTorch's kernels say nothing about keeps its name, but its kind is a guess.
+    assert (found["h.0.norm"].kind, found["h.0.norm"].confidence, found["h.0.norm"].type_name) == ("norm", "high", "LlamaRMSNorm")
+    assert (found["h.0.odd"].kind, found["h.0.odd"].confidence) == ("embedding", "low")
+    assert found["h.0.odd"].label == "MyProjection, Embedding-like" and "not known" in found["h.0.odd"].provenance
+    assert (found["h.0.inorm"].kind, found["h.0.inorm"].confidence) == ("norm", "fact")  # statistics of any dtype
+    assert found["h.0.ln"].label == "LayerNorm" and "--model" in found["h.0.ln"].provenance
+
+
+def test_wrapper_prefixes_are_for_naming_only() -> None:
+    assert strip_wrappers("model_state_dict.module._orig_mod.fc.weight") == "fc.weight"
+    assert strip_wrappers("state_dict.model.net.fc") == "net.fc"
+    assert strip_wrappers("model") == "model" and strip_wrappers("modules.fc") == "modules.fc"
+    found = modules(rec("model.fc.weight", (4, 8)), rec("model.fc.bias", (4,)), rec("fc.weight", (4, 8)), rec("fc.bias", (4,)))
+    assert set(found) == {"model.fc", "fc"}  # grouped as written
+    assert found["model.fc"].name == "fc" and found["fc"].name == "fc"
+
+
+def test_root_tensors_and_optimizer_state() -> None:
+    found = modules(
+        rec("weight", (4, 8)),
+        rec("bias", (4,)),
+        rec("state.0.exp_avg", (4, 8), region="optimizer"),
+    )
+    assert set(found) == {""} and found[""].kind == "linear"
+    assert by_tensor(found.values()) == {"weight": found[""], "bias": found[""]}
+
+
+def test_module_file_and_leaf() -> None:
+    found = modules(rec("fc.weight", (4, 8), file="a.safetensors"), rec("fc.bias", (4,), file="b.safetensors"))
+    assert found["fc"].file is None
+    assert modules(rec("fc.weight", (4, 8), file="a.safetensors"))["fc"].file == "a.safetensors"
+    assert found["fc"].leaf("bias") is not None and found["fc"].leaf("nope") is None
+
+
+def test_dominant_dtype_counts_compute_modules() -> None:
+    half_model = [rec(f"l{i}.weight", (4, 4), "float16") for i in range(3)]
+    # One forgotten fp32 layer, however large, does not make the rest the outliers.
+    assert dominant_dtype(Inventory("x", "t", (*half_model, rec("big.weight", (4096, 4096)), rec("big.bias", (4096,))))) == "float16"
+    # fp32 norms do not vote.
+    norms = [rec(f"n{i}.{leaf}", (4,)) for i in range(10) for leaf in ("weight", "bias")]
+    assert dominant_dtype(Inventory("x", "t", (*half_model, *norms))) == "float16"
+    # Without compute modules: the floating dtype with the most elements; integers never count.
+    assert dominant_dtype(Inventory("x", "t", (rec("a", (10,), "bfloat16"), rec("b", (3,)), rec("c", (99,), "int64")))) == "bfloat16"
+    assert dominant_dtype(Inventory("x", "t", (rec("c", (9,), "int64"),))) is None
+    # A tie of modules goes to the one with more elements.
+    assert dominant_dtype(Inventory("x", "t", (rec("a.weight", (8, 8), "float16"), rec("b.weight", (8, 2))))) == "float16"
+
+
+def test_on_real_checkpoints(training_pt: Path, lightning_ckpt: Path, tmp_path: Path) -> None:
+    found = {m.prefix: m for m in infer_modules(read_checkpoint(training_pt))}
+    assert set(found) == {"model.conv", "model.bn", "model.fc"}  # the Adam state is not a module
+    assert [found[p].kind for p in sorted(found)] == ["batchnorm", "conv", "linear"]
+    lit = {m.prefix: m for m in infer_modules(read_checkpoint(lightning_ckpt))}
+    assert lit["state_dict.net.bn"].name == "net.bn" and lit["state_dict.net.bn"].kind == "batchnorm"
+    path = tmp_path / "wrapped.pt"
+    torch.save({"model_state_dict": TinyCNN().state_dict(), "optimizer_state_dict": {}}, path)
+    assert {m.name for m in infer_modules(read_checkpoint(path))} == {"conv", "bn", "fc"}
