@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from collections import Counter
 from collections.abc import Iterator
+from functools import lru_cache
 
 import yaml
 
 from . import dtypes
 from .inventory import Inventory, TensorRecord
+from .policy import Matcher, compile_matcher
 
 _DIGITS = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 
@@ -20,7 +21,8 @@ def _is_floating(t: TensorRecord) -> bool:
 
 
 def _literal(name: str) -> str:
-    return f"re:^{re.escape(name)}$" if any(c in name for c in "*?[]") or name.startswith("re:") else name
+    """A pattern for exactly ``name``: anchored with ``^``, since a glob also matches tails after a dot."""
+    return f"re:^{re.escape(name)}$" if any(c in name for c in "*?[]^") or name.startswith("re:") else f"^{name}"
 
 
 def _candidates(name: str) -> Iterator[str]:
@@ -36,10 +38,14 @@ def _candidates(name: str) -> Iterator[str]:
     yield _literal(name)
 
 
+@lru_cache(maxsize=4096)
+def _matcher(pattern: str) -> Matcher:
+    return compile_matcher(pattern)
+
+
 def _matches(pattern: str, name: str) -> bool:
-    if pattern.startswith("re:"):
-        return re.search(pattern[3:], name) is not None
-    return fnmatch.fnmatchcase(name, pattern)
+    """As the policy will match it (globs on dotted-name boundaries)."""
+    return _matcher(pattern)(name)
 
 
 def baseline(inv: Inventory) -> dict[str, object]:

@@ -3,9 +3,9 @@
 A policy says which dtype each tensor should have::
 
     version: 1
-    extends: fp16-mixed          # a preset name or another file, relative to this one
+    extends: fp16-weights-fp32-norms  # a preset name or another file, relative to this one
     default: float16             # floating tensors no rule matches
-    check_integers: true         # also hold integer/bool tensors to the rules
+    check_integers: true         # also hold integer/bool tensors to the rules that name an integer dtype
     strict: true                 # fail on anything a loader might read differently (security gates)
     ignore: ["optimizer.*"]      # never checked
     rules:                       # first match wins
@@ -14,20 +14,36 @@ A policy says which dtype each tensor should have::
         dtype: float32           # a dtype, a list of them, or "any"
         severity: error
         reason: LayerNorm is unstable in fp16
+        optional: true           # may match nothing without an unused-rule warning
+
+Name patterns. A glob matches a whole dotted name or any tail of it that starts after a dot, so
+``lm_head.*`` matches ``lm_head.weight`` and ``model.lm_head.weight`` but not ``my_lm_head.weight``,
+and ``bias`` matches every ``*.bias``. A leading ``^`` anchors the glob at the start of the name
+(``^lm_head.*`` matches ``lm_head.weight`` only). ``*`` and ``?`` cross dots, as in ``fnmatch``.
+``re:<regex>`` is searched anywhere in the name (write ``^``/``$`` to anchor it).
+
+Dtype scope. A rule holds floating-point tensors to its dtypes; integer and bool tensors meet only
+the rules whose ``dtype`` names an integer or bool dtype (or ``any``), and only with
+``check_integers: true``. So ``module: "*Norm*"`` with ``dtype: float32`` never catches BatchNorm's
+int64 ``num_batches_tracked``.
+
+No silent no-ops. ``Policy.unused_rules`` reports, across every checkpoint of one run, each rule and
+ignore pattern of the user's own files that decides no tensor (``unused-rule``); the shipped presets'
+rules and rules marked ``optional: true`` may go unused.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from . import dtypes
 from .errors import PolicyError
-from .inventory import SEVERITIES, Severity, TensorRecord
+from .inventory import SEVERITIES, Finding, Inventory, Severity, TensorRecord
 
 MAX_POLICY_BYTES = 1 << 20
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -42,6 +58,17 @@ _OPS: dict[str, Callable[[int, int], bool]] = {
 }
 KINDS = ("parameter", "buffer", "unknown")
 REGIONS = ("model", "optimizer")
+GLOB_RULE = (
+    "a glob matches the whole name or any tail of it that starts after a dot (lm_head.* matches model.lm_head.weight); "
+    "a leading ^ anchors it at the start; re:<regex> is searched anywhere"
+)
+
+
+_FLOATING = frozenset(name for name, d in dtypes.DTYPES.items() if d.is_floating)
+
+
+def is_floating(dtype: str) -> bool:
+    return dtype in _FLOATING
 
 
 # -- matchers ------------------------------------------------------------------------------------
@@ -49,13 +76,89 @@ REGIONS = ("model", "optimizer")
 
 @dataclass(frozen=True)
 class Matcher:
-    """A name pattern: a glob, or a regex written ``re:<pattern>``; compiled at load time."""
+    """A name pattern: a glob matched on dotted-name boundaries (``^`` anchors it), or ``re:<regex>``.
+
+    Compiled at load time. A glob is tried at one start position only, whatever the name's length:
+    without ``*`` its length fixes where a match must start; with one, the earliest dot boundary where
+    the part before the first ``*`` fits is the only one to try (any later match implies a match there).
+    """
 
     text: str
     regex: re.Pattern[str]
+    """The whole pattern, matched with ``fullmatch`` from a start position (a search for ``re:``)."""
+    head: re.Pattern[str] | None = None
+    """A glob's part before its first ``*``, of ``head_len`` characters; None for ``re:`` and ``*``-free globs."""
+    head_len: int = 0
+    fixed_len: int | None = None
+    """A ``*``-free glob's length in characters (each ``?`` and ``[...]`` is one)."""
+    anchored: bool = False
+    mode: str = "glob"
+    """``re``, ``anchored``, ``fixed`` (no ``*``), ``star`` (starts with ``*``) or ``glob``: how ``start`` looks."""
+    literal: str | None = None
+    """The text before the first ``*`` (the whole glob without one) when it has no ``?`` or ``[``: found with str methods."""
 
     def __call__(self, name: str) -> bool:
-        return self.regex.fullmatch(name) is not None if not self.text.startswith("re:") else self.regex.search(name) is not None
+        if self.mode == "star" or self.mode == "anchored":
+            return self.regex.fullmatch(name) is not None
+        if self.mode == "re":
+            return self.regex.search(name) is not None
+        return self.start(name) is not None
+
+    def start(self, name: str) -> int | None:
+        """Where in ``name`` the match begins (0, or just after a dot), or None if it does not match."""
+        if self.mode == "re":
+            found = self.regex.search(name)
+            return found.start() if found else None
+        if self.mode in ("anchored", "star"):
+            return 0 if self.regex.fullmatch(name) else None
+        lit = self.literal
+        if lit is not None:
+            if self.fixed_len is not None:  # the whole glob is literal text
+                pos = len(name) - len(lit)
+                return pos if name.endswith(lit) and (pos == 0 or name[pos - 1] == ".") else None
+            if name.startswith(lit):
+                pos = 0
+            else:
+                dot = name.find("." + lit)
+                if dot < 0:
+                    return None
+                pos = dot + 1
+            return pos if self.regex.fullmatch(name, pos) else None
+        if self.fixed_len is not None:
+            pos = len(name) - self.fixed_len
+            if pos < 0 or (pos > 0 and name[pos - 1] != "."):
+                return None
+            return pos if self.regex.fullmatch(name, pos) else None
+        pos = 0
+        while pos + self.head_len <= len(name):
+            if self.head is None or self.head.fullmatch(name, pos, pos + self.head_len):
+                return pos if self.regex.fullmatch(name, pos) else None
+            dot = name.find(".", pos)
+            if dot < 0:
+                return None
+            pos = dot + 1
+        return None
+
+
+def _glob_tokens(pattern: str) -> list[tuple[int, bool]]:
+    """``(offset, is_star)`` for each token of a glob, tokenised as ``fnmatch.translate`` does."""
+    out = []
+    i, n = 0, len(pattern)
+    while i < n:
+        start, c = i, pattern[i]
+        i += 1
+        if c == "[":
+            j = i
+            if j < n and pattern[j] == "!":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 1
+            if j < n:
+                i = j + 1
+        out.append((start, c == "*"))
+    return out
 
 
 def _has_nested_repeat(pattern: str) -> bool:
@@ -109,10 +212,24 @@ def compile_matcher(text: str) -> Matcher:
             raise ValueError(f"invalid regex '{body}': {exc}") from None
         if _has_nested_repeat(body):
             raise ValueError(f"regex '{body}' nests repetitions (like (a+)+) and can take exponential time; simplify it")
-        return Matcher(text, regex)
-    if not text:
+        return Matcher(text, regex, mode="re")
+    anchored = text.startswith("^")
+    glob = text[1:] if anchored else text
+    if not glob:
         raise ValueError("empty pattern")
-    return Matcher(text, re.compile(fnmatch.translate(text)))
+    regex = re.compile(fnmatch.translate(glob))
+    if anchored:
+        return Matcher(text, regex, anchored=True, mode="anchored")
+    tokens = _glob_tokens(glob)
+    star = next((offset for offset, is_star in tokens if is_star), None)
+    head = glob if star is None else glob[:star]
+    literal = head if not any(c in head for c in "?[") else None
+    if star is None:
+        return Matcher(text, regex, fixed_len=len(tokens), mode="fixed", literal=literal)
+    if star == 0:  # a leading * already reaches every dotted tail
+        return Matcher(text, regex, mode="star")
+    head_len = sum(1 for offset, _ in tokens if offset < star)
+    return Matcher(text, regex, head=re.compile(fnmatch.translate(head)), head_len=head_len, literal=literal)
 
 
 # -- the policy ----------------------------------------------------------------------------------
@@ -135,13 +252,52 @@ class Rule:
     """None means any dtype."""
     severity: Severity = "error"
     reason: str | None = None
+    optional: bool = False
+    """May match nothing without an ``unused-rule`` warning: written ``optional: true``, or a shipped preset's rule."""
+
+    covers_integers: bool = field(init=False, repr=False, compare=False)
+    """Whether integer and bool tensors meet this rule: only when its dtypes name one (or are ``any``)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "covers_integers", self.dtypes is None or any(not is_floating(d) for d in self.dtypes))
 
     @property
     def label(self) -> str:
         return self.name or f"rule {self.index + 1} ({self.source})"
 
+    def selectors(self) -> str:
+        """The rule's selectors as written, for messages: ``match: lm_head.*; ndim: <=1``."""
+        parts = []
+        if self.match:
+            parts.append("match: " + ", ".join(m.text for m in self.match))
+        if self.ndim is not None:
+            parts.append(f"ndim: {self.ndim[0]}{self.ndim[1]}")
+        if self.kind is not None:
+            parts.append("kind: " + "/".join(sorted(self.kind)))
+        if self.module:
+            parts.append("module: " + ", ".join(m.text for m in self.module))
+        if self.region is not None:
+            parts.append(f"region: {self.region}")
+        return "; ".join(parts)
+
+    def applies(self, t: TensorRecord) -> bool:
+        """Whether every selector holds for ``t`` (``why_not`` is None), without composing the reason."""
+        if not self.covers_integers and not is_floating(t.dtype):
+            return False
+        if self.match and not any(m(t.name) for m in self.match):
+            return False
+        if self.ndim is not None and not _OPS[self.ndim[0]](t.ndim, self.ndim[1]):
+            return False
+        if self.kind is not None and t.kind not in self.kind:
+            return False
+        if self.module and (t.module is None or not any(m(t.module) for m in self.module)):
+            return False
+        return self.region is None or t.region == self.region
+
     def why_not(self, t: TensorRecord) -> str | None:
         """None when the rule applies to ``t``; otherwise the first selector that does not hold."""
+        if not self.covers_integers and not is_floating(t.dtype):
+            return f"{t.dtype} is not floating-point, and the rule's dtypes ({_dtype_text(self.dtypes)}) name no integer type"
         if self.match and not any(m(t.name) for m in self.match):
             return f"name does not match {', '.join(m.text for m in self.match)}"
         if self.ndim is not None and not _OPS[self.ndim[0]](t.ndim, self.ndim[1]):
@@ -157,8 +313,20 @@ class Rule:
             return f"region {t.region} is not {self.region}"
         return None
 
+    def how(self, t: TensorRecord) -> str:
+        """For ``--explain``: the tail of ``t``'s name a glob matched, when it is not the whole name; else ``""``."""
+        for m in self.match:
+            at = m.start(t.name)
+            if at is not None:
+                return f"{m.text} matches '{t.name[at:]}' after the '{t.name[:at]}' prefix" if at and not m.text.startswith("re:") else ""
+        return ""
+
     def expects(self, dtype: str) -> bool:
         return self.dtypes is None or dtype in self.dtypes
+
+
+def _dtype_text(expected: frozenset[str] | None) -> str:
+    return "any dtype" if expected is None else " or ".join(sorted(expected))
 
 
 @dataclass(frozen=True)
@@ -177,6 +345,68 @@ class Policy:
     """Raise every finding a loader might read differently from dtypeaudit to an error (``--strict``)."""
     extends: tuple[str, ...] = field(default=())
     """The chain of sources this policy extends, nearest first."""
+    optional_ignores: frozenset[int] = frozenset()
+    """Indices into ``ignore`` of patterns that come from a shipped preset (no ``unused-rule`` for them)."""
+
+    def unused_rules(self, inventories: Iterable[Inventory]) -> list[Finding]:
+        """``unused-rule`` warnings: each rule and ignore pattern that decides no tensor of any inventory.
+
+        Computed over every checkpoint of one run, so a rule for tensors that only some checkpoints
+        hold is not reported. A rule is unused when no tensor meets its selectors, when every tensor
+        that does is decided by an earlier rule, or when it selects by module type and no tensor
+        carries one (no ``--model``). Preset rules and ``optional: true`` rules are exempt.
+        """
+        if all(r.optional for r in self.rules) and len(self.optional_ignores) == len(self.ignore):
+            return []  # a preset as shipped: nothing of the user's to report
+        invs = list(inventories)
+        selected = [0] * len(self.rules)
+        decided = [0] * len(self.rules)
+        gated = [0] * len(self.rules)
+        first_decider: dict[int, int] = {}
+        ignored = [0] * len(self.ignore)
+        have_modules = False
+        for inv in invs:
+            for t in inv.tensors:
+                have_modules = have_modules or t.module is not None
+                hit = next((i for i, m in enumerate(self.ignore) if m(t.name)), None)
+                if hit is not None:
+                    ignored[hit] += 1
+                    continue
+                unchecked = not self.check_integers and not is_floating(t.dtype)
+                winner: int | None = None
+                for i, r in enumerate(self.rules):
+                    if (r.optional and winner is not None) or not r.applies(t):
+                        continue
+                    if unchecked:
+                        gated[i] += 1
+                        continue
+                    selected[i] += 1
+                    if winner is None:
+                        winner = i
+                        decided[i] += 1
+                    else:
+                        first_decider.setdefault(i, winner)
+        where = invs[0].path if len(invs) == 1 else f"any of the {len(invs)} checkpoints scanned"
+        out = []
+        for i, r in enumerate(self.rules):
+            if r.optional or decided[i]:
+                continue
+            head = f"rule {r.label} ({r.selectors()})"
+            if r.module and not have_modules:
+                why = "selects by module type, but no tensor's module type is known (give --model FACTORY, or select by name with match)"
+            elif selected[i]:
+                why = f"matches {selected[i]} tensor(s), but {self.rules[first_decider[i]].label} comes first and decides them all"
+            elif gated[i]:
+                why = f"matches only {gated[i]} integer/bool tensor(s), which are not checked without check_integers: true"
+            else:
+                why = f"matches no tensor in {where}"
+                if r.match and not any(m.text.startswith("re:") for m in r.match):
+                    why += f" ({GLOB_RULE})"
+            out.append(Finding("unused-rule", "warning", f"{head} {why}; it checks nothing (mark it optional: true if that is expected)"))
+        for i, m in enumerate(self.ignore):
+            if not ignored[i] and i not in self.optional_ignores:
+                out.append(Finding("unused-rule", "warning", f"ignore pattern '{m.text}' matches no tensor in {where}; it ignores nothing"))
+        return out
 
 
 @dataclass(frozen=True)
@@ -202,11 +432,11 @@ def decide(policy: Policy, t: TensorRecord) -> Decision:
     for m in policy.ignore:
         if m(t.name):
             return Decision(t, None, None, "info", skipped=f"ignored by '{m.text}'")
-    floating = dtypes.get(t.dtype).is_floating if t.dtype in dtypes.DTYPES else False
+    floating = is_floating(t.dtype)
     if not floating and not policy.check_integers:
         return Decision(t, None, None, "info", skipped=f"{t.dtype} is not floating-point and check_integers is off")
     for r in policy.rules:
-        if r.why_not(t) is None:
+        if r.applies(t):
             return Decision(t, r, r.dtypes, r.severity)
     if not floating:
         return Decision(t, None, None, "info", skipped=f"no rule matches this {t.dtype} tensor, and the default covers floating-point only")
@@ -218,6 +448,39 @@ def decide(policy: Policy, t: TensorRecord) -> Decision:
 
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A shipped policy, as ``policy presets`` lists it."""
+
+    name: str
+    description: str
+    """The YAML header's first comment line, without the ``name:`` it starts with."""
+    alias_of: str | None = None
+    """The preset this one only renames (a file of just ``version`` and ``extends``), or None."""
+
+
+def presets() -> list[Preset]:
+    """Every shipped preset, canonical ones first, then the aliases kept for compatibility."""
+    import yaml
+
+    out = []
+    for name in preset_names():
+        text = (PRESET_DIR / f"{name}.yaml").read_text(encoding="utf-8")
+        first = text.splitlines()[0].lstrip("# ") if text else ""
+        description = first.removeprefix(f"{name}:").strip()
+        raw = yaml.safe_load(text)
+        alias_of = raw.get("extends") if isinstance(raw, dict) and set(raw) <= {"version", "extends"} else None
+        out.append(Preset(name, description, alias_of))
+    return sorted(out, key=lambda p: (p.alias_of is not None, p.name))
+
+
+def _is_preset_file(path: Path) -> bool:
+    try:
+        return path.resolve().parent == PRESET_DIR.resolve()
+    except OSError:
+        return False
 
 
 def resolve_source(spec: str, *, relative_to: Path | None = None) -> Path:
@@ -245,7 +508,7 @@ def _load(path: Path, chain: tuple[str, ...]) -> Policy:
     if key in chain:
         raise PolicyError("extends itself through a cycle", path=str(path))
     raw, lines = _parse(path)
-    own = _validate(raw, lines, str(path))
+    own = _validate(raw, lines, str(path), builtin=_is_preset_file(path))
     parent_spec = raw.get("extends") if isinstance(raw, dict) else None
     if parent_spec is None:
         return own
@@ -257,7 +520,7 @@ def _load(path: Path, chain: tuple[str, ...]) -> Policy:
                 f"extends '{parent_spec}': {exc.message}", path=str(path), line=lines.get(("extends",)), hint=exc.hint
             ) from None
         raise
-    rules = tuple(Rule(**{**r.__dict__, "index": i}) for i, r in enumerate(own.rules + parent.rules))
+    rules = tuple(replace(r, index=i) for i, r in enumerate(own.rules + parent.rules))
     return Policy(
         source=own.source,
         version=own.version,
@@ -265,6 +528,7 @@ def _load(path: Path, chain: tuple[str, ...]) -> Policy:
         default_severity=own.default_severity if "default" in raw else parent.default_severity,
         check_integers=own.check_integers if "check_integers" in raw else parent.check_integers,
         ignore=own.ignore + parent.ignore,
+        optional_ignores=own.optional_ignores | {i + len(own.ignore) for i in parent.optional_ignores},
         rules=rules,
         fail_on=own.fail_on if own.fail_on is not None else parent.fail_on,
         strict=own.strict if "strict" in raw else parent.strict,
@@ -338,10 +602,10 @@ def _construct(node: Any, where: tuple[object, ...], lines: Lines, path: str) ->
 # -- validation: a declarative schema ------------------------------------------------------------
 
 TOP_KEYS = ("version", "extends", "default", "check_integers", "ignore", "rules", "fail_on", "strict")
-RULE_KEYS = ("name", "match", "ndim", "kind", "module", "region", "dtype", "severity", "reason")
+RULE_KEYS = ("name", "match", "ndim", "kind", "module", "region", "dtype", "severity", "reason", "optional")
 
 
-def _validate(raw: dict[str, Any], lines: Lines, source: str) -> Policy:
+def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool = False) -> Policy:
     def fail(where: tuple[object, ...], message: str, hint: str | None = None) -> PolicyError:
         line = lines.get(where)
         while line is None and where:
@@ -416,6 +680,9 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str) -> Policy:
         reason = r.get("reason")
         if reason is not None and not isinstance(reason, str):
             raise fail(where + ("reason",), "reason must be a string")
+        optional = r.get("optional", False)
+        if not isinstance(optional, bool):
+            raise fail(where + ("optional",), "optional must be true or false")
         rules.append(
             Rule(
                 index=i,
@@ -429,6 +696,7 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str) -> Policy:
                 dtypes=_dtypes(r["dtype"], where + ("dtype",), fail),
                 severity=_severity(r.get("severity", "error"), where + ("severity",), fail),
                 reason=reason,
+                optional=optional or builtin,
             )
         )
     return Policy(
@@ -438,6 +706,7 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str) -> Policy:
         default_severity=default_severity,
         check_integers=check_integers,
         ignore=ignore,
+        optional_ignores=frozenset(range(len(ignore))) if builtin else frozenset(),
         rules=tuple(rules),
         fail_on=fail_on,
         strict=strict,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .check import Check, strict_findings
 from .errors import DtypeAuditError, UsageError
@@ -13,6 +15,9 @@ from .formats import directory, read_checkpoint
 from .formats import factory as factory_mod
 from .formats.sniff import is_candidate
 from .inventory import CheckpointReport, Inventory, Report, Severity
+
+if TYPE_CHECKING:
+    from .policy import Policy
 
 PARALLEL_THRESHOLD = 4
 
@@ -78,11 +83,14 @@ def scan(
     raise_errors: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
     strict: bool = False,
+    policy: Policy | None = None,
 ) -> Report:
     """Read every target, attach the model's kinds if given, run the checks, and report.
 
     An unreadable checkpoint becomes an entry with ``error`` set, unless ``raise_errors``. ``strict``
     raises every finding a loader might read differently to an error (see ``check.strict_findings``).
+    ``policy`` adds what only the whole run can tell: its rules that no checkpoint used (``unused-rule``,
+    once per run, on the first checkpoint read); its per-checkpoint checks come in ``checks``.
     """
     reader = _read_raising if raise_errors else _read_safely
     paths = expand(targets)
@@ -115,4 +123,8 @@ def scan(
         if strict:
             findings = strict_findings(findings)
         reports.append(CheckpointReport(path=path, format=inv.format, error=None, inventory=inv, findings=tuple(findings)))
-    return Report(tuple(reports), fail_on=fail_on, policy=policy_name, strict=strict)
+    read = [i for i, r in enumerate(reports) if r.inventory is not None]
+    if policy is not None and read:
+        unused = policy.unused_rules(r.inventory for r in reports if r.inventory is not None)
+        reports[read[0]] = replace(reports[read[0]], findings=reports[read[0]].findings + tuple(unused))
+    return Report(tuple(reports), fail_on=fail_on, policy=policy_name or (policy.source if policy else None), strict=strict)

@@ -39,7 +39,7 @@ def corpus() -> dict[str, bytes]:
     torch.save(state, zip_buf)
     legacy_buf = io.BytesIO()
     torch.save(state, legacy_buf, _use_new_zipfile_serialization=False)
-    policy = (HERE.parent / "configs" / "fp16-mixed.yaml").read_bytes()
+    policy = (HERE.parent / "configs" / "fp16-weights-fp32-norms.yaml").read_bytes()  # the full preset, not its alias
     return {
         "zip.pt": zip_buf.getvalue(),
         "legacy.pt": legacy_buf.getvalue(),

@@ -46,14 +46,14 @@ def test_explain(tmp_path: Path) -> None:
     assert any("✓ batchnorm-statistics-fp32: matches, expects float32" in line for line in lines)
     assert lines[-1] == "verdict: float16 fails (error)"
     passing = run_cli("scan", "sample_models/cnn_half_converted.pt", "--preset", "fp16-mixed", "--explain", "model.conv.weight", cwd=ROOT)
-    assert passing.returncode == 0 and "no rule matched: the default applies, expecting float16" in passing.stdout
+    assert passing.returncode == 0 and "✓ weights-fp16: matches, expects float16" in passing.stdout
     missing = run_cli("scan", "sample_models/cnn_fp32.pt", "--preset", "fp16", "--explain", "nope", cwd=ROOT)
     assert missing.returncode == 2 and "no tensor named 'nope'" in missing.stderr
 
 
 def test_policy_validate_and_presets(tmp_path: Path) -> None:
     good = run_cli("policy", "validate", "fp16-mixed", str(ROOT / "configs" / "bf16.yaml"))
-    assert good.returncode == 0 and "fp16-mixed: valid (6 rules)" in good.stdout
+    assert good.returncode == 0 and "fp16-mixed: valid (7 rules, extends" in good.stdout  # an alias of fp16-weights-fp32-norms
     bad = tmp_path / "bad.yaml"
     bad.write_text("version: 1\nrules:\n  - match: x\n    dtype: fp17\n")
     proc = run_cli("policy", "validate", str(bad))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 
 from dtypeaudit.errors import FactoryError
 from dtypeaudit.formats import factory, read_checkpoint
+from dtypeaudit.inventory import Inventory, TensorRecord
 
 SCRIPT = """
 import torch
@@ -104,3 +106,32 @@ def test_plain_state_dict_attach(tmp_path: Path, script: Path) -> None:
     torch.save({"model": net.state_dict()}, path)
     by = factory.attach(read_checkpoint(path), factory.inventory(f"{script}:build_model")).by_name()
     assert by["model.bn.num_batches_tracked"].kind == "buffer"
+
+
+def _inv(names: dict[str, tuple[int, ...]], path: str = "x") -> Inventory:
+    return Inventory(path, "test", tuple(TensorRecord(n, "float32", s, 4 * math.prod(s)) for n, s in names.items()))
+
+
+MODEL = {"conv.weight": (4, 3, 3, 3), "conv.bias": (4,), "bn.weight": (4,), "bn.bias": (4,), "fc.weight": (2, 4)}
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    ["", "model_state_dict.", "state_dict.", "model.", "module.", "_orig_mod.", "model.module._orig_mod.", "state_dict.model.module."],
+)
+def test_wrapper_prefixes_are_stripped_in_any_nesting(prefix: str) -> None:
+    got = factory.match_names(_inv({prefix + k: v for k, v in MODEL.items()}), _inv(MODEL, "m"))
+    assert got.matched == {prefix + k: k for k in MODEL}
+
+
+def test_a_lone_tensor_under_a_foreign_prefix_is_not_attached() -> None:
+    """Wrapper segments are trusted alone; any other prefix must explain half the model (a stray 'head.fc.weight' does not)."""
+    names = {**MODEL, "head.fc.weight": (2, 4)}
+    got = factory.match_names(_inv(names), _inv(MODEL, "m"))
+    assert "head.fc.weight" not in got.matched and len(got.matched) == len(MODEL)
+
+
+def test_same_name_other_shape_is_no_match() -> None:
+    got = factory.match_names(_inv({**MODEL, "fc.weight": (3, 4)}), _inv(MODEL, "m"))
+    assert "fc.weight" not in got.matched
+    assert got.prefixes[0][:2] == ("", "") and got.prefixes[0][2:] == (5, 4)  # names, of which same shape

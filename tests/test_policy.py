@@ -137,6 +137,8 @@ def test_extends_a_preset_and_a_file(tmp_path: Path) -> None:
         ("a: &x [1]\nb: *x\n", 1, ["anchors and aliases are not allowed"]),
         ("default: !!python/object:os.system fp16\n", 1, ["tag 'tag:yaml.org,2002:python/object:os.system' is not allowed"]),
         ("extends: no-such-preset\n", 1, ["unknown preset 'no-such-preset'", "fp16-mixed"]),
+        ("rules:\n  - match: x\n    dtype: fp16\n    optional: maybe\n", 4, ["optional must be true or false"]),
+        ("rules:\n  - match: '^'\n    dtype: fp16\n", 2, ["empty pattern"]),
     ],
 )
 def test_validation_errors_name_file_and_line(tmp_path: Path, text: str, line: int, keywords: list[str]) -> None:
@@ -228,7 +230,13 @@ def test_bf16_preset_on_bf16_model(tmp_path: Path) -> None:
     torch.save(TinyLM().to(torch.bfloat16).state_dict(), path)
     inv = read_checkpoint(path)
     assert check(inv, load_policy("bf16")) == []
-    assert check(inv, load_policy("bf16-mixed")) == []
+    # bf16-mixed (bf16-weights-fp32-norms) keeps norms in fp32; a model saved entirely in bf16 is told to use bf16.
+    norms = check(inv, load_policy("bf16-mixed"))
+    assert {f.tensor for f in norms} == {"layers.0.norm.weight", "layers.0.norm.bias", "layers.1.norm.weight", "layers.1.norm.bias"} | {
+        "norm.weight",
+        "norm.bias",
+    }
+    assert all("passes --preset bf16" in f.message for f in norms)
     assert {f.actual for f in check(inv, load_policy("fp32"))} == {"bfloat16"}
 
 

@@ -10,16 +10,15 @@ import importlib
 import importlib.util
 import sys
 import traceback
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import FactoryError
-from ..inventory import Inventory, TensorRecord, link_shared_storage
-
-# Prefixes that training code wraps a state_dict in: Lightning's ``state_dict``, a plain ``model``,
-# DDP's ``module``, torch.compile's ``_orig_mod``.
-WRAPPER_PREFIXES = ("state_dict.", "model.", "module.", "_orig_mod.", "net.", "network.")
+from ..inventory import Finding, Inventory, TensorRecord, link_shared_storage
+from ..structure import WRAPPER_PREFIXES as WRAPPER_PREFIXES  # structure owns the list; diff reads it here
 
 
 def looks_like_factory(target: str) -> bool:
@@ -123,28 +122,141 @@ def inventory(target: str) -> Inventory:
 def attach(checkpoint: Inventory, model: Inventory) -> Inventory:
     """Give each checkpoint tensor the kind and module type the model knows it by.
 
-    A common wrapper prefix (``model.``, ``state_dict.``, ``module.``) is recognised, so a Lightning
-    ``.ckpt`` matches the bare module.
+    Names are matched through a prefix the checkpoint adds (``model_state_dict.``, ``state_dict.``,
+    ``module.``, ``_orig_mod.`` and any nesting of them, or any other prefix under which most of the
+    model's names appear, such as an EMA copy), or one the model adds (a LightningModule's ``net.``
+    around a bare state_dict). When fewer than half of the checkpoint's model tensors match, the
+    inventory gains a ``model-mismatch`` error that shows the closest prefix: module rules and
+    kinds would otherwise apply to a few tensors in silence.
     """
+    mapping = match_names(checkpoint, model)
     known = {t.name: t for t in model.tensors}
     out = []
     for t in checkpoint.tensors:
-        match = _match(t.name, known) if t.region == "model" else None
+        hit = mapping.matched.get(t.name)
+        match = known[hit] if hit is not None else None
         out.append(t.with_(kind=match.kind, module=match.module) if match else t)
-    return Inventory(checkpoint.path, checkpoint.format, tuple(out), checkpoint.findings, {**checkpoint.metadata, "model": model.path})
+    findings = checkpoint.findings
+    if mapping.total and len(mapping.matched) * 2 < mapping.total:
+        findings = (*findings, Finding("model-mismatch", "error", mapping.message(model.path)))
+    return Inventory(
+        checkpoint.path, checkpoint.format, tuple(out), findings, {**checkpoint.metadata, "model": model.path}, checkpoint.layout
+    )
 
 
-def _match(name: str, known: dict[str, TensorRecord]) -> TensorRecord | None:
-    if name in known:
-        return known[name]
-    rest = name
-    for _ in range(3):
-        for prefix in WRAPPER_PREFIXES:
-            if rest.startswith(prefix):
-                rest = rest[len(prefix) :]
-                if rest in known:
-                    return known[rest]
+@dataclass(frozen=True)
+class NameMatch:
+    """How a checkpoint's model-region names map onto a factory's."""
+
+    matched: dict[str, str]
+    """Checkpoint name -> the model's name for it."""
+    total: int
+    """Tensors in the checkpoint's model region."""
+    prefixes: tuple[tuple[str, str, int, int], ...]
+    """``(checkpoint prefix, model prefix, names it explains, of which same shape)``, most names first: every rewrite tried."""
+    example: tuple[str, str] | None
+    """A checkpoint name and a model name that no accepted rewrite relates, for the message."""
+
+    def message(self, model_path: str) -> str:
+        share = len(self.matched) / self.total
+        text = (
+            f"--model {model_path}: its names match {len(self.matched)} of the {self.total} model tensors in this checkpoint "
+            f"({share:.0%}); kinds and module rules apply to those only"
+        )
+        useful = [(p, q, n, same) for p, q, n, same in self.prefixes if (p or q) and n]
+        if useful:
+            p, q, n, same = useful[0]
+            text += f". Closest prefix: {_rewrite(p, q)} matches {n} name(s)"
+            if same < n:
+                text += f", {'none' if not same else f'only {same}'} with the model's shape"
+        if self.example:
+            text += f". Checkpoint names look like '{self.example[0]}', the model's like '{self.example[1]}'"
+        return text + "; is it the model this checkpoint was saved from?"
+
+
+def _rewrite(p: str, q: str) -> str:
+    if p and q:
+        return f"reading '{p}' as '{q}'"
+    return f"stripping '{p}'" if p else f"adding '{q}'"
+
+
+def _boundaries(name: str) -> Iterator[int]:
+    """0 and every position just after a dot: where a dotted tail starts."""
+    yield 0
+    at = name.find(".")
+    while at >= 0:
+        yield at + 1
+        at = name.find(".", at + 1)
+
+
+def _is_wrapper(prefix: str) -> bool:
+    """Whether ``prefix`` is only wrapper segments (``model_state_dict.module._orig_mod.``)."""
+    rest = prefix
+    while rest:
+        for w in WRAPPER_PREFIXES:
+            if rest.startswith(w):
+                rest = rest[len(w) :]
                 break
         else:
-            return None
-    return None
+            return False
+    return True
+
+
+def match_names(checkpoint: Inventory, model: Inventory) -> NameMatch:
+    """Map the checkpoint's model-region names to the model's, through the prefixes that explain most of them.
+
+    A rewrite is ``(P, Q)``: the checkpoint's ``P + tail`` is the model's ``Q + tail``, with the same shape.
+    Q is ``""`` or a prefix most of the model's names share; P is a dotted head of the checkpoint's name.
+    A rewrite is accepted when P is wrapper segments only and Q is ``""``, or when it explains at least
+    half of the smaller side (so an EMA copy under ``ema.`` matches too, and a stray tail such as
+    ``0.weight`` of another model does not).
+    """
+    known = {t.name: t.shape for t in model.tensors}
+    tensors = [t for t in checkpoint.tensors if t.region == "model"]
+    if not known or not tensors:
+        return NameMatch({}, len(tensors), (), None)
+    heads: Counter[str] = Counter()
+    for k in known:
+        for at in _boundaries(k):
+            if at:
+                heads[k[:at]] += 1
+    model_prefixes = [""] + [q for q, n in heads.items() if n * 2 >= len(known)]
+    counts: Counter[tuple[str, str]] = Counter()
+    by_name: Counter[tuple[str, str]] = Counter()
+    for t in tensors:
+        for at in _boundaries(t.name):
+            for q in model_prefixes:
+                shape = known.get(q + t.name[at:])
+                if shape is not None:
+                    by_name[(t.name[:at], q)] += 1
+                    if shape == t.shape:
+                        counts[(t.name[:at], q)] += 1
+    need = max(1, min(len(known), len(tensors)) // 2)
+    accepted = {pq for pq, c in counts.items() if c >= need or (pq[1] == "" and _is_wrapper(pq[0]))}
+    matched: dict[str, str] = {}
+    for t in tensors:
+        best: tuple[int, int, str] | None = None
+        for at in _boundaries(t.name):
+            for q in model_prefixes:
+                target = q + t.name[at:]
+                if (t.name[:at], q) in accepted and known.get(target) == t.shape:
+                    score = (counts[(t.name[:at], q)], -at, target)
+                    best = score if best is None or score[:2] > best[:2] else best
+        if best is not None:
+            matched[t.name] = best[2]
+    # For the message: by names alone, since a prefix that is right but meets other shapes is still the closest.
+    ranked = tuple(
+        (p, q, c, counts[(p, q)]) for (p, q), c in sorted(by_name.items(), key=lambda kv: (-kv[1], len(kv[0][0]) + len(kv[0][1])))
+    )
+    unmatched = next((t.name for t in tensors if t.name not in matched), None)
+    example = (unmatched, min(known, key=lambda k: (_distance(unmatched, k), k))) if unmatched is not None else None
+    return NameMatch(matched, len(tensors), ranked, example)
+
+
+def _distance(a: str, b: str) -> tuple[int, int]:
+    """How unalike two dotted names are: dotted tail segments not shared, then length difference."""
+    sa, sb = a.split("."), b.split(".")
+    shared = 0
+    while shared < min(len(sa), len(sb)) and sa[-1 - shared] == sb[-1 - shared]:
+        shared += 1
+    return (len(sa) + len(sb) - 2 * shared, abs(len(a) - len(b)))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..inventory import TensorRecord
-from ..policy import Policy, decide
+from ..policy import GLOB_RULE, Policy, decide
 from .humanize import shape_text
 
 
@@ -16,14 +16,21 @@ def render(policy: Policy, t: TensorRecord) -> str:
     if d.skipped:
         lines.append(f"not checked: {d.skipped}")
         return "\n".join(lines) + "\n"
+    globs_missed = False
     for r in policy.rules:
         why = r.why_not(t)
         if why is None:
-            lines.append(f"  ✓ {r.label}: matches, expects {_dt(r.dtypes)}" + (f" ({r.reason})" if r.reason else ""))
+            how = r.how(t)
+            lines.append(
+                f"  ✓ {r.label}: matches{f' ({how})' if how else ''}, expects {_dt(r.dtypes)}" + (f" ({r.reason})" if r.reason else "")
+            )
             break
+        globs_missed = globs_missed or (why.startswith("name does not match") and any(not m.text.startswith("re:") for m in r.match))
         lines.append(f"  · {r.label}: skipped, {why}")
     else:
         lines.append(f"  ✓ no rule matched: the default applies, expecting {_dt(policy.default)}")
+        if globs_missed:
+            lines.append(f"  note: {GLOB_RULE}")
     verdict = "passes" if d.ok else f"fails ({d.severity})"
     lines.append(f"verdict: {t.dtype} {verdict}")
     return "\n".join(lines) + "\n"
