@@ -34,6 +34,8 @@ F16_NORMAL_FROM = 0x38800000  # 2^-14, float16's smallest normal
 F32_NONFINITE_FROM = 0x7F800000  # inf; above it, NaN
 # bfloat16 keeps float32's exponent: only values within half a step of float32's top become inf.
 BF16_INF_FROM = 0x7F7F8000
+INF_FROM = {"float16": F16_INF_FROM, "bfloat16": BF16_INF_FROM, "float32": F32_NONFINITE_FROM}
+"""Per target, the float32 magnitude from which a value becomes inf (for float32, only doubles narrowed to inf)."""
 F32_TINY_BITS = 0x00800000  # 2^-126, float32's smallest normal
 
 
@@ -46,6 +48,7 @@ class ValueStats:
     target: str
     numel: int = 0
     nonzero: int = 0
+    """Non-zero values, counted for float16 targets (the only ones checked for underflow)."""
     nonfinite: int = 0
     """NaN or Inf already present."""
     overflow: int = 0
@@ -130,7 +133,8 @@ def float32_chunks(buffer: Any, dtype: str, offset: int, numel: int) -> Iterator
 
 
 class ValueCheck:
-    """Folds float32 chunks into a ValueStats from the bits of |x|: the float16 range statistics, and,
+    """Folds float32 chunks into a ValueStats from the bits of |x|: NaN/Inf and overflow for every target,
+    float16's range statistics (underflow, subnormals) for float16 targets, and,
     for float32 sources, the errors of the cast to float16 or bfloat16.
 
     The errors need no cast either. Round-to-nearest-even to 11 or 8 significant bits is integer
@@ -169,34 +173,34 @@ class ValueCheck:
             return
         magnitude = np.bitwise_and(x.view(np.uint32), np.uint32(0x7FFFFFFF), out=self._magnitude[:n])
         top = int(magnitude.max())
+        stats.numel += n
         errors = measures_errors(stats.source, stats.target)
-        # The values worth a look: the small ones, and (for the errors) those of the top binade.
-        small_below = F16_NORMAL_FROM if stats.target == "float16" else F32_TINY_BITS
-        high_from = top & 0x7F800000 if errors else 0xFFFFFFFF
-        if high_from > small_below:  # one pass: below ``small_below`` wraps around past ``high_from``
-            shifted = np.subtract(magnitude, np.uint32(small_below), out=self._shifted[:n])
-            picked = np.flatnonzero(np.greater_equal(shifted, np.uint32(high_from - small_below), out=self._mask[:n]))
-        else:
-            picked = np.arange(n)
-        is_small = magnitude[picked] < small_below
-        small, high = picked[is_small], picked[~is_small]
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf bits pass through, then are left out
+            # NaN/Inf and overflow, for every target: a NaN is as lost in bfloat16 as in float16.
+            self._fold_specials(stats, magnitude, top, original, clamp)
+            if stats.target != "float16" and not errors:
+                return
+            # The values worth a look: the small ones, and (for the errors) those of the top binade.
+            small_below = F16_NORMAL_FROM if stats.target == "float16" else F32_TINY_BITS
+            high_from = top & 0x7F800000 if errors else 0xFFFFFFFF
+            if high_from > small_below:  # one pass: below ``small_below`` wraps around past ``high_from``
+                shifted = np.subtract(magnitude, np.uint32(small_below), out=self._shifted[:n])
+                picked = np.flatnonzero(np.greater_equal(shifted, np.uint32(high_from - small_below), out=self._mask[:n]))
+            else:
+                picked = np.arange(n)
+            is_small = magnitude[picked] < small_below
+            small, high = picked[is_small], picked[~is_small]
             if stats.target == "float16":
-                self._fold_range(stats, magnitude, top, magnitude[small], original, clamp)
+                self._fold_range(stats, n, magnitude[small])
             if errors:
                 self._fold_errors(stats, magnitude, top, small, high, clamp)
 
-    def _fold_range(self, stats: ValueStats, magnitude: Any, top: int, small: Any, original: Any, clamp: bool) -> None:
-        """``small``: the magnitudes below float16's smallest normal, where zeros, underflow and subnormals all lie."""
+    def _fold_specials(self, stats: ValueStats, magnitude: Any, top: int, original: Any, clamp: bool) -> None:
+        """NaN/Inf already present, finite values the cast makes inf, and the largest finite |x|."""
         np = self._np
         n = len(magnitude)
-        zeros = len(small) - int(np.count_nonzero(small))
-        to_zero = int(np.count_nonzero(small <= F16_ZERO_UPTO))
-        stats.numel += n
-        stats.nonzero += n - zeros
-        stats.underflow += to_zero - zeros
-        stats.subnormal += int(np.count_nonzero(small < F16_SUBNORMAL_BELOW)) - to_zero
-        if top >= F16_INF_FROM:  # rare: values at or beyond float16's range, or NaN/Inf
+        inf_from = INF_FROM.get(stats.target, F32_NONFINITE_FROM)
+        if top >= inf_from:  # rare: values at or beyond the target's range, or NaN/Inf
             if original.dtype == np.float64:  # finite doubles beyond float32's range are overflow, not NaN/Inf
                 finite = np.isfinite(original)
                 nonfinite = n - int(np.count_nonzero(finite))
@@ -206,11 +210,21 @@ class ValueCheck:
                 finite_top = int(magnitude[magnitude < F32_NONFINITE_FROM].max()) if nonfinite < n else 0
                 peak = float(np.uint32(finite_top).view(np.float32))
             stats.nonfinite += nonfinite
-            if not clamp:
-                stats.overflow += int(np.count_nonzero(magnitude >= F16_INF_FROM)) - nonfinite
+            if not clamp and stats.source != stats.target:  # a tensor written as it is cannot overflow
+                stats.overflow += int(np.count_nonzero(magnitude >= inf_from)) - nonfinite
         else:
             peak = float(np.uint32(top).view(np.float32))
         stats.max_abs = max(stats.max_abs, peak)
+
+    def _fold_range(self, stats: ValueStats, n: int, small: Any) -> None:
+        """float16's narrow range: ``small`` holds the magnitudes below its smallest normal, where zeros,
+        underflow and subnormals all lie, of a chunk of ``n`` values."""
+        np = self._np
+        zeros = len(small) - int(np.count_nonzero(small))
+        to_zero = int(np.count_nonzero(small <= F16_ZERO_UPTO))
+        stats.nonzero += n - zeros
+        stats.underflow += to_zero - zeros
+        stats.subnormal += int(np.count_nonzero(small < F16_SUBNORMAL_BELOW)) - to_zero
 
     def _fold_errors(self, stats: ValueStats, magnitude: Any, top: int, small: Any, high: Any, clamp: bool) -> None:
         """The max absolute and relative error of torch's cast of these float32 values, as torch's own

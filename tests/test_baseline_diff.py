@@ -55,7 +55,7 @@ def test_baseline_exceptions_named_exactly_when_patterns_collide(tmp_path: Path)
     path = tmp_path / "x.pt"
     torch.save({"a.weight": torch.zeros(2), "b.weight": torch.zeros(2, dtype=torch.half), "c.weight": torch.zeros(2)}, path)
     data = baseline(read_checkpoint(path))
-    assert data["rules"] == [{"name": "baseline-float16", "match": "b.weight", "dtype": "float16"}]
+    assert data["rules"] == [{"name": "baseline-float16", "match": "^b.weight", "dtype": "float16"}]
 
 
 def test_policy_init_cli_round_trip(tmp_path: Path) -> None:

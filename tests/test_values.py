@@ -90,6 +90,36 @@ def test_bfloat16_source() -> None:
     assert folded(x) == oracle_stats(x.float())
 
 
+def specials(source: torch.dtype) -> torch.Tensor:
+    """Values at every edge a cast to float16, bfloat16 or float32 has, NaN and Inf, in ``source``."""
+    edges = [65504.0, 65520.0, 3.3895313892515355e38, 3.3961775292304e38, 3.4028234663852886e38, 1.0, 2.0**-25, 2.0**-133]
+    x = torch.cat([around(e, 3) for e in edges] + [torch.tensor([0.0, float("inf"), -float("inf"), float("nan")])])
+    if source == torch.float64:  # doubles beyond float32's range, and either side of the ties in double precision
+        wide = torch.tensor(
+            [1e39, -1e300, 3.4028235677973366e38, 3.4028235677973362e38, 3.3961775292304e38 * (1 - 2**-40)], dtype=torch.float64
+        )
+        return torch.cat([x.double(), wide])
+    return x.to(source)
+
+
+@pytest.mark.parametrize("source", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("target", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("clamp", [False, True])
+def test_nonfinite_and_overflow_for_every_target(source: torch.dtype, target: torch.dtype, clamp: bool) -> None:
+    """NaN/Inf and overflow are counted for every cast (a NaN is as lost in bfloat16 as in float16), and for a
+    tensor written as it is (source == target: nothing can overflow)."""
+    x = specials(source)
+    name, to = str(source).removeprefix("torch."), str(target).removeprefix("torch.")
+    stats = ValueStats("t", name, to)
+    check = ValueCheck()
+    for chunk, original in float32_chunks(x.contiguous().view(torch.uint8).numpy().tobytes(), name, 0, x.numel()):
+        check.fold(stats, chunk, original, clamp=clamp)
+    finite = torch.isfinite(x)
+    overflow = 0 if clamp else int((torch.isinf(x.to(target)) & finite).sum())
+    assert (stats.numel, stats.nonfinite, stats.overflow) == (x.numel(), int((~finite).sum()), overflow)
+    assert stats.max_abs == float(x[finite].double().abs().max())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_count_nonfinite(dtype: torch.dtype) -> None:
     x = torch.tensor([1.0, float("nan"), -float("inf"), 0.0, float("inf"), -2.0], dtype=dtype)
