@@ -4,14 +4,15 @@ Library API::
 
     import dtypeaudit
     inventory = dtypeaudit.read("model.safetensors")                     # Inventory: every tensor, no torch
-    policy = dtypeaudit.load_policy("fp16-mixed")                        # a preset name or a YAML file
+    policy = dtypeaudit.load_policy("fp16-weights-fp32-norms")           # a preset name or a YAML file
     findings = dtypeaudit.check(inventory, policy)                       # list[Finding]
-    report = dtypeaudit.scan(["ckpts/"], checks=dtypeaudit.checks_for(policy), strict=policy.strict)
+    report = dtypeaudit.scan(["ckpts/"], checks=dtypeaudit.checks_for(policy), policy=policy, strict=policy.strict)
     result = dtypeaudit.convert("model.pt", "fp16", policy=policy)      # plan, check, write, verify
     result.refused                                                       # findings that forbid converting; nothing written
 
-``strict=True`` raises every finding a loader might read differently from dtypeaudit (loader-divergence,
-foreign-global, trailing-data, unused-weights) to an error: for security-sensitive gates.
+``policy=`` adds the run's ``unused-rule`` warnings (rules that no checkpoint used). ``strict=True`` raises
+every finding a loader might read differently from dtypeaudit (loader-divergence, foreign-global,
+trailing-data, unused-weights) to an error: for security-sensitive gates.
 """
 
 from __future__ import annotations

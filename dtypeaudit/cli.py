@@ -131,7 +131,15 @@ def _severity(value: str) -> Severity:
 
 
 PolicyOpt = Annotated[Optional[str], typer.Option("--policy", "-p", help="A YAML policy file (see README: Policies).")]
-PresetOpt = Annotated[Optional[str], typer.Option("--preset", help="A shipped policy by name: fp32, fp16, fp16-mixed, bf16, bf16-mixed.")]
+PresetOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--preset",
+        help="A shipped policy by name (`dtypeaudit policy presets` lists them): fp32, fp16, bf16, fp16-weights-fp32-norms, "
+        "bf16-weights-fp32-norms, amp-training. fp16-mixed and bf16-mixed are aliases of the *-weights-fp32-norms presets "
+        "(half-precision weights), not Lightning's 16-mixed/bf16-mixed, whose checkpoints keep fp32 weights: use amp-training.",
+    ),
+]
 
 
 def _policy(policy: Optional[str], preset: Optional[str]) -> Policy | None:
@@ -171,7 +179,20 @@ def scan(
     explain: Annotated[Optional[str], typer.Option("--explain", help="Show which policy rule decides tensor NAME, and why.")] = None,
     values: Annotated[
         bool,
-        typer.Option("--values", help="Also read tensor values: NaN/Inf, and what a cast to fp16 would overflow or flush to zero."),
+        typer.Option(
+            "--values",
+            help="Also read tensor values. NaN/Inf in any floating tensor is an error. float32/float64 tensors are held to "
+            "fp16's range (overflow, underflow, subnormals), unless the checkpoint holds more bf16 than fp16, which keeps "
+            "fp32's range; fp16 and bf16 tensors are checked for NaN/Inf only.",
+        ),
+    ] = False,
+    include_optimizer: Annotated[
+        bool,
+        typer.Option(
+            "--include-optimizer",
+            help="With --values: hold optimizer state (Adam moments) to the same severities as weights. By default its "
+            "value findings are info, since convert leaves optimizer state as it is.",
+        ),
     ] = False,
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Checkpoints read in parallel (default: one per core).")] = None,
     strict: Annotated[
@@ -210,16 +231,21 @@ def scan(
             _explain(targets, pol, explain, model)
         progress = _progress_callback()
         checks = checks_for(pol)
+        if include_optimizer and not values:
+            raise UsageError("--include-optimizer applies to --values")
         if values:
+            from functools import partial
+
             from .conversion import value_findings
 
-            checks.append(value_findings)
+            checks.append(partial(value_findings, include_optimizer=include_optimizer))
         report: Report = run_scan(
             targets,
             checks=checks,
             model=model,
             fail_on=severity,
             policy_name=pol.source if pol else None,
+            policy=pol,
             jobs=jobs,
             raise_errors=debug,
             progress=progress,
@@ -262,6 +288,9 @@ def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:
         inv = read_target(path)
         if model_inv is not None:
             inv = factory.attach(inv, model_inv)
+            for f in inv.findings:
+                if f.rule == "model-mismatch":
+                    typer.echo(f"dtypeaudit: error: {path}: {f.message}", err=True)
         t = inv.by_name().get(name)
         if t is None:
             continue
@@ -325,38 +354,65 @@ def policy_validate(
 
 @policy_app.command("presets")
 def policy_presets() -> None:
-    """List the shipped presets and their first comment line."""
-    from .policy import PRESET_DIR, preset_names
+    """List the shipped presets and what each expects; the aliases kept for compatibility come last."""
+    from .policy import presets
 
-    for name in preset_names():
-        first = (PRESET_DIR / f"{name}.yaml").read_text(encoding="utf-8").splitlines()[0].lstrip("# ")
-        typer.echo(f"{name:12} {first}")
+    shipped = presets()
+    width = max(len(p.name) for p in shipped)
+    for p in shipped:
+        typer.echo(f"{p.name:{width}}  {p.description}")
 
 
 @app.command()
 def diff(
     a: Annotated[str, typer.Argument(help="The checkpoint before.", show_default=False, metavar="A")],
     b: Annotated[str, typer.Argument(help="The checkpoint after.", show_default=False, metavar="B")],
+    tolerance: Annotated[
+        Optional[float],
+        typer.Option(
+            "--tolerance",
+            help="Compare values as numbers: tensors whose largest absolute difference is at most this are equal, "
+            "across dtypes too (fp32 against its fp16 cast). Default: equal means the same bytes (CRC-32).",
+            show_default=False,
+        ),
+    ] = None,
+    no_values: Annotated[
+        bool, typer.Option("--no-values", help="Compare names, dtypes, shapes and ties only; read no tensor bytes.")
+    ] = False,
     fmt: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
     output: OutputOpt = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every tensor; by default repeated layers are folded.")] = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Compare two checkpoints: tensors added or removed, dtype and shape changes, size. Exit 1 if they differ.
+    """Compare two checkpoints: tensors added or removed, dtype, shape and value changes, ties, size.
+
+    Names match after a wrapper prefix (module., _orig_mod., state_dict., model_state_dict., model.) is
+    taken off either side. Values compare by the CRC-32 of each tensor's elements, or as numbers with
+    --tolerance. Tensors sharing a storage are shown once (a = b); a tie broken or created is listed.
+    Exit codes: 0 identical, 1 they differ, 2 unreadable input or misuse.
 
     \b
-    Example:
+    Examples:
       dtypeaudit diff model.pt model.fp16.pt
+      dtypeaudit diff before.pt after.pt --tolerance 1e-3
+      dtypeaudit diff ddp_checkpoint.pt plain.pt --format json
     """
 
     def body() -> None:
+        import math
+
         from .diff import diff as run_diff
         from .render.diff import render_json, render_text
         from .scan import read_target
 
         if fmt not in ("text", "json"):
             raise UsageError(f"--format must be text or json, not '{fmt}'")
-        result = run_diff(read_target(a), read_target(b))
-        emit((render_json if fmt == "json" else render_text)(result), output)
+        if tolerance is not None and not (tolerance >= 0 and math.isfinite(tolerance)):
+            raise UsageError(f"--tolerance must be a finite number >= 0, not {tolerance}")
+        if tolerance is not None and no_values:
+            raise UsageError("--tolerance compares values; --no-values reads none")
+        result = run_diff(read_target(a), read_target(b), tolerance=tolerance, values=not no_values)
+        emit(render_json(result) if fmt == "json" else render_text(result, verbose=verbose), output)
         raise typer.Exit(exitcodes.FINDINGS if result.differs else exitcodes.CLEAN)
 
     run_guarded(body, debug)
@@ -398,6 +454,14 @@ def convert(
         Optional[str],
         typer.Option("--max-shard-size", help="Re-shard a safetensors directory into shards of at most this size (5GB, 500MB)."),
     ] = None,
+    model: Annotated[
+        Optional[str],
+        typer.Option(
+            "--model",
+            "-m",
+            help="A factory (file.py:func or module:func) whose module types the plan and its checks use, as scan --model.",
+        ),
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show the plan and the value checks; write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     in_place: Annotated[bool, typer.Option("--in-place", help="Replace the source itself (atomically).")] = False,
@@ -409,7 +473,9 @@ def convert(
 
     A checkpoint that scan flags as an error (a code-running global, a pickled whole model, an index
     that disagrees with its shards) or that hides bytes after its pickle is refused (exit 1): a
-    rewrite must never launder a payload. Values are checked next: overflow, NaN/Inf or heavy
+    rewrite must never launder a payload. The plan keeps each module's floating tensors in one dtype
+    (--keep fc.weight keeps fc.bias too) and tied tensors together, and the planned output must pass
+    scan with the same policy and every built-in check, or nothing is written (exit 1). Values are checked next: overflow, NaN/Inf or heavy
     underflow refuse the conversion (exit 1) unless --clamp or --keep-unsafe. The output is written
     to a temporary file, verified against torch's own cast of the source, then renamed into place.
     The source is never touched.
@@ -448,6 +514,7 @@ def convert(
                 in_place=in_place,
                 progress_factory=progress,
                 max_shard_size=max_shard_size,
+                model=model,
             )
         finally:
             if progress is not None:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import UsageError
 from ..formats import read_checkpoint
@@ -20,10 +21,10 @@ from ..torchcast import load_torch
 from ..values import ValueStats
 from .atomic import atomic_output, check_destination, default_output, flushing
 from .checks import apply_value_policy, check_values, measure_errors, value_findings
-from .plan import CASTABLE, TARGETS, Plan, TensorPlan, make_plan
+from .plan import CASTABLE, TARGETS, Plan, TensorPlan, make_plan, plan_findings, unit_of
 from .source import Progress, Source, source_files
 from .verify import verify
-from .write import parse_size, write_directory, write_file
+from .write import parse_size, strip_keys, strip_notes, write_directory, write_file
 
 
 @dataclass
@@ -37,11 +38,14 @@ class Result:
     dry_run: bool = False
     refused: tuple[Finding, ...] = ()
     """The reader's findings that forbid converting this checkpoint at all (see ``refusals``); nothing was written."""
+    failed: tuple[Finding, ...] = ()
+    """The planned output's findings that would fail ``scan`` with the same policy (see ``plan_findings``);
+    the plan could not be made to pass, so nothing was written."""
 
     @property
     def blocked(self) -> bool:
-        """Nothing was written because of the checkpoint itself or its values: the command fails (exit 1)."""
-        return bool(self.refused or self.unsafe)
+        """Nothing was written because of the checkpoint itself, its plan or its values: the command fails (exit 1)."""
+        return bool(self.refused or self.failed or self.unsafe)
 
 
 # A rewrite would carry what hides after the pickle along or silently drop it: either way it launders it.
@@ -92,11 +96,14 @@ def convert(
     in_place: bool = False,
     progress_factory: Callable[[str, int], Progress] | None = None,
     max_shard_size: str | None = None,
+    model: str | None = None,
 ) -> Result:
-    """Plan, check values, write atomically and verify.
+    """Plan, check the planned output, check values, write atomically and verify.
 
     A checkpoint ``scan`` flags as an error is refused before anything is written (see ``Result.refused``);
-    unsafe values block too (see ``Result.unsafe``). Neither raises: the Result says why.
+    so is a plan whose output would fail the policy or a built-in check (``Result.failed``: ``scan`` of
+    the output with the same policy must pass), and unsafe values (``Result.unsafe``). None of these
+    raises: the Result says why. ``model`` (a factory, as ``scan --model``) gives tensors their module types.
     """
     src_path = Path(source)
     inv = read_checkpoint(src_path)
@@ -107,21 +114,44 @@ def convert(
         # make_plan owns what --to means; an empty inventory asks it only that.
         target = make_plan(Inventory(inv.path, "torch-zip", ()), to).target
         return Result(Plan(inv, target, []), None, [], dry_run=dry_run, refused=refused)
-    plan = make_plan(inv, to, policy=policy, keep=keep, include_optimizer=include_optimizer, strip_optimizer=strip_optimizer, clamp=clamp)
-    dest = src_path if in_place else Path(output) if output else default_output(src_path, plan.target)
-    out_format = output_format(inv.format, dest, src_path)
-    if out_format == "safetensors" and not output and not in_place:
-        dest = default_output(src_path, plan.target, "safetensors")
-    if max_shard_size and out_format != "hf-directory":
-        raise UsageError("--max-shard-size applies to Hugging Face directories")
-    if strip_optimizer and out_format != "torch-zip":
-        plan.notes.append("safetensors output holds no optimizer state anyway")
+    if model is not None:
+        from ..formats import factory
+
+        inv = factory.attach(inv, factory.inventory(model))
+    options: dict[str, Any] = {
+        "policy": policy,
+        "keep": keep,
+        "include_optimizer": include_optimizer,
+        "strip_optimizer": strip_optimizer,
+        "clamp": clamp,
+    }
+    make_plan(inv, to, **options)  # what --to and --keep mean, before anything is opened
     with ExitStack() as stack:
         files = source_files(src_path, inv)
         sources = {label: Source(path, sub, stack) for label, (path, sub) in files.items()}
+        stripped = {label: keys for label, src in sources.items() if (keys := strip_keys(src))} if strip_optimizer else {}
+        options["stripped"] = stripped
+        plan = make_plan(inv, to, **options)
+        dest = src_path if in_place else Path(output) if output else default_output(src_path, plan.target)
+        out_format = output_format(inv.format, dest, src_path)
+        if out_format == "safetensors" and not output and not in_place:
+            dest = default_output(src_path, plan.target, "safetensors")
+        if max_shard_size and out_format != "hf-directory":
+            raise UsageError("--max-shard-size applies to Hugging Face directories")
+        if strip_optimizer:
+            plan.notes.extend(strip_notes(stripped, sources))
+            if out_format != "torch-zip":
+                plan.notes.append("safetensors output holds no optimizer state anyway")
+        # The planned output must pass what scan would check, before a byte is read.
+        if _plan_fails(plan, policy):
+            return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
         check_progress = (lambda total: progress_factory("checking values", total)) if progress_factory else None
         check_values(plan, sources, check_progress, meanwhile=load_torch if plan.counts().get("cast") else None)
         unsafe = apply_value_policy(plan, keep_unsafe=keep_unsafe)
+        if keep_unsafe:
+            plan = _hold_unsafe(plan, inv, to, options, sources)
+            if _plan_fails(plan, policy):
+                return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
         if dry_run and not unsafe:
             measure_errors(plan, sources)
         if dry_run or unsafe:
@@ -136,17 +166,51 @@ def convert(
                     src_path,
                     sources,
                     tmp,
-                    strip_optimizer=strip_optimizer,
                     progress=progress,
                     max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
                 )
         else:
             ((label, src),) = sources.items()
             with atomic_output(dest, mode_from=src_path) as tmp:
-                written = write_file(plan, src, tmp, out_format, strip_optimizer=strip_optimizer, progress=progress)
+                written = write_file(plan, src, tmp, out_format, strip=plan.stripped.get(label, ()), progress=progress)
                 with flushing(tmp):
                     verify(plan, tmp, written)
     return Result(plan, dest, [])
+
+
+def _plan_fails(plan: Plan, policy: Policy | None) -> bool:
+    plan_findings(plan, policy)
+    return bool(plan.failing(policy))
+
+
+def _hold_unsafe(plan: Plan, inv: Inventory, to: str, options: dict[str, Any], sources: dict[str, Source]) -> Plan:
+    """Plan again with the units --keep-unsafe kept held, so that their modules and ties stay with them.
+
+    A module partner kept with them needs no value check; one newly cast (a float16 bias joining its
+    float32 weight) is checked before it joins, and kept in turn if its values are unsafe too.
+    """
+    held: set[str] = set()
+    notes = list(plan.notes)
+    values = dict(plan.values)
+    for _ in range(8):
+        newly = {unit_of(p.tensor) for p in plan.tensors if p.action == "keep" and p.reason.endswith("(--keep-unsafe)")} - held
+        if not newly:
+            return plan
+        held |= newly
+        plan = make_plan(inv, to, hold=held, **options)
+        plan.notes[:0] = notes
+        cast_units = {unit_of(p.tensor) for p in plan.tensors if p.action == "cast"}
+        plan.values = {u: s for u, s in values.items() if u in cast_units}
+        fresh = [p for p in plan.tensors if p.action == "cast" and unit_of(p.tensor) not in plan.values]
+        if fresh:
+            extra = Plan(inv, plan.target, fresh, clamp=plan.clamp)
+            check_values(extra, sources)
+            plan.values.update(extra.values)
+            values.update(extra.values)
+        apply_value_policy(plan, keep_unsafe=True)
+        notes = list(dict.fromkeys(plan.notes))
+        plan.notes = notes
+    return plan
 
 
 __all__ = [
@@ -158,6 +222,7 @@ __all__ = [
     "check_values",
     "convert",
     "make_plan",
+    "plan_findings",
     "pickled_module_files",
     "refusals",
     "value_findings",

@@ -52,8 +52,7 @@ def atomic_output(dest: Path, *, mode_from: Path, is_dir: bool = False) -> Itera
             if f.is_file():
                 with f.open("rb+") as fh:
                     os.fsync(fh.fileno())
-        if not is_dir:
-            os.chmod(tmp, stat.S_IMODE(mode_from.stat().st_mode))
+        os.chmod(tmp, stat.S_IMODE(mode_from.stat().st_mode))  # a directory's files got theirs as they were written
         if is_dir and dest.exists():
             backup = dest.parent / f".{dest.name}.dtypeaudit-{os.getpid()}.old"
             os.replace(dest, backup)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import dtypes
 from ..formats.storage import Span
-from ..inventory import Finding, Inventory, Severity
+from ..inventory import Finding, Inventory, Severity, unique_tensors
 from ..torchcast import Caster, chunks, load_torch
 from ..values import (
     CHILD_MIN_BYTES,
@@ -18,7 +18,6 @@ from ..values import (
     ValueStats,
     count_nonfinite,
     finish_value_checks,
-    measures_errors,
     start_value_checks,
 )
 from .plan import CASTABLE, Plan, TensorPlan, make_plan, unit_of
@@ -33,8 +32,9 @@ def check_values(
     meanwhile: Callable[[], object] | None = None,
 ) -> dict[str, ValueStats]:
     """Before anything is written, from the values' bits and without casting (see values.py): for every
-    unit bound for float16, NaN/Inf, overflow, underflow and subnormals; for float32 units bound for
-    float16 or bfloat16, the errors the cast will make.
+    unit cast, NaN/Inf and overflow; for units bound for float16, underflow and subnormals too; for
+    float32 units bound for float16 or bfloat16, the errors the cast will make; for the model's floating
+    units written as they are, NaN/Inf (see ``units_held``).
 
     Every unit to cast gets its ValueStats here; errors not measured here are measured as the cast is
     made, by the writer or by ``measure_errors``. ``meanwhile`` (loading torch for the cast) runs while
@@ -45,9 +45,15 @@ def check_values(
     jobs: dict[str, tuple[Source, ValueJob]] = {}
     for unit, (src, dtype, span, names, target) in units_to_cast(plan, sources).items():
         results[unit] = ValueStats(", ".join(names), dtype, target)
-        if _checked(dtype, target):
-            jobs[unit] = (src, ValueJob(unit, str(src.path), dtype, target, span.offset, span.length))
+        jobs[unit] = (src, ValueJob(unit, str(src.path), dtype, target, span.offset, span.length))
     plan.values = results
+    # Weights written as they are (already the target, or kept) are read for NaN/Inf too: a NaN is
+    # refused whatever the target. Only those that hold one join ``plan.values``, to block the write.
+    held: dict[str, ValueStats] = {}
+    for unit, (src, dtype, span, names) in units_held(plan, sources).items():
+        held[unit] = ValueStats(", ".join(names), dtype, dtype)
+        jobs[unit] = (src, ValueJob(unit, str(src.path), dtype, dtype, span.offset, span.length))
+    every = {**results, **held}
     to_check = sum(job.length for _, job in jobs.values())
     progress = progress_for(to_check) if progress_for and to_check else None
     child = None
@@ -56,21 +62,38 @@ def check_values(
     try:
         if meanwhile is not None:
             meanwhile()
-        if child is not None and finish_value_checks(child, {u: results[u] for u in jobs}, progress):
-            return results
+        if child is not None and finish_value_checks(child, every, progress):
+            return _with_held(results, held)
     finally:
         if child is not None and child.poll() is None:  # interrupted, or ``meanwhile`` failed: leave no orphan
             child.kill()
             child.wait()
     check = ValueCheck()
     for unit, (src, job) in jobs.items():
-        check.run(results[unit], src.mm, job, clamp=plan.clamp, progress=progress)
+        check.run(every[unit], src.mm, job, clamp=plan.clamp, progress=progress)
+    return _with_held(results, held)
+
+
+def _with_held(results: dict[str, ValueStats], held: dict[str, ValueStats]) -> dict[str, ValueStats]:
+    results.update((unit, stats) for unit, stats in held.items() if stats.nonfinite)
     return results
 
 
-def _checked(dtype: str, target: str) -> bool:
-    # float16 is the narrow range; bfloat16 and float32 keep float32's exponent.
-    return (target == "float16" and dtype != "float16") or measures_errors(dtype, target)
+def units_held(plan: Plan, sources: dict[str, Source]) -> dict[str, tuple[Source, str, Span, list[str]]]:
+    """The model's floating units written as they are (``leave``, ``keep``): NaN/Inf in them still blocks."""
+    cast = {unit_of(p.tensor) for p in plan.tensors if p.action == "cast"}
+    units: dict[str, tuple[Source, str, Span, list[str]]] = {}
+    for p in plan.tensors:
+        t = p.tensor
+        unit = unit_of(t)
+        if p.action not in ("leave", "keep") or t.region != "model" or t.dtype not in CASTABLE or t.layout != "strided" or unit in cast:
+            continue
+        if unit in units:
+            units[unit][3].append(t.name)
+            continue
+        src = sources[t.file]
+        units[unit] = (src, t.dtype, src.storage(t.storage) if t.storage is not None else src.storage(t.name), [t.name])
+    return units
 
 
 def measure_errors(plan: Plan, sources: dict[str, Source]) -> None:
@@ -108,6 +131,7 @@ def apply_value_policy(plan: Plan, *, keep_unsafe: bool) -> list[ValueStats]:
         return []
     if not keep_unsafe:
         return list(unsafe.values())
+    plan.notes.extend(f"{s.name}: {'; '.join(s.problems())}; kept as it is (--keep-unsafe)" for s in unsafe.values())
     for i, p in enumerate(plan.tensors):
         if p.action == "cast" and unit_of(p.tensor) in unsafe:
             plan.tensors[i] = TensorPlan(p.tensor, p.tensor.dtype, "keep", "unsafe values kept at full precision (--keep-unsafe)")
@@ -138,49 +162,72 @@ def _nonfinite_elsewhere(plan: Plan, sources: dict[str, Source], checked: set[st
     return out
 
 
-def value_findings(inv: Inventory) -> list[Finding]:
-    """What a cast to float16 would do to each floating tensor, as findings (``scan --values``)."""
+WIDE = frozenset({"float32", "float64"})
+"""The dtypes ``scan --values`` holds to float16's range: the ones a conversion to float16 narrows."""
+
+
+def half_target(inv: Inventory) -> str:
+    """The half precision a checkpoint is bound for: bfloat16 when its model tensors hold more bfloat16 than
+    float16 bytes, else float16 (float32 checkpoints included: the narrower range is the one to know)."""
+    held = {"float16": 0, "bfloat16": 0}
+    for t in unique_tensors(inv.tensors):
+        if t.region == "model" and t.dtype in held:
+            held[t.dtype] += t.nbytes
+    return "bfloat16" if held["bfloat16"] > held["float16"] else "float16"
+
+
+def value_findings(inv: Inventory, *, include_optimizer: bool = False) -> list[Finding]:
+    """Tensor values as findings (``scan --values``), judged against the target that matters.
+
+    NaN/Inf in any floating tensor is an error. float32 and float64 tensors of a checkpoint bound for
+    float16 (see ``half_target``) are held to float16's range: overflow (error), underflow (error above
+    1% of the non-zero values, else warning), subnormals (info). float16 tensors already are what they
+    are; bfloat16 keeps float32's exponent, so a bfloat16 checkpoint gets NaN/Inf only. Optimizer state,
+    which ``convert`` leaves as it is, gets info findings unless ``include_optimizer``.
+    """
     if inv.format not in ("torch-zip", "torch-legacy", "safetensors", "hf-directory"):
         return []
     plan = make_plan(inv, "fp16", include_optimizer=True)
+    to_fp16 = half_target(inv) == "float16"
+    plan.tensors = [
+        p if p.action != "cast" or (to_fp16 and p.tensor.dtype in WIDE) else TensorPlan(p.tensor, p.tensor.dtype, "leave")
+        for p in plan.tensors
+    ]
+    by_name = inv.by_name()
+    model_units = {unit_of(t) for t in inv.tensors if t.region == "model"}
+    optimizer_units = {unit_of(t) for t in inv.tensors if t.region == "optimizer"} - model_units
+    casts = bool(plan.counts().get("cast"))
     out: list[Finding] = []
+
+    def add(rule: str, severity: Severity, message: str, name: str, optimizer: bool) -> None:
+        if optimizer and not include_optimizer:
+            severity = "info"
+            message += "; optimizer state, which convert leaves as it is (scan --include-optimizer holds it to the same bar)"
+        out.append(Finding(rule, severity, message, tensor=name))
+
     with ExitStack() as stack:
         sources = {label: Source(path, sub, stack) for label, (path, sub) in source_files(Path(inv.path), inv).items()}
-        checked = check_values(plan, sources, meanwhile=load_torch)
-        measure_errors(plan, sources)
-        for name, count in _nonfinite_elsewhere(plan, sources, set(checked)).items():
-            out.append(Finding("non-finite", "error", f"{count} NaN/Inf values already present", tensor=name))
-        for stats in checked.values():
+        checked = check_values(plan, sources, meanwhile=load_torch if casts else None)
+        if casts:
+            measure_errors(plan, sources)
+        read = set(checked) | set(units_held(plan, sources))
+        for name, count in _nonfinite_elsewhere(plan, sources, read).items():
+            add("non-finite", "error", f"{count} NaN/Inf values already present", name, by_name[name].region == "optimizer")
+        for unit, stats in checked.items():
             first = stats.name.split(", ")[0]
+            optimizer = unit in optimizer_units
             figures = f"max |x| {stats.max_abs:.4g}, max abs error {stats.max_abs_error:.3g}, max rel error {stats.max_rel_error:.3g}"
             if stats.nonfinite:
-                out.append(Finding("non-finite", "error", f"{stats.nonfinite} NaN/Inf values already present", tensor=first))
+                add("non-finite", "error", f"{stats.nonfinite} NaN/Inf values already present", first, optimizer)
+            if stats.target != "float16":
+                continue
             if stats.overflow:
-                out.append(
-                    Finding(
-                        "fp16-overflow",
-                        "error",
-                        f"{stats.overflow} of {stats.numel} values would become inf in {plan.target} ({figures})",
-                        tensor=first,
-                    )
-                )
+                message = f"{stats.overflow} of {stats.numel} values would become inf in float16 ({figures})"
+                add("fp16-overflow", "error", message, first, optimizer)
             if stats.underflow:
                 severity: Severity = "error" if stats.underflow_fraction > UNDERFLOW_BLOCK_FRACTION else "warning"
-                out.append(
-                    Finding(
-                        "fp16-underflow",
-                        severity,
-                        f"{stats.underflow} non-zero values ({stats.underflow_fraction:.2%}) would become 0 in {plan.target} ({figures})",
-                        tensor=first,
-                    )
-                )
+                message = f"{stats.underflow} non-zero values ({stats.underflow_fraction:.2%}) would become 0 in float16 ({figures})"
+                add("fp16-underflow", severity, message, first, optimizer)
             if stats.subnormal and not stats.underflow:
-                out.append(
-                    Finding(
-                        "fp16-subnormal",
-                        "info",
-                        f"{stats.subnormal} values land in {plan.target}'s subnormal range ({figures})",
-                        tensor=first,
-                    )
-                )
+                add("fp16-subnormal", "info", f"{stats.subnormal} values land in float16's subnormal range ({figures})", first, optimizer)
     return out

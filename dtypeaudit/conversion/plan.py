@@ -1,17 +1,29 @@
-"""The conversion plan: what happens to each tensor, decided before any byte is read."""
+"""The conversion plan: what happens to each tensor, decided before any byte is read.
+
+A plan keeps modules whole and ties together: the floating tensors directly under one dotted prefix
+(``fc.weight`` and ``fc.bias``; a BatchNorm's weight, bias and running statistics) and the names of one
+storage take one dtype, because PyTorch's kernels refuse a Linear whose weight and bias differ and a
+BatchNorm whose statistics differ from its weight. Where the policy allows a dtype every member accepts,
+the plan picks it; where it cannot, the planned output fails its checks and ``convert`` refuses (see
+``plan_findings``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 
 from .. import dtypes
 from ..errors import ConversionError, UsageError
-from ..inventory import Inventory, TensorRecord, unique_tensors
+from ..inventory import Finding, Inventory, TensorRecord, severity_rank, unique_tensors
 from ..policy import Matcher, Policy, compile_matcher, decide
 from ..values import ValueStats
 
 CASTABLE = frozenset({"float64", "float32", "float16", "bfloat16"})
 TARGETS = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+# Where a policy allows several dtypes and not the target: the widest half-precision-safe one first.
+PREFERENCE = ("float32", "bfloat16", "float16", "float64")
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,12 @@ class Plan:
     """What each cast does to its unit's values: float16 range checks (NaN/Inf, overflow, underflow,
     subnormals) and the cast's max absolute and relative error, by unit, for every unit cast."""
     notes: list[str] = field(default_factory=list)
+    config_dtype: str | None = None
+    """The dtype ``config.json`` will name (Hugging Face directories with a config), as from_pretrained should load it."""
+    findings: list[Finding] = field(default_factory=list)
+    """What ``scan`` with the same policy would report on the planned output (see ``plan_findings``)."""
+    stripped: dict[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
+    """File label -> the mapping entries (key paths) ``--strip-optimizer`` removes from that file's object."""
 
     def _unique(self) -> list[TensorPlan]:
         """One plan per tensor, however many names it has (tied weights count once)."""
@@ -65,10 +83,46 @@ class Plan:
             out[p.action] = out.get(p.action, 0) + 1
         return out
 
+    def output_inventory(self, config_dtype: str | None = None) -> Inventory:
+        """The inventory the output will have, as a reader would report it: planned dtypes, dropped tensors gone."""
+        dropped = {p.tensor.name for p in self.tensors if p.action == "drop"}
+        tensors = []
+        for p in self.tensors:
+            if p.action == "drop":
+                continue
+            t = p.tensor
+            shares = tuple(n for n in t.shares_with if n not in dropped)
+            tensors.append(t.with_(dtype=p.target, nbytes=p.out_nbytes, shares_with=shares))
+        metadata = dict(self.source.metadata)
+        chosen = config_dtype if config_dtype is not None else self.config_dtype
+        if chosen is not None:
+            metadata["config_dtype"] = chosen
+        return replace(self.source, tensors=tuple(tensors), findings=(), metadata=metadata)
+
+    def failing(self, policy: Policy | None) -> list[Finding]:
+        """The planned output's findings that would fail ``scan`` with ``policy`` (at its fail_on, else error)."""
+        threshold = severity_rank((policy.fail_on if policy else None) or "error")
+        return [f for f in self.findings if severity_rank(f.severity) >= threshold]
+
 
 def unit_of(t: TensorRecord) -> str:
     """The unit of conversion: a storage in torch archives (views and ties convert together), else the tensor."""
     return f"{t.file}\0{t.storage}" if t.storage is not None else f"{t.file}\0{t.name}"
+
+
+@dataclass
+class _Choice:
+    """One floating tensor's own answer, before its module and its ties are considered."""
+
+    index: int
+    tensor: TensorRecord
+    allowed: frozenset[str]
+    """The dtypes it may take: what the policy accepts, or only its own where something holds it."""
+    want: str
+    action: str
+    reason: str
+    held: bool
+    """--keep, --keep-unsafe or optimizer state left alone: its dtype is fixed."""
 
 
 def make_plan(
@@ -80,7 +134,14 @@ def make_plan(
     include_optimizer: bool = False,
     strip_optimizer: bool = False,
     clamp: bool = False,
+    hold: Iterable[str] = (),
+    stripped: dict[str, tuple[tuple[str, ...], ...]] | None = None,
 ) -> Plan:
+    """Decide every tensor: first on its own (--keep, the policy, the target), then with its module and ties.
+
+    ``hold``: units (see ``unit_of``) kept as they are because of their values (--keep-unsafe).
+    ``stripped``: file label -> the entries (key paths) --strip-optimizer removes; tensors under them are dropped.
+    """
     target = TARGETS.get(to, dtypes.canonical(to) or to)
     if target not in TARGETS.values():
         raise UsageError(f"--to must be fp16, bf16 or fp32, not '{to}'")
@@ -92,41 +153,236 @@ def make_plan(
             keepers.append(compile_matcher(pattern))
         except ValueError as exc:
             raise UsageError(f"--keep {pattern!r}: {exc}") from None
+    held_units = frozenset(hold)
+    stripped = stripped or {}
 
-    def one(t: TensorRecord) -> TensorPlan:
+    def dropped_by(t: TensorRecord) -> str | None:
+        for path in stripped.get(t.file, ()):
+            key = ".".join(path)
+            if t.name == key or t.name.startswith(key + "."):
+                return key
+        return None
+
+    plans: list[TensorPlan] = []
+    choices: list[_Choice] = []
+    for i, t in enumerate(inv.tensors):
+        key = dropped_by(t) if strip_optimizer else None
+        if key is not None:
+            what = "optimizer state" if t.region == "optimizer" else "training state"
+            plans.append(TensorPlan(t, t.dtype, "drop", f"{what} stripped (--strip-optimizer)"))
+            continue
         if strip_optimizer and t.region == "optimizer":
-            return TensorPlan(t, t.dtype, "drop", "optimizer state stripped (--strip-optimizer)")
+            plans.append(TensorPlan(t, t.dtype, "leave", "optimizer state inside a list or an object: --strip-optimizer cannot remove it"))
+            continue
         if t.dtype not in CASTABLE or t.layout != "strided":
             what = t.layout if t.layout != "strided" else t.dtype
-            return TensorPlan(t, t.dtype, "leave", f"{what} tensors are left exactly as they are")
-        if t.region == "optimizer" and not include_optimizer:
-            return TensorPlan(t, t.dtype, "leave", "optimizer state is left as is (--include-optimizer to cast it)")
-        for m in keepers:
-            if m(t.name):
-                return TensorPlan(t, t.dtype, "keep", f"--keep {m.text}")
-        want = target
-        if policy is not None and not decide(policy, t.with_(dtype=target)).ok:
-            d = decide(policy, t)
-            if d.ok:
-                return TensorPlan(t, t.dtype, "keep", f"policy: {d.rule.label if d.rule else 'default'} expects {_names(d.expected)}")
-            choices = sorted((d.expected or frozenset()) & CASTABLE)
-            if len(choices) != 1:
-                return TensorPlan(t, t.dtype, "keep", f"policy expects {_names(d.expected)}")
-            want = choices[0]
-        if t.dtype == want:
-            return TensorPlan(t, want, "leave", f"already {want}")
-        return TensorPlan(t, want, "cast")
+            plans.append(TensorPlan(t, t.dtype, "leave", f"{what} tensors are left exactly as they are"))
+            continue
+        c = _choose(i, t, target, policy, keepers, include_optimizer, held_units)
+        choices.append(c)
+        plans.append(TensorPlan(t, c.want, c.action, c.reason))
+    plan = Plan(inv, target, plans, clamp=clamp, stripped=dict(stripped))
+    _keep_whole(plan, choices, target)
+    return plan
 
-    plans = [one(t) for t in inv.tensors]
-    # Tensors that share one storage convert together, or not at all.
-    units: dict[str, set[str]] = {}
-    for p in plans:
-        if p.action != "drop":
-            units.setdefault(unit_of(p.tensor), set()).add(p.target)
-    for i, p in enumerate(plans):
-        if p.action == "cast" and len(units[unit_of(p.tensor)]) > 1:
-            plans[i] = TensorPlan(p.tensor, p.tensor.dtype, "keep", "shares its storage with a tensor that stays as it is")
-    return Plan(inv, target, plans, clamp=clamp)
+
+def _choose(
+    i: int,
+    t: TensorRecord,
+    target: str,
+    policy: Policy | None,
+    keepers: list[Matcher],
+    include_optimizer: bool,
+    held_units: frozenset[str],
+) -> _Choice:
+    own = frozenset({t.dtype})
+    if t.region == "optimizer" and not include_optimizer:
+        return _Choice(i, t, own, t.dtype, "leave", "optimizer state is left as is (--include-optimizer to cast it)", True)
+    for m in keepers:
+        if m(t.name):
+            return _Choice(i, t, own, t.dtype, "keep", f"--keep {m.text}", True)
+    if unit_of(t) in held_units:
+        return _Choice(i, t, own, t.dtype, "keep", "unsafe values kept at full precision (--keep-unsafe)", True)
+    if policy is None:
+        allowed = CASTABLE
+    else:
+        allowed = frozenset(d for d in CASTABLE if decide(policy, t.with_(dtype=d)).ok)
+    if target in allowed:
+        return _Choice(
+            i, t, allowed, target, "leave" if t.dtype == target else "cast", f"already {target}" if t.dtype == target else "", False
+        )
+    assert policy is not None
+    d = decide(policy, t.with_(dtype=target))
+    why = f"policy: {d.rule.label if d.rule else 'default'} expects {_names(d.expected)}"
+    if t.dtype in allowed:
+        return _Choice(i, t, allowed, t.dtype, "keep", why, False)
+    ranked = [x for x in PREFERENCE if x in allowed]
+    if ranked:
+        return _Choice(i, t, allowed, ranked[0], "cast", why, False)
+    # Nothing castable passes its rule (it wants int8, say): it stays as it is, and the plan check says so.
+    return _Choice(i, t, frozenset(), t.dtype, "keep", why, False)
+
+
+def _keep_whole(plan: Plan, choices: list[_Choice], target: str) -> None:
+    """One dtype per module and per storage: where members' own choices differ, find one every member accepts."""
+    from ..structure import infer_modules
+
+    by_name = {c.tensor.name: c for c in choices}
+    parent = {c.index: c.index for c in choices}
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def union(a: int, b: int) -> None:
+        parent[find(a)] = find(b)
+
+    module_of: dict[int, object] = {}
+    why_module: dict[int, str] = {}
+    for m in infer_modules(c.tensor for c in choices if c.tensor.region == "model"):
+        members = [by_name[t.name] for t in m.tensors if t.name in by_name]
+        if not m.prefix or len(members) < 2:
+            continue  # tensors at the root of a plain dict are not one module
+        for c in members[1:]:
+            union(members[0].index, c.index)
+        reason = _module_reason(m.kind, m.type_name if m.confidence == "fact" else None, [split(c.tensor.name) for c in members])
+        for c in members:
+            module_of[c.index] = m
+            why_module[c.index] = reason
+    units: dict[str, list[_Choice]] = {}
+    for c in choices:
+        units.setdefault(unit_of(c.tensor), []).append(c)
+    for members in units.values():
+        for c in members[1:]:
+            union(members[0].index, c.index)
+
+    components: dict[int, list[_Choice]] = {}
+    for c in choices:
+        components.setdefault(find(c.index), []).append(c)
+    for members in components.values():
+        if len(members) < 2 or len({c.want for c in members}) == 1:
+            continue
+        dtype = _common_dtype(members, target)
+        if dtype is None:
+            continue  # no dtype satisfies every member: left to the plan check (module-dtype-mix, tied-dtype-conflict)
+        anchors = [c for c in members if c.want == dtype]
+        anchors.sort(key=lambda c: not c.held)
+        changed: list[_Choice] = [c for c in members if c.want != dtype]
+        notes: dict[str, list[str]] = {}
+        for c in changed:
+            same_module = [a for a in anchors if module_of.get(a.index) is module_of.get(c.index) and c.index in module_of]
+            tied = [a for a in anchors if unit_of(a.tensor) == unit_of(c.tensor)]
+            if same_module:
+                anchor, why = same_module[0], why_module[c.index]
+            elif tied:
+                anchor, why = tied[0], "tied tensors are one storage and take one dtype"
+            elif c.index in why_module:
+                anchor, why = anchors[0], why_module[c.index]
+            else:
+                anchor, why = anchors[0], "tied tensors are one storage and take one dtype"
+            verb = "kept" if dtype == c.tensor.dtype else f"{dtype} for"
+            notes.setdefault(f"{verb} \0 with {anchor.tensor.name}: {why}", []).append(c.tensor.name)
+            action = "keep" if dtype == c.tensor.dtype else "cast"
+            plan.tensors[c.index] = TensorPlan(c.tensor, dtype, action, f"with {anchor.tensor.name}: {why}")
+        for text, names in notes.items():
+            plan.notes.append(text.replace("\0", ", ".join(names)))
+    # Whatever could not be reconciled: names of one storage can only be written one way.
+    targets: dict[str, set[str]] = {}
+    for c in choices:
+        targets.setdefault(unit_of(c.tensor), set()).add(plan.tensors[c.index].target)
+    for c in choices:
+        p = plan.tensors[c.index]
+        if p.action == "cast" and len(targets[unit_of(c.tensor)]) > 1:
+            plan.tensors[c.index] = TensorPlan(p.tensor, p.tensor.dtype, "keep", "shares its storage with a tensor that stays as it is")
+
+
+def _common_dtype(members: list[_Choice], target: str) -> str | None:
+    held = {c.want for c in members if c.held}
+    if len(held) > 1:
+        return None
+    if held:
+        # What the user holds wins; a member whose policy disagrees makes the plan check refuse, by name.
+        return next(iter(held))
+    common = frozenset(CASTABLE)
+    for c in members:
+        common &= c.allowed
+    if not common:
+        return None
+    if target in common:
+        return target
+    sources = {c.tensor.dtype for c in members}
+    if len(sources) == 1 and next(iter(sources)) in common:
+        return next(iter(sources))
+    return next(d for d in PREFERENCE if d in common)
+
+
+def split(name: str) -> str:
+    return name.rpartition(".")[2]
+
+
+def _module_reason(kind: str, type_name: str | None, leaves: list[str]) -> str:
+    base = type_name or {"batchnorm": "BatchNorm", "linear": "Linear", "conv": "Conv", "embedding": "Embedding", "norm": "norm layer"}.get(
+        kind
+    )
+    if kind == "batchnorm":
+        parts = "weight, bias and running statistics"
+    else:
+        parts = ", ".join(leaves[:-1]) + f" and {leaves[-1]}" if len(leaves) > 1 else leaves[0]
+    if base is None:
+        return f"one module's {parts} must share a dtype"
+    article = "an" if base[0].lower() in "aeiou" else "a"
+    return f"{article} {base}'s {parts} must share a dtype"
+
+
+# -- what the planned output would be ---------------------------------------------------------------
+
+
+def weights_dtype(inv: Inventory) -> str | None:
+    """The dtype from_pretrained should load a model in: the one its compute layers hold (an fp16 model with
+    fp32 norms is float16), else the floating dtype with the most bytes."""
+    from ..structure import dominant_dtype
+
+    found = dominant_dtype(inv)
+    if found is not None:
+        return found
+    weights: Counter[str] = Counter()
+    for t in inv.tensors:
+        if t.dtype in dtypes.DTYPES and dtypes.get(t.dtype).is_floating:
+            weights[t.dtype] += t.nbytes
+    return weights.most_common(1)[0][0] if weights else None
+
+
+def plan_config_dtype(plan: Plan) -> str | None:
+    """What config.json's dtype becomes: the planned weights' dtype, checked against config-dtype-mismatch so
+    that a scan of the result agrees (the check counts bytes; the structure counts compute layers)."""
+    declared = plan.source.metadata.get("config_dtype")
+    if plan.source.format != "hf-directory" or declared == "auto":
+        return None
+    from ..check import check
+
+    out = plan.output_inventory(config_dtype="float32")
+    candidates = [weights_dtype(out)]
+    weights: Counter[str] = Counter()
+    for t in out.tensors:
+        if t.dtype in dtypes.DTYPES and dtypes.get(t.dtype).is_floating:
+            weights[t.dtype] += t.nbytes
+    candidates += [d for d, _ in weights.most_common()]
+    first = next((c for c in candidates if c), None)
+    for c in candidates:
+        if c and not any(f.rule == "config-dtype-mismatch" for f in check(plan.output_inventory(config_dtype=c))):
+            return c
+    return first
+
+
+def plan_findings(plan: Plan, policy: Policy | None) -> list[Finding]:
+    """Run the planned output through every check ``scan`` runs with ``policy``; store and return the findings."""
+    from ..check import check
+
+    plan.config_dtype = plan_config_dtype(plan)
+    plan.findings = check(plan.output_inventory(), policy, strict=bool(policy and policy.strict))
+    return plan.findings
 
 
 def _names(expected: frozenset[str] | None) -> str:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -100,20 +102,102 @@ def _is_optimizer(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(is_optimizer_state(v) for v in value)
 
 
-def _strip_optimizer(root: Any) -> list[str]:
-    mapping = root if isinstance(root, dict) else root.items if isinstance(root, Opaque) else None
-    if mapping is None:
-        return []
-    dropped = [k for k, v in mapping.items() if _is_optimizer(v)]
-    for k in dropped:
-        del mapping[k]
-    return [str(k) for k in dropped]
+def _keys(value: Any) -> Any:
+    return value.items if isinstance(value, Opaque) else value
 
 
-def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip_optimizer: bool, progress: Progress | None) -> Written:
+def _is_scaler_state(value: Any) -> bool:
+    """torch.amp.GradScaler's state_dict (what AMP training and Lightning's MixedPrecision plugin save)."""
+    keys = _keys(value)
+    return isinstance(keys, dict) and {"scale", "growth_factor", "backoff_factor", "growth_interval"} <= set(keys)
+
+
+def _is_scheduler_state(value: Any) -> bool:
+    """An LRScheduler's state_dict: it steps an optimizer that is no longer there."""
+    keys = _keys(value)
+    return isinstance(keys, dict) and {"base_lrs", "last_epoch"} <= set(keys)
+
+
+def is_lightning(root: Any) -> bool:
+    """A checkpoint Lightning's Trainer wrote (``trainer.save_checkpoint``)."""
+    keys = _keys(root)
+    return isinstance(keys, dict) and "state_dict" in keys and ("pytorch-lightning_version" in keys or "optimizer_states" in keys)
+
+
+# Lightning's weights-only checkpoint (ModelCheckpoint(save_weights_only=True), lightning 2.6's
+# _CheckpointConnector.dump_checkpoint) leaves out exactly these, and the precision plugin's state.
+LIGHTNING_TRAINING_KEYS = ("optimizer_states", "lr_schedulers", "callbacks")
+
+
+def _training_state(value: Any) -> bool:
+    return (
+        _is_optimizer(value)
+        or _is_scaler_state(value)
+        or _is_scheduler_state(value)
+        or (isinstance(value, list) and bool(value) and all(_is_scheduler_state(x) for x in value))
+    )
+
+
+def _training_state_paths(root: Any, *, max_depth: int = 8) -> list[tuple[str, ...]]:
+    """The mapping entries --strip-optimizer removes, as key paths: optimizer state under any key, the LR
+    schedulers and GradScaler state that step it, and for Lightning what its own weights-only
+    checkpoints leave out (at the top level)."""
+    out: list[tuple[str, ...]] = []
+    lightning = is_lightning(root)
+
+    def walk(value: Any, path: tuple[str, ...]) -> None:
+        mapping = _keys(value)
+        if not isinstance(mapping, dict) or len(path) >= max_depth:
+            return
+        for k, v in mapping.items():
+            if not isinstance(k, str):
+                continue
+            if _training_state(v) or (lightning and not path and k in LIGHTNING_TRAINING_KEYS):
+                out.append((*path, k))
+            else:
+                walk(v, (*path, k))
+
+    walk(root, ())
+    return out
+
+
+def strip_keys(src: Source) -> tuple[tuple[str, ...], ...]:
+    """What ``--strip-optimizer`` removes from one torch.save file, as key paths (nothing from safetensors)."""
+    if src.inv.format not in ("torch-zip", "torch-legacy"):
+        return ()
+    root, _, _ = faithful_root(src)
+    return tuple(_training_state_paths(root))
+
+
+def strip_notes(stripped: dict[str, tuple[tuple[str, ...], ...]], sources: dict[str, Source]) -> list[str]:
+    """What the plan says about --strip-optimizer, file by file."""
+    out = []
+    for label, paths in stripped.items():
+        where = f" from {label}" if label else ""
+        out.append(f"stripped {', '.join(repr('.'.join(p)) for p in paths)}{where} (--strip-optimizer)")
+        if ("optimizer_states",) in paths and is_lightning(faithful_root(sources[label])[0]):
+            out.append(
+                "a Lightning weights-only checkpoint, as ModelCheckpoint(save_weights_only=True) writes: "
+                "LightningModule.load_from_checkpoint and Trainer.validate/test/predict(ckpt_path=...) load it; "
+                "Trainer.fit(ckpt_path=...) cannot resume from it (Lightning requires optimizer_states), "
+                "so load the weights and fit anew"
+            )
+    return out
+
+
+def _strip(root: Any, paths: tuple[tuple[str, ...], ...]) -> None:
+    for path in paths:
+        mapping = _keys(root)
+        for k in path[:-1]:
+            mapping = _keys(mapping.get(k)) if isinstance(mapping, dict) else None
+        if isinstance(mapping, dict):
+            mapping.pop(path[-1], None)
+
+
+def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip: tuple[tuple[str, ...], ...], progress: Progress | None) -> Written:
+    """``strip``: the entries to leave out, as key paths (--strip-optimizer, decided by ``strip_keys`` when planning)."""
     root, prefix, extras = faithful_root(src)
-    if strip_optimizer:
-        plan.notes += [f"stripped optimizer state '{k}'" for k in _strip_optimizer(root)]
+    _strip(root, strip)
     storage_target: dict[str, str] = {}
     for p in plan.tensors:
         if p.tensor.storage is not None and p.action != "drop":
@@ -249,10 +333,12 @@ def _refuse_non_tensor_content(src: Source) -> None:
         )
 
 
-def write_file(plan: Plan, src: Source, out: Path, out_format: str, *, strip_optimizer: bool, progress: Progress | None) -> Written:
+def write_file(
+    plan: Plan, src: Source, out: Path, out_format: str, *, strip: tuple[tuple[str, ...], ...] = (), progress: Progress | None
+) -> Written:
     if out_format == "safetensors":
         return write_safetensors(plan, src, out, progress=progress)
-    return write_torch_zip(plan, src, out, strip_optimizer=strip_optimizer, progress=progress)
+    return write_torch_zip(plan, src, out, strip=strip, progress=progress)
 
 
 def parse_size(text: str) -> int:
@@ -273,16 +359,21 @@ def write_directory(
     sources: dict[str, Source],
     out_dir: Path,
     *,
-    strip_optimizer: bool,
     progress: Progress | None,
     max_shard_size: int | None = None,
 ) -> None:
+    """Every shard converted (or re-packed), config.json's dtype set to ``plan.config_dtype``, every other file
+    copied; each file keeps its source's mode. Links are followed where they stay inside the directory or
+    lead into the Hugging Face cache's blobs/ of the same repository (a snapshot), and refused elsewhere."""
     total = 0
     weight_map: dict[str, str] | None = None
     if max_shard_size is not None:
         if any(src.inv.format != "safetensors" for src in sources.values()):
             raise UsageError("--max-shard-size re-shards safetensors directories only")
         weight_map, total = _reshard(plan, sources, out_dir, max_shard_size, progress)
+        shard_mode = _mode(next(iter(sources.values())).path)
+        for name in set(weight_map.values()):
+            os.chmod(out_dir / name, shard_mode)
     else:
         for label, src in sources.items():
             sub = _subplan(src.inv, plan, [p for p in plan.tensors if p.tensor.file == label])
@@ -292,25 +383,31 @@ def write_directory(
                 src,
                 out,
                 "safetensors" if src.inv.format == "safetensors" else "torch-zip",
-                strip_optimizer=strip_optimizer,
+                strip=plan.stripped.get(label, ()),
                 progress=progress,
             )
             with flushing(out):
                 verify(sub, out, written)
+            os.chmod(out, _mode(src.path))
             total += sub.bytes_after
     index_name = hfdir.INDEX_NAMES[0] if (src_dir / hfdir.INDEX_NAMES[0]).exists() or weight_map is not None else hfdir.INDEX_NAMES[1]
-    for item in src_dir.iterdir():
+    for item in sorted(src_dir.iterdir()):
         if item.name in sources or item.name.startswith(".") or item.name in hfdir.INDEX_NAMES:
             continue
         dest = out_dir / item.name
+        _confined(src_dir, item)
         if item.name == "config.json" and item.is_file():
             config = json.loads(item.read_text(encoding="utf-8"))
-            config["torch_dtype"] = plan.target  # transformers 4 reads torch_dtype, 5 reads dtype
-            if "dtype" in config:
-                config["dtype"] = plan.target
+            if plan.config_dtype is not None:
+                # transformers 5 reads dtype (and torch_dtype where dtype is absent); 4 reads torch_dtype.
+                keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
+                config.update(dict.fromkeys(keys, plan.config_dtype))
             dest.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+            os.chmod(dest, _mode(item))
         elif item.is_dir():
-            shutil.copytree(item, dest, symlinks=True)
+            for inner in item.rglob("*"):
+                _confined(src_dir, inner)
+            shutil.copytree(item, dest, symlinks=False)  # links confined above are copied as the files they name
         else:
             shutil.copy2(item, dest)
     source_index = src_dir / index_name
@@ -320,6 +417,19 @@ def write_directory(
         if weight_map is not None:
             index["weight_map"] = weight_map
         (out_dir / index_name).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        if source_index.is_file():
+            os.chmod(out_dir / index_name, _mode(source_index))
+
+
+def _mode(path: Path) -> int:
+    """A file's permission bits (of the file a link names: a cache snapshot's blob)."""
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def _confined(root: Path, item: Path) -> None:
+    """Refuse to copy a link that leads out of the model directory (other than into its cache blobs)."""
+    if item.is_symlink() and not hfdir.link_allowed(root, item.resolve()):
+        raise ConversionError(f"'{item.relative_to(root)}' is a link that leads outside the directory; refused", path=str(root))
 
 
 def _reshard(plan: Plan, sources: dict[str, Source], out_dir: Path, limit: int, progress: Progress | None) -> tuple[dict[str, str], int]:

@@ -58,13 +58,31 @@ def _unsafe_name(name: str) -> bool:
     return not name or name.startswith(("/", "\\")) or ":" in name[:3] or any(p == ".." for p in name.replace("\\", "/").split("/"))
 
 
+_CACHE_REPO = re.compile(r"^(models|datasets|spaces)--.+")
+
+
+def link_allowed(root: Path, resolved: Path) -> bool:
+    """Whether a link under ``root`` may be followed to ``resolved``: inside ``root``, or, where ``root`` is a
+    snapshot in the Hugging Face cache (``models--org--name/snapshots/<rev>/``, whose files huggingface_hub
+    lays out as links to ``../../blobs/<hash>``), into that same repository's ``blobs/``."""
+    if resolved.is_relative_to(root.resolve()):
+        return True
+    here = root.absolute()
+    for snapshots in here.parents:
+        if snapshots.name == "snapshots" and _CACHE_REPO.match(snapshots.parent.name):
+            blobs = snapshots.parent / "blobs"
+            return blobs.is_dir() and resolved.parent == blobs.resolve()
+    return False
+
+
 def confine(root: Path, name: str, *, origin: Path) -> Path:
-    """The shard ``name`` inside ``root``, refusing absolute paths, ``..`` and links that lead out."""
+    """The shard ``name`` inside ``root``, refusing absolute paths, ``..`` and links that lead out (except a
+    cache snapshot's links into its own blobs, see ``link_allowed``)."""
     if _unsafe_name(name):
         raise CheckpointError(f"shard name '{name}' leaves the directory; refused", path=str(origin))
     candidate = root / name
     resolved = candidate.resolve()
-    if not resolved.is_relative_to(root.resolve()):
+    if not link_allowed(root, resolved):
         raise CheckpointError(f"shard '{name}' is a link that leads outside the directory; refused", path=str(origin))
     if not candidate.is_file():
         raise CheckpointError(f"shard '{name}' named by the index is missing", path=str(origin))

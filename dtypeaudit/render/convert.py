@@ -27,6 +27,9 @@ def refusal_lines(result: Result) -> list[str]:
         out.append(f"{where(f.file)}: refusing to convert: {f.rule}: {tensor}{f.message}")
     for file in pickled_module_files(result.refused):
         out.append(f"{where(file)}: {STATE_DICT_ADVICE} (torch.save(model.state_dict(), PATH))")
+    for f in result.failed:
+        tensor = f"{f.tensor}: " if f.tensor else ""
+        out.append(f"{where(f.file)}: refusing to convert: the planned output fails {f.rule}: {tensor}{f.message}")
     return out
 
 
@@ -37,9 +40,16 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
         forbid = f"{n} findings forbid" if n != 1 else "1 finding forbids"
         return f"refused: {plan.source.path} (to {plan.target}): {forbid} converting it; nothing was written\n"
     lines = []
-    head = "plan" if result.dry_run else ("refused" if result.unsafe else "converted")
+    head = "plan" if result.dry_run and not result.failed else ("refused" if result.blocked else "converted")
     where = f" -> {result.output}" if result.output else ""
     lines.append(f"{head}: {plan.source.path}{where} (to {plan.target})")
+    if result.failed:
+        n = len(result.failed)
+        lines.append(f"the planned output fails scan with the same policy ({n} finding{'s' if n != 1 else ''}); nothing was written:")
+        for f in result.failed if verbose or n <= 10 else result.failed[:10]:
+            lines.append(f"  {f.severity}: {f.rule}: {f.tensor + ': ' if f.tensor else ''}{f.message}")
+        if n > 10 and not verbose:
+            lines.append(f"  and {n - 10} more (--verbose lists them all)")
     counts = plan.counts()
     parts = [
         f"{counts[a]} {label}"
@@ -76,6 +86,11 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
             for s in worst:
                 lines.append(f"  {s.name}: max abs error {s.max_abs_error:.3g}, max rel error {s.max_rel_error:.3g}")
     lines.extend(f"note: {n}" for n in plan.notes)
+    if plan.config_dtype is not None:
+        lines.append(f"note: config.json's dtype becomes {plan.config_dtype}, the dtype of the converted model's layers")
+    if not result.failed:
+        for f in plan.findings:
+            lines.append(f"{f.severity}: the output will show {f.rule}: {f.tensor + ': ' if f.tensor else ''}{f.message}")
     if result.output and not result.dry_run:
         lines.append("verified: names, shapes, dtypes, ties and bytes equal torch's own cast of the source")
     return "\n".join(lines) + "\n"
@@ -91,6 +106,9 @@ def render_json(result: Result) -> str:
         "dry_run": result.dry_run,
         "refused": result.blocked,
         "refusals": [finding_dict(f) for f in result.refused],
+        "plan_failures": [finding_dict(f) for f in result.failed],
+        "plan_findings": [finding_dict(f) for f in plan.findings],
+        "config_dtype": plan.config_dtype,
         "nbytes": [plan.bytes_before, plan.bytes_after],
         "tensors": [
             {"name": p.tensor.name, "from": p.tensor.dtype, "to": p.target, "action": p.action, "reason": p.reason} for p in plan.tensors

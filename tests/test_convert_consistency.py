@@ -1,0 +1,797 @@
+"""convert agrees with scan and with PyTorch: every preset and option on real checkpoints (issue 10).
+
+For each conversion in the matrix: what convert writes passes ``scan`` with the same policy (exit 0), and
+the model loads it (``load_state_dict(assign=True)``, so the file's dtypes are what runs) and runs a forward
+pass on CPU with an input of the dtype its first layer holds. Where the forward pass fails, scan must have
+warned of it (``dtype-outlier``); where convert refuses, nothing is written and the reason is given.
+The full cross product runs with DTYPEAUDIT_SLOW=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dtypeaudit import exitcodes
+from dtypeaudit.check import checks_for
+from dtypeaudit.conversion import Result, convert
+from dtypeaudit.inventory import severity_rank
+from dtypeaudit.policy import Policy, load_policy, preset_names
+from dtypeaudit.scan import scan
+
+from . import consistency_models as cm
+from .helpers import run_cli
+
+SLOW = os.environ.get("DTYPEAUDIT_SLOW") == "1"
+MODELS_PY = Path(cm.__file__).resolve()
+# What PyTorch says when two dtypes meet in one op on CPU (torch 2.13).
+DTYPE_ERROR = re.compile(r"same dtype|expected scalar type|mixed dtype|should be the same|Input type .* and (weight|bias) type")
+
+
+# -- the checkpoints ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Subject:
+    """A checkpoint as users have them, and how its model runs what convert wrote."""
+
+    name: str
+    source: Path
+    load: Callable[[Path], nn.Module]
+    """The model with the converted file's tensors assigned as they are (their dtypes, not the model's)."""
+    run: Callable[[nn.Module], torch.Tensor]
+    """A forward pass with an input of the dtype the first layer holds."""
+    factory: str
+    norm: str
+    """A --keep pattern that holds a normalisation layer."""
+    head: str
+    """A --keep pattern that holds one compute layer's weight."""
+    taint: str
+    """A tensor whose values --keep-unsafe / --clamp act on in the tainted copies."""
+    training: bool = False
+    tainted: dict[str, Path] = field(default_factory=dict)
+
+
+def _resnet_input(model: nn.Module) -> torch.Tensor:
+    first = model.conv1.weight
+    return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)).to(first.dtype)
+
+
+def _run_resnet(model: nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(_resnet_input(model))  # type: ignore[no-any-return]
+
+
+def _run_lm(model: nn.Module) -> torch.Tensor:
+    ids = torch.tensor([[1, 2, 3, 4, 5]])  # an embedding's input is its indices, int64 whatever its dtype
+    with torch.no_grad():
+        return model(ids).logits  # type: ignore[no-any-return]
+
+
+def _unwrap(state: dict[str, Any], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _assign(model: nn.Module, state: dict[str, torch.Tensor], *, tied: tuple[str, ...] = ()) -> nn.Module:
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    assert set(missing) <= set(tied) and not unexpected, (missing, unexpected)
+    if tied:
+        model.tie_weights()  # type: ignore[operator]
+    return model.eval()
+
+
+def _load_dir(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state |= load_file(str(f))
+    return state
+
+
+def _trained_resnet() -> tuple[cm.ResNet, torch.optim.Adam]:
+    """A ResNet after one real Adam step: running statistics and moments that are not their initial values."""
+    torch.manual_seed(0)
+    model = cm.resnet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss = model(torch.randn(4, 3, 32, 32)).logsumexp(1).mean()
+    loss.backward()
+    opt.step()
+    return model.eval(), opt
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("consistency")
+
+
+def _taint_pt(src: Path, dest: Path, name: str, value: float) -> Path:
+    def put(holder: dict[str, Any], key: str) -> None:
+        if key in holder:
+            holder[key] = torch.full_like(holder[key], value)
+        else:
+            head, _, rest = key.partition(".")
+            put(holder[head], rest)
+
+    state = torch.load(src, weights_only=False)  # our own fixture
+    put(state, name)
+    torch.save(state, dest)
+    return dest
+
+
+def _taint_dir(src: Path, dest: Path, name: str, value: float) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest)
+    for f in dest.glob("*.safetensors"):
+        state = load_file(str(f))
+        if name in state:
+            state[name] = torch.full_like(state[name], value)
+            save_file(state, str(f), metadata={"format": "pt"})
+    return dest
+
+
+def _tainted(subject: Subject, work: Path) -> Subject:
+    """Copies whose ``taint`` tensor underflows float16 (1e-9: --keep-unsafe) or overflows it (1e5: --clamp)."""
+    taint = _taint_dir if subject.source.is_dir() else _taint_pt
+    for kind, value in (("underflow", 1e-9), ("overflow", 1e5)):
+        dest = work / f"{subject.name}-{kind}{subject.source.suffix}"
+        if not dest.exists():
+            taint(subject.source, dest, subject.taint, value)
+        subject.tainted[kind] = dest
+    return subject
+
+
+def _resnet_subject(work: Path) -> Subject:
+    model, _ = _trained_resnet()
+    path = work / "resnet.pt"
+    torch.save(model.state_dict(), path)
+    return _tainted(
+        Subject(
+            "resnet",
+            path,
+            lambda out: _assign(cm.resnet(), torch.load(out, weights_only=True)),
+            _run_resnet,
+            f"{MODELS_PY}:resnet",
+            norm="*bn1.*",
+            head="fc.weight",
+            taint="layer1.0.bn1.running_var",
+        ),
+        work,
+    )
+
+
+def _gpt2_pt_subject(work: Path) -> Subject:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = cm.gpt2().eval()
+    path = work / "gpt2.bin"
+    torch.save(model.state_dict(), path)  # lm_head.weight and transformer.wte.weight: one storage
+    return _tainted(
+        Subject(
+            "gpt2-tied-pt",
+            path,
+            lambda out: _assign(cm.gpt2(), torch.load(out, weights_only=True)),
+            _run_lm,
+            f"{MODELS_PY}:gpt2",
+            norm="*ln_f.*",
+            head="*.0.mlp.c_proj.weight",
+            taint="transformer.h.0.ln_1.bias",
+        ),
+        work,
+    )
+
+
+def _gpt2_dir_subject(work: Path) -> Subject:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    path = work / "gpt2-dir"
+    cm.gpt2().eval().save_pretrained(path, max_shard_size="40KB")  # sharded, with an index and a config
+    return _tainted(
+        Subject(
+            "gpt2-dir",
+            path,
+            lambda out: _assign(cm.gpt2(), _load_dir(out), tied=("lm_head.weight",)),
+            _run_lm,
+            f"{MODELS_PY}:gpt2",
+            norm="*ln_f.*",
+            head="*.0.mlp.c_proj.weight",
+            taint="transformer.h.0.ln_1.bias",
+        ),
+        work,
+    )
+
+
+def _llama_subject(work: Path) -> Subject:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    path = work / "llama-dir"
+    cm.llama().eval().save_pretrained(path)
+    return _tainted(
+        Subject(
+            "llama-dir",
+            path,
+            lambda out: _assign(cm.llama(), _load_dir(out)),
+            _run_lm,
+            f"{MODELS_PY}:llama",
+            norm="*norm*",
+            head="*.0.mlp.down_proj.weight",
+            taint="model.layers.0.mlp.down_proj.weight",
+        ),
+        work,
+    )
+
+
+def _tutorial_subject(work: Path) -> Subject:
+    """The PyTorch tutorial's "saving and loading a general checkpoint", after a real Adam step."""
+    model, opt = _trained_resnet()
+    path = work / "tutorial.tar"
+    torch.save({"epoch": 5, "model_state_dict": model.state_dict(), "optimizer_state_dict": opt.state_dict(), "loss": 0.4}, path)
+    return _tainted(
+        Subject(
+            "tutorial",
+            path,
+            lambda out: _assign(cm.resnet(), torch.load(out, weights_only=True)["model_state_dict"]),
+            _run_resnet,
+            f"{MODELS_PY}:resnet",
+            norm="*bn1.*",
+            head="*.fc.weight",
+            taint="model_state_dict.layer1.0.bn1.running_var",
+            training=True,
+        ),
+        work,
+    )
+
+
+def real_lightning() -> Any:
+    """lightning itself: tests/conftest.py stands in empty modules for it when it pickles an AttributeDict first."""
+    mod = sys.modules.get("lightning")
+    if mod is not None and not hasattr(mod, "Trainer"):
+        for name in [n for n in sys.modules if n == "lightning" or n.startswith("lightning.")]:
+            if getattr(sys.modules[name], "__file__", None) is None:
+                del sys.modules[name]
+    return pytest.importorskip("lightning", reason="pip install lightning to test real Lightning checkpoints")
+
+
+def lit_module_class() -> type:
+    L = real_lightning()
+
+    class LitResNet(L.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self, lr: float = 1e-3) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = cm.resnet()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)  # type: ignore[no-any-return]
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.cross_entropy(self(x), y)
+
+        def validation_step(self, batch: Any, _: int) -> None:
+            x, y = batch
+            self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1)}
+
+    LitResNet.__module__ = __name__
+    LitResNet.__qualname__ = "LitResNet"
+    globals()["LitResNet"] = LitResNet  # load_from_checkpoint and pickling find it here
+    return LitResNet
+
+
+def lit_data() -> torch.utils.data.DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def lit_trainer(root: Path, **kw: Any) -> Any:
+    import logging
+    import warnings
+
+    L = real_lightning()
+    warnings.filterwarnings("ignore", module="lightning")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    return L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        **kw,
+    )
+
+
+def _lightning_subject(work: Path) -> Subject:
+    lit = lit_module_class()
+    torch.manual_seed(0)
+    trainer = lit_trainer(work / "lit-root", max_epochs=1)
+    trainer.fit(lit(), lit_data())
+    path = work / "epoch=0-step=2.ckpt"
+    trainer.save_checkpoint(path)
+    trainer.save_checkpoint(work / "weights-only.ckpt", weights_only=True)
+    return _tainted(
+        Subject(
+            "lightning",
+            path,
+            lambda out: _assign(cm.resnet(), _unwrap(torch.load(out, weights_only=False)["state_dict"], "net.")),
+            _run_resnet,
+            f"{MODELS_PY}:resnet",
+            norm="*bn1.*",
+            head="*.fc.weight",
+            taint="state_dict.net.layer1.0.bn1.running_var",
+            training=True,
+        ),
+        work,
+    )
+
+
+BUILDERS: dict[str, Callable[[Path], Subject]] = {
+    "resnet": _resnet_subject,
+    "gpt2-tied-pt": _gpt2_pt_subject,
+    "gpt2-dir": _gpt2_dir_subject,
+    "llama-dir": _llama_subject,
+    "tutorial": _tutorial_subject,
+    "lightning": _lightning_subject,
+}
+_SUBJECTS: dict[str, Subject] = {}
+
+
+@pytest.fixture
+def subject(request: pytest.FixtureRequest, work: Path) -> Subject:
+    name = request.param
+    if name not in _SUBJECTS:
+        _SUBJECTS[name] = BUILDERS[name](work)
+    return _SUBJECTS[name]
+
+
+# -- the verdict of one conversion ---------------------------------------------------------------------
+
+CUSTOM_FIXABLE = """\
+version: 1
+default: {target}
+rules:
+  - region: optimizer
+    dtype: any
+  - match: ["*.running_mean", "*.running_var"]
+    dtype: float32
+  - ndim: "<=1"
+    dtype: [{target}, float32]
+"""
+"""A policy the plan has to work for: statistics fp32 and 1-D tensors either way, so each BatchNorm goes fp32 whole."""
+
+CUSTOM_HEAD_FP32 = """\
+version: 1
+default: {target}
+rules:
+  - region: optimizer
+    dtype: any
+  - match: ["lm_head.*", "fc.*", "*.fc.*"]
+    dtype: float32
+    reason: the output projection in fp32
+"""
+"""The README's head-in-fp32 rule: where the head is tied to the embedding, the policy demands both ways."""
+
+
+def policy_for(spec: str | None, target: str, work: Path) -> Policy | None:
+    if spec is None:
+        return None
+    if spec.startswith("custom-"):
+        text = {"custom-fixable": CUSTOM_FIXABLE, "custom-head-fp32": CUSTOM_HEAD_FP32}[spec]
+        path = work / f"{spec}-{target}.yaml"
+        path.write_text(text.format(target=target))
+        return load_policy(str(path))
+    return load_policy(spec)
+
+
+def target_of(policy: Policy | None, default: str = "float16") -> str:
+    if policy is not None and policy.default is not None and len(policy.default) == 1:
+        (only,) = policy.default
+        if only in ("float16", "bfloat16", "float32"):
+            return only
+    return default
+
+
+@dataclass(frozen=True)
+class Outcome:
+    verdict: str
+    """``runs`` (written, scan passes, the forward pass runs), ``warned`` (written, scan passes with a
+    dtype-outlier warning, and the forward pass fails as warned), or ``refused`` (nothing written)."""
+    result: Result
+    detail: str = ""
+
+
+def outcome(subject: Subject, spec: str | None, variant: str, work: Path, *, target: str | None = None) -> Outcome:
+    if spec is None or spec.startswith("custom-"):
+        to = target or "float16"
+        policy = policy_for(spec, to, work)
+    else:
+        policy = policy_for(spec, "", work)
+        to = target or target_of(policy)
+    source = (
+        subject.tainted["underflow"] if variant == "keep-unsafe" else subject.tainted["overflow"] if variant == "clamp" else subject.source
+    )
+    options: dict[str, Any] = {
+        "keep": (subject.norm,) if variant == "keep-norm" else (subject.head,) if variant == "keep-head" else (),
+        "keep_unsafe": variant == "keep-unsafe",
+        "clamp": variant == "clamp",
+        "include_optimizer": variant == "include-optimizer",
+        "strip_optimizer": variant == "strip-optimizer",
+        "model": subject.factory if variant == "model" else None,
+    }
+    out = work / f"out-{subject.name}-{spec}-{variant}-{to}{'' if source.is_dir() else source.suffix}"
+    if out.is_dir():
+        shutil.rmtree(out)
+    out.unlink(missing_ok=True)
+    result = convert(source, to, output=out, policy=policy, **options)
+    if result.output is None:
+        assert result.blocked and not out.exists(), "a refusal writes nothing"
+        reasons = [f"{f.rule}: {f.tensor}" for f in (*result.refused, *result.failed)] + [s.name for s in result.unsafe]
+        assert reasons, "a refusal says why"
+        return Outcome("refused", result, "; ".join(reasons[:3]))
+    # What scan says of the output, with the same policy (and the same --model).
+    report = scan([str(out)], checks=checks_for(policy), model=options["model"], fail_on=(policy.fail_on if policy else None) or "error")
+    failing = [f for f in report.findings if severity_rank(f.severity) >= severity_rank(report.fail_on)]
+    assert exitcodes.for_report(report) == exitcodes.CLEAN, f"convert wrote what scan fails: {failing[:3]}"
+    assert not any(f.rule in ("tied-dtype-conflict", "config-dtype-mismatch", "module-dtype-mix") for f in report.findings), report.findings
+    warned = [f for f in report.findings if f.rule == "dtype-outlier"]
+    model = subject.load(out)
+    try:
+        y = subject.run(model)
+    except RuntimeError as exc:
+        assert DTYPE_ERROR.search(str(exc)), f"the forward pass failed for another reason: {exc}"
+        assert warned, f"the forward pass fails ({exc}) but scan of the output warned of nothing"
+        return Outcome("warned", result, str(exc))
+    if variant != "clamp":  # a saturated value may overflow on its way through the model; it must still run
+        assert torch.isfinite(y.float()).all(), "the converted model computes NaN/Inf"
+    return Outcome("runs", result)
+
+
+# -- the matrix ------------------------------------------------------------------------------------------
+
+ALL_SUBJECTS = list(BUILDERS)
+VARIANTS = ["plain", "keep-norm", "keep-head", "keep-unsafe", "clamp", "model", "include-optimizer", "strip-optimizer"]
+TRAINING_ONLY = {"include-optimizer", "strip-optimizer"}
+FP32_NORM_PRESETS = {"fp16-mixed", "bf16-mixed", "fp16-weights-fp32-norms", "bf16-weights-fp32-norms"}
+
+
+def expected(subject: str, spec: str | None, variant: str, target: str) -> str:
+    """What each cell comes to, and why where it is not ``runs``. A ``warned`` cell is one where scan passes
+    the output with a dtype-outlier warning and PyTorch then refuses the forward pass, as warned."""
+    if target == "float32":
+        return "runs"  # amp-training and fp32: nothing narrows, nothing mixes
+    cnn = subject in ("resnet", "tutorial", "lightning")
+    everything_in_target = spec in ("fp16", "bf16", "custom-head-fp32")  # the default holds norms to the target too
+    if variant == "include-optimizer" and target == "float16" and spec not in FP32_NORM_PRESETS:
+        # Adam's exp_avg_sq underflows float16: the value check refuses (bfloat16 keeps them; the mixed presets
+        # keep optimizer state float32, so nothing of it is cast)
+        return "refused"
+    if variant == "keep-norm":
+        if everything_in_target:
+            return "refused"  # the policy wants the kept norm in the target
+        # An all-float32 BatchNorm or LayerNorm takes a half input and returns it; LlamaRMSNorm returns
+        # weight * x.to(input_dtype), which promotes the stream to float32 for the next half Linear.
+        return "warned" if subject == "llama-dir" else "runs"
+    if variant == "keep-head":
+        if spec is None or (spec == "custom-head-fp32" and cnn):
+            return "warned"  # a float32 Linear in a half model refuses the half input (mat1 and mat2 ...)
+        return "refused"  # the policy wants that weight in the target
+    if variant == "keep-unsafe" and target == "float16":
+        if everything_in_target:
+            return "refused"  # the unsafe tensor's module is kept float32 whole, which the policy forbids
+        if subject == "llama-dir":
+            return "warned" if spec is None else "refused"  # down_proj kept float32: a Linear outlier, or against the policy
+    if spec == "custom-head-fp32":
+        if subject == "gpt2-dir":
+            return "runs"  # save_pretrained drops the tied lm_head: the rule matches nothing
+        if subject == "gpt2-tied-pt" or variant == "model":
+            # The .bin ties lm_head to wte: one storage the policy wants both ways (tied-dtype-conflict). With --model,
+            # the float32 head is a known Linear: dtype-outlier is an error, and the plan fails its checks.
+            return "refused"
+        return "warned"  # a float32 head in a half model
+    if subject == "llama-dir" and spec in FP32_NORM_PRESETS:
+        return "warned"  # the presets ask for float32 norms, and LlamaRMSNorm promotes (see keep-norm)
+    return "runs"
+
+
+def cells(slow: bool) -> list[Any]:
+    presets: list[str | None] = [None, *preset_names(), "custom-fixable", "custom-head-fp32"]
+    out = []
+    for s in ALL_SUBJECTS:
+        for spec in presets:
+            for variant in VARIANTS:
+                if variant in TRAINING_ONLY and s not in ("tutorial", "lightning"):
+                    continue
+                core = variant == "plain" or (spec in (None, "fp16-weights-fp32-norms", "custom-fixable") and variant != "clamp")
+                marks = [] if core else [pytest.mark.skipif(not slow, reason="the full sweep runs with DTYPEAUDIT_SLOW=1")]
+                out.append(pytest.param(s, spec, variant, id=f"{s}-{spec or 'no-policy'}-{variant}", marks=marks))
+    return out
+
+
+@pytest.mark.parametrize(("subject", "spec", "variant"), cells(SLOW), indirect=["subject"])
+def test_matrix(subject: Subject, spec: str | None, variant: str, work: Path) -> None:
+    got = outcome(subject, spec, variant, work)
+    target = got.result.plan.target
+    assert got.verdict == expected(subject.name, spec, variant, target), got.detail
+
+
+@pytest.mark.parametrize("subject", ["resnet", "gpt2-tied-pt", "llama-dir"], indirect=True)
+@pytest.mark.parametrize("to", ["float16", "bfloat16"])
+def test_no_policy_targets(subject: Subject, to: str, work: Path) -> None:
+    assert outcome(subject, None, "plain", work, target=to).verdict == "runs"
+
+
+# -- what the plan says and does ---------------------------------------------------------------------------
+
+
+def _resnet(work: Path) -> Subject:
+    if "resnet" not in _SUBJECTS:
+        _SUBJECTS["resnet"] = _resnet_subject(work)
+    return _SUBJECTS["resnet"]
+
+
+def _gpt2_pt(work: Path) -> Subject:
+    if "gpt2-tied-pt" not in _SUBJECTS:
+        _SUBJECTS["gpt2-tied-pt"] = _gpt2_pt_subject(work)
+    return _SUBJECTS["gpt2-tied-pt"]
+
+
+def test_keep_keeps_the_module_whole_and_says_so(work: Path, tmp_path: Path) -> None:
+    src = _resnet(work).source
+    out = tmp_path / "kept.pt"
+    proc = run_cli("convert", str(src), "--to", "fp16", "--keep", "fc.weight", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "note: kept fc.bias with fc.weight: a Linear's weight and bias must share a dtype" in proc.stdout
+    got = torch.load(out, weights_only=True)
+    assert got["fc.weight"].dtype == got["fc.bias"].dtype == torch.float32 and got["conv1.weight"].dtype == torch.float16
+    scanned = run_cli("scan", str(out), "-f", "json")
+    findings = json.loads(scanned.stdout)["checkpoints"][0]["findings"]
+    assert scanned.returncode == 0 and not any(f["rule"] == "module-dtype-mix" for f in findings)
+    # A float32 Linear in a float16 model: the warning is the truth (PyTorch's Linear refuses the half input).
+    assert any(f["rule"] == "dtype-outlier" and f["tensor"] == "fc" for f in findings)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        _run_resnet(_assign(cm.resnet(), got))
+    # With --model the module types are facts, the outlier an error: the plan fails its checks, nothing is written.
+    refused = tmp_path / "refused.pt"
+    proc = run_cli("convert", str(src), "--to", "fp16", "--keep", "fc.weight", "--model", f"{MODELS_PY}:resnet", "-o", str(refused))
+    assert proc.returncode == 1 and not refused.exists()
+    assert "refusing to convert: the planned output fails dtype-outlier: fc:" in proc.stderr
+
+
+def test_batchnorm_in_a_sequential_goes_whole(work: Path) -> None:
+    got = outcome(_resnet(work), "fp16-weights-fp32-norms", "plain", work)
+    assert got.verdict == "runs"
+    by = {p.tensor.name: p for p in got.result.plan.tensors}
+    # downsample.1 is a BatchNorm no name rule finds: its statistics stay fp32, so its weight and bias do too.
+    assert {by[f"layer2.0.downsample.1.{leaf}"].target for leaf in ("weight", "bias", "running_mean", "running_var")} == {"float32"}
+    assert by["layer2.0.downsample.0.weight"].target == "float16"
+    assert any(
+        "layer2.0.downsample.1.weight" in n and "a BatchNorm's weight, bias and running statistics must share a dtype" in n
+        for n in got.result.plan.notes
+    )
+
+
+def test_keep_unsafe_keeps_the_whole_module(work: Path) -> None:
+    got = outcome(_resnet(work), None, "keep-unsafe", work)
+    assert got.verdict == "runs"
+    by = {p.tensor.name: p for p in got.result.plan.tensors}
+    bn = "layer1.0.bn1"
+    assert by[f"{bn}.running_var"].reason == "unsafe values kept at full precision (--keep-unsafe)"
+    assert {by[f"{bn}.{leaf}"].target for leaf in ("weight", "bias", "running_mean", "running_var")} == {"float32"}
+    assert by["layer1.0.bn2.weight"].target == "float16"
+
+
+def _policy_file(tmp_path: Path, text: str) -> Policy:
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    return load_policy(str(path))
+
+
+def test_tied_tensors_are_decided_together(work: Path, tmp_path: Path) -> None:
+    src = _gpt2_pt(work).source
+    # The policy allows the embedding either way: the head's float32 wins for both names of the one storage.
+    policy = _policy_file(
+        tmp_path,
+        'version: 1\ndefault: float16\nrules:\n  - match: "lm_head.*"\n    dtype: float32\n'
+        '  - match: "*.wte.*"\n    dtype: [float16, float32]\n',
+    )
+    out = tmp_path / "tied.bin"
+    result = convert(src, "fp16", output=out, policy=policy)
+    assert result.output == out
+    assert "kept transformer.wte.weight with lm_head.weight: tied tensors are one storage and take one dtype" in result.plan.notes
+    got = torch.load(out, weights_only=True)
+    assert got["lm_head.weight"].dtype == torch.float32 and got["lm_head.weight"].data_ptr() == got["transformer.wte.weight"].data_ptr()
+    report = scan([str(out)], checks=checks_for(policy))
+    assert exitcodes.for_report(report) == 0 and not any(f.rule == "tied-dtype-conflict" for f in report.findings)
+    # A policy that wants float32 for one name and float16 for the other cannot be met: refused, nothing written.
+    strict = _policy_file(tmp_path, 'version: 1\ndefault: float16\nrules:\n  - match: "lm_head.*"\n    dtype: float32\n')
+    refused = convert(src, "fp16", output=tmp_path / "no.bin", policy=strict)
+    assert refused.output is None and not (tmp_path / "no.bin").exists()
+    assert {f.rule for f in refused.failed} >= {"tied-dtype-conflict"}
+
+
+def test_config_dtype_follows_the_weights(work: Path, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    if "gpt2-dir" not in _SUBJECTS:
+        _SUBJECTS["gpt2-dir"] = _gpt2_dir_subject(work)
+    src = _SUBJECTS["gpt2-dir"].source
+    for preset, to, want in (("fp16-weights-fp32-norms", "fp16", "float16"), ("bf16", "bf16", "bfloat16"), ("fp32", "fp32", "float32")):
+        out = tmp_path / f"gpt2-{preset}"
+        result = convert(src, to, output=out, policy=load_policy(preset))
+        assert result.output == out and result.plan.config_dtype == want
+        assert json.loads((out / "config.json").read_text())["dtype"] == want
+        findings = scan([str(out)], checks=checks_for(load_policy(preset))).findings
+        assert not [f for f in findings if f.rule == "config-dtype-mismatch"], findings
+        # The dtype from_pretrained picks by itself ("auto" reads config.json) runs the model.
+        model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto").eval()
+        assert model.transformer.wte.weight.dtype == getattr(torch, want)
+        assert torch.isfinite(_run_lm(model).float()).all()
+
+
+def test_plan_failure_is_reported_in_json_and_exit_1(work: Path, tmp_path: Path) -> None:
+    src = _resnet(work).source
+    out = tmp_path / "x.pt"
+    proc = run_cli("convert", str(src), "--to", "fp16", "--preset", "fp16", "--keep", "fc.weight", "-o", str(out), "-f", "json")
+    assert proc.returncode == 1 and not out.exists()
+    doc = json.loads(proc.stdout)
+    assert doc["refused"] and {(f["rule"], f["tensor"]) for f in doc["plan_failures"]} == {
+        ("dtype-mismatch", "fc.weight"),
+        ("dtype-mismatch", "fc.bias"),
+    }
+    dry = run_cli("convert", str(src), "--to", "fp16", "--preset", "fp16", "--keep", "fc.weight", "--dry-run")
+    assert dry.returncode == 1 and "the planned output fails scan with the same policy (2 findings)" in dry.stdout
+
+
+def test_convert_model_option_uses_module_types(work: Path, tmp_path: Path) -> None:
+    src = _resnet(work).source
+    out = tmp_path / "typed.pt"
+    proc = run_cli(
+        "convert", str(src), "--to", "bf16", "--preset", "bf16-weights-fp32-norms", "--model", f"{MODELS_PY}:resnet", "-o", str(out)
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert run_cli("scan", str(out), "--preset", "bf16-weights-fp32-norms", "--model", f"{MODELS_PY}:resnet").returncode == 0
+    model = _assign(cm.resnet(), torch.load(out, weights_only=True))
+    assert model.layer2[0].downsample[1].weight.dtype == torch.float32  # a norm module by type, not by name
+    assert torch.isfinite(_run_resnet(model).float()).all()
+
+
+# -- everyday gaps -----------------------------------------------------------------------------------------
+
+
+def hf_cache(root: Path, repo_id: str, files: dict[str, bytes], revision: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+    """A Hugging Face cache laid out by huggingface_hub's own helpers, as hf_hub_download leaves it: content in
+    ``blobs/<sha256>``, ``snapshots/<revision>/<file>`` relative links to them, ``refs/main`` naming the revision."""
+    import hashlib
+
+    from huggingface_hub.file_download import _create_symlink, repo_folder_name
+
+    repo = root / repo_folder_name(repo_id=repo_id, repo_type="model")
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    snapshot = repo / "snapshots" / revision
+    for name, data in files.items():
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        os.chmod(blob, 0o644)
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        _create_symlink(str(blob), str(snapshot / name), new_blob=False)
+    return snapshot
+
+
+def test_convert_from_a_hugging_face_cache_snapshot(work: Path, tmp_path: Path) -> None:
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    pytest.importorskip("transformers")
+    if "gpt2-dir" not in _SUBJECTS:
+        _SUBJECTS["gpt2-dir"] = _gpt2_dir_subject(work)
+    src = _SUBJECTS["gpt2-dir"].source
+    files = {p.name: p.read_bytes() for p in sorted(src.iterdir()) if p.is_file()}
+    files["onnx/README.md"] = b"exported elsewhere\n"
+    cache = tmp_path / "hub"
+    snapshot = hf_cache(cache, "org/tiny-gpt2", files)
+    # huggingface_hub itself reads this cache as a complete snapshot, offline.
+    assert Path(huggingface_hub.snapshot_download("org/tiny-gpt2", cache_dir=cache, local_files_only=True)) == snapshot
+    assert all((snapshot / name).is_symlink() for name in files)
+    out = tmp_path / "gpt2-fp16"
+    proc = run_cli("convert", str(snapshot), "--to", "fp16", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    for p in out.rglob("*"):
+        assert not p.is_symlink(), p  # the output holds the files, not links into someone's cache
+    assert (out / "onnx" / "README.md").read_bytes() == b"exported elsewhere\n"
+    assert run_cli("scan", str(out)).returncode == 0
+    assert torch.isfinite(_run_lm(_assign(cm.gpt2(), _load_dir(out), tied=("lm_head.weight",))).float()).all()
+    # A link that leads anywhere but the cache's blobs is still refused, whatever file it is.
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not yours")
+    (snapshot / "notes.txt").symlink_to(secret)
+    proc = run_cli("convert", str(snapshot), "--to", "fp16", "-o", str(tmp_path / "leak"))
+    assert proc.returncode == 2 and "leads outside the directory" in proc.stderr and not (tmp_path / "leak").exists()
+    (snapshot / "notes.txt").unlink()
+    shard = next(n for n in files if n.endswith(".safetensors"))
+    (snapshot / shard).unlink()
+    (snapshot / shard).symlink_to(tmp_path / "elsewhere.safetensors")
+    shutil.copy(src / shard, tmp_path / "elsewhere.safetensors")
+    proc = run_cli("convert", str(snapshot), "--to", "fp16", "-o", str(tmp_path / "leak2"))
+    assert proc.returncode == 2 and "leads outside the directory" in proc.stderr
+
+
+def test_directory_keeps_file_modes(work: Path, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    if "gpt2-dir" not in _SUBJECTS:
+        _SUBJECTS["gpt2-dir"] = _gpt2_dir_subject(work)
+    src = tmp_path / "modes"
+    shutil.copytree(_SUBJECTS["gpt2-dir"].source, src)
+    (src / "tokenizer.json").write_text("{}")
+    (src / "scripts").mkdir()
+    (src / "scripts" / "run.sh").write_text("#!/bin/sh\n")
+    modes = {"config.json": 0o600, "tokenizer.json": 0o640, "scripts/run.sh": 0o750, "model.safetensors.index.json": 0o604}
+    shard_modes = {p.name: 0o640 if i % 2 else 0o600 for i, p in enumerate(sorted(src.glob("*.safetensors")))}
+    for name, mode in {**modes, **shard_modes}.items():
+        os.chmod(src / name, mode)
+    os.chmod(src, 0o750)
+    out = tmp_path / "modes-fp16"
+    assert convert(src, "fp16", output=out).output == out
+    for name, mode in {**modes, **shard_modes}.items():
+        assert stat.S_IMODE((out / name).stat().st_mode) == mode, name
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750
+
+
+def test_strip_optimizer_on_a_real_lightning_checkpoint(work: Path, tmp_path: Path) -> None:
+    lit = lit_module_class()
+    if "lightning" not in _SUBJECTS:
+        _SUBJECTS["lightning"] = _lightning_subject(work)
+    src = _SUBJECTS["lightning"].source
+    out = tmp_path / "release.ckpt"
+    result = convert(src, "fp16", output=out, strip_optimizer=True, policy=load_policy("fp16-weights-fp32-norms"))
+    assert result.output == out
+    assert any("Trainer.fit(ckpt_path=...) cannot resume from it" in n for n in result.plan.notes)
+    got = torch.load(out, weights_only=False)
+    own = torch.load(work / "weights-only.ckpt", weights_only=False)  # what Lightning writes with save_weights_only=True
+    assert set(got) == set(own), set(got) ^ set(own)
+    assert got["loops"] == torch.load(src, weights_only=False)["loops"]
+    # What Lightning does with it: load_from_checkpoint and validate(ckpt_path=...) work, ...
+    assert lit.load_from_checkpoint(out).net.fc.weight.shape == (10, 16)
+    lit_trainer(tmp_path / "v").validate(lit(), lit_data(), ckpt_path=str(out))
+    # ... and fit(ckpt_path=...) refuses it exactly as it refuses its own weights-only checkpoint.
+    for path in (out, work / "weights-only.ckpt"):
+        with pytest.raises(KeyError, match="save_weights_only"):
+            lit_trainer(tmp_path / "f", max_epochs=2).fit(lit(), lit_data(), ckpt_path=str(path))
+    assert torch.isfinite(_run_resnet(_SUBJECTS["lightning"].load(out)).float()).all()
+
+
+def test_strip_optimizer_finds_training_state_under_any_key(tmp_path: Path) -> None:
+    model, opt = _trained_resnet()
+    scaler = torch.amp.GradScaler("cpu")
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    src = tmp_path / "amp.pt"
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "train": {"optim": opt.state_dict(), "scaler": scaler.state_dict(), "sched": sched.state_dict(), "step": 7},
+        },
+        src,
+    )
+    out = tmp_path / "release.pt"
+    result = convert(src, "fp16", output=out, strip_optimizer=True)
+    assert result.output == out
+    got = torch.load(out, weights_only=True)
+    assert got["train"] == {"step": 7} and set(got) == {"model", "train"}
+    assert "stripped 'train.optim', 'train.scaler', 'train.sched' (--strip-optimizer)" in result.plan.notes
+    assert torch.isfinite(_run_resnet(_assign(cm.resnet(), got["model"])).float()).all()
