@@ -371,3 +371,17 @@ def test_tuple_keys_read_as_python_prints_them(tmp_path: Path) -> None:
     path = crafted(tmp_path, "tuple.pt", dictionary((tup(text("t"), integer(1)), tensor(storage("0"), (4,)))), {"0": F4})
     assert set(oracle.load(path)) == {"('t', 1)"}
     assert [t.name for t in read_checkpoint(path).tensors] == ["('t', 1)"]
+
+
+def test_a_nested_tensor_built_on_a_parameter_is_no_parameter(tmp_path: Path) -> None:
+    buffer = call(global_op("torch._utils", "_rebuild_parameter"), tensor(storage("0", "HalfStorage", 3), (3,)), FALSE, ordered_dict())
+    sizes = tensor(storage("1", "LongStorage", 2), (2, 1))
+    strides = tensor(storage("2", "LongStorage", 2), (2, 1))
+    offsets = tensor(storage("3", "LongStorage", 2), (2,))
+    nested = call(global_op("torch._utils", "_rebuild_nested_tensor"), buffer, sizes, strides, offsets)
+    longs = struct.pack("<2q", 1, 2), struct.pack("<2q", 1, 1), struct.pack("<2q", 0, 1)
+    path = crafted(tmp_path, "nested.pt", dictionary((text("n"), nested)), {"0": bytes(6), "1": longs[0], "2": longs[1], "3": longs[2]})
+    loaded = torch.load(path, weights_only=True)["n"]
+    assert loaded.is_nested and not isinstance(loaded, torch.nn.Parameter)
+    (t,) = read_checkpoint(path).tensors
+    assert (t.name, t.dtype, t.kind, t.layout) == ("n", "float16", "unknown", "nested")

@@ -321,7 +321,7 @@ def _rebuild_meta(args: tuple[Any, ...]) -> TensorRef:
 def _rebuild_nested(args: tuple[Any, ...]) -> TensorRef:
     _arity(args, "_rebuild_nested_tensor", 4)
     buffer = _tensor(args[0], "a nested tensor's buffer")
-    return buffer.copy(layout="nested")
+    return buffer.copy(layout="nested", kind="unknown", attrs={})  # a new tensor viewing the buffer
 
 
 def _rebuild_wrapper_subclass(args: tuple[Any, ...]) -> TensorRef:
