@@ -385,3 +385,21 @@ def test_a_nested_tensor_built_on_a_parameter_is_no_parameter(tmp_path: Path) ->
     assert loaded.is_nested and not isinstance(loaded, torch.nn.Parameter)
     (t,) = read_checkpoint(path).tensors
     assert (t.name, t.dtype, t.kind, t.layout) == ("n", "float16", "unknown", "nested")
+
+
+def test_modules_torch_load_renames_are_read_as_it_reads_them(tmp_path: Path) -> None:
+    from .diff_oracle import SAFE
+
+    rebuild = global_op("torch.tensor", "_rebuild_from_type_v2")  # torch.load maps torch.tensor to torch._tensor
+    value = call(rebuild, global_op("torch._utils", "_rebuild_tensor_v2"), global_op("torch", "Tensor"), _v2_args(), dictionary())
+    path = crafted(tmp_path, "renamed.pt", dictionary((text("a"), value)), {"0": F4})
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=True)
+    full = torch.load(path, weights_only=False, pickle_module=SAFE)  # an allowlist-only unpickler: nothing else resolves
+    inv = read_checkpoint(path)
+    assert facts(inv) == oracle.facts(oracle.walk(full)) == {"a": ("float32", (4,), "unknown")}
+    assert [f.rule for f in inv.findings] == ["loader-divergence"] and "torch.tensor" in inv.findings[0].message
+
+
+def _v2_args() -> bytes:
+    return tup(storage("0"), integer(0), tup(integer(4)), tup(integer(1)), FALSE, ordered_dict())

@@ -22,7 +22,7 @@ def read_pickle(path: Path) -> Inventory:
         data = fh.read(MAX_PICKLE_BYTES + 1)
     if len(data) > MAX_PICKLE_BYTES:
         raise LimitExceeded("bare pickle is over the 1 GiB cap", path=str(path))
-    vm = torch_vm(data, source=str(path), persistent=False, encoding="ASCII")
+    vm = torch_vm(data, source=str(path), persistent=False, encoding="ASCII", torch_load=False)
     vm.persistent_load = _no_persistent(path)
     root, end = vm.load()
     objects: list[Opaque] = []

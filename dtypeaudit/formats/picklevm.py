@@ -159,6 +159,7 @@ class PickleVM:
         limits: Limits | None = None,
         source: str | None = None,
         encoding: str = "utf-8",
+        module_renames: Mapping[str, str] | None = None,
     ) -> None:
         self.data = data
         self.reducers = reducers or {}
@@ -168,6 +169,7 @@ class PickleVM:
         self.limits = limits or Limits()
         self.source = source
         self.encoding = encoding
+        self.module_renames = module_renames or {}
         self.trace = Trace()
         self.pos = 0
         self.stack: list[Any] = []
@@ -260,6 +262,8 @@ class PickleVM:
                 cpython = _compat_pickle.NAME_MAPPING[(module, name)]
             elif module in _compat_pickle.IMPORT_MAPPING:
                 cpython = _compat_pickle.IMPORT_MAPPING[module], name
+        # torch.load's own unpickler (UnpicklerWrapper) also renames modules that moved (torch.tensor).
+        cpython = self.module_renames.get(cpython[0], cpython[0]), cpython[1]
         g = Global(*cpython)
         wo_name = allowlist.weights_only_name(module, name)
         if wo_name != g.qualname and allowlist.weights_only_accepts_global(wo_name):

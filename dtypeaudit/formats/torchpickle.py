@@ -539,8 +539,10 @@ def torch_vm(
     legacy: bool = False,
     persistent: bool = True,
     encoding: str = "utf-8",
+    torch_load: bool = True,
 ) -> PickleVM:
-    """The interpreter as torch.load runs it: torch's rebuilds, its storage records, its encoding."""
+    """The interpreter as torch.load runs it: torch's rebuilds, its storage records, its encoding, and
+    (``torch_load``) the module renames its unpickler applies; ``pickle.load`` applies none."""
     return PickleVM(
         data,
         reducers=REDUCERS,
@@ -549,7 +551,12 @@ def torch_vm(
         persistent_load=storage_loader(on_storage, legacy=legacy) if persistent else None,
         source=source,
         encoding=encoding,
+        module_renames=TORCH_LOAD_MODULE_RENAMES if torch_load else None,
     )
+
+
+# torch/serialization.py's load_module_mapping, applied by UnpicklerWrapper.find_class (weights_only=False).
+TORCH_LOAD_MODULE_RENAMES = {"torch.tensor": "torch._tensor"}
 
 
 def _short(value: Any) -> str:
@@ -721,8 +728,15 @@ def global_findings(
             )
     # Globals it refuses are reported above; anything else it refuses is worth a note of its own.
     # An object made from a refused global is refused again where it is built or filled: only opcodes then.
+    # A global reported nowhere above (torch.load renamed it to an allowed one) is named here.
     refused_global = any(r.startswith("global ") for r in trace.weights_only_refusals)
-    reasons = [r for r in trace.weights_only_refusals if r.startswith("opcode ") or not (refused_global or r.startswith("global "))]
+    reasons = [
+        r
+        for r in trace.weights_only_refusals
+        if r.startswith("opcode ")
+        or (r.startswith("global ") and r[len("global ") :] not in trace.globals)
+        or not (refused_global or r.startswith("global "))
+    ]
     if weights_only_loader and reasons:
         out.append(
             Finding(
