@@ -51,6 +51,10 @@ class TensorRecord:
     """Type name of the module that owns it (``BatchNorm2d``), where known."""
     shares_with: tuple[str, ...] = ()
     """Names of the other tensors that view the same storage (tied weights, views)."""
+    module_guess: str | None = None
+    """The module type its names and shapes suggest (``BatchNorm``, ``LayerNorm``, ``RMSNorm``, ``Linear``,
+    ``Conv2d``, ``Embedding``), where ``module`` is unknown or not one of PyTorch's own types and the guess is
+    sure; None otherwise. Filled by ``structure.annotate``; policy ``module:`` selectors match it too."""
 
     @property
     def numel(self) -> int:

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import structure
 from .check import Check, strict_findings
 from .errors import DtypeAuditError, UsageError
 from .formats import directory, read_checkpoint
@@ -117,6 +118,7 @@ def scan(
             reports.append(CheckpointReport(path=path, format=None, error=result, inventory=None))
             continue
         inv = factory_mod.attach(result, model_inv) if model_inv and result.format != "factory" else result
+        inv = structure.annotate(inv)  # the module types policies and checks see, guessed where --model gives none
         findings = list(inv.findings)
         for check in checks:
             findings.extend(check(inv))

@@ -2,16 +2,19 @@
 
 A module is the set of tensors directly under one dotted prefix (``layer1.0.bn1.{weight,bias,running_mean,
 running_var,num_batches_tracked}``). Its kind comes from ``--model`` where the factory names a module type
-PyTorch's kernels are known for (a fact), else from the tensors' names and shapes (a guess, high or low).
-Checks, presets and conversion plans all read this one structure. No torch here: metadata only.
+PyTorch's kernels are known for, or whose forward the factory measured (a fact), else from the tensors' names
+and shapes (a guess, high or low). A sure guess also names a type (``RMSNorm``, ``Linear``) that policy
+``module:`` selectors match: ``annotate`` writes it into each tensor's ``module_guess``, once per checkpoint,
+so that checks, presets, ``--explain`` and conversion plans all read this one structure. No torch here:
+metadata only.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from . import dtypes
@@ -25,6 +28,8 @@ Confidence = Literal["fact", "high", "low"]
 WRAPPER_PREFIXES: tuple[str, ...] = ("model_state_dict.", "state_dict.", "model.", "module.", "_orig_mod.")
 
 HALF_DTYPES = frozenset({"float16", "bfloat16"})
+MEASURED_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+"""The dtypes whose forward rules were measured (tests/test_runtime_truth.py), and that factories probe."""
 
 # Module types whose forward dtype rules are known: measured on CPU by tests/test_runtime_truth.py for the
 # common ones, the rest run the same kernels. A type named here makes the kind a fact; any other type name is
@@ -39,10 +44,20 @@ _TYPE_KINDS: dict[str, ModuleKind] = {
     **dict.fromkeys(("Embedding",), "embedding"),
     # InstanceNorm's running statistics are not held to its input's dtype: a norm, not a BatchNorm.
     **dict.fromkeys(("LayerNorm", "GroupNorm", "RMSNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"), "norm"),
+    **dict.fromkeys(("LazyInstanceNorm1d", "LazyInstanceNorm2d", "LazyInstanceNorm3d"), "norm"),
 }
+
+
+def is_torch_type(type_name: str) -> bool:
+    """Whether ``type_name`` is one of PyTorch's own module types whose forward dtype rules are known."""
+    return type_name in _TYPE_KINDS
+
 
 _EMBED_HINT = re.compile(r"(?i)(embed|emb$|wte$|wpe$|tok|vocab|shared$)")
 _PROJ_HINT = re.compile(r"(?i)(head$|proj$|fc\d*$|linear\d*$|dense$|classifier$|(^|_)(q|k|v|o|gate|up|down|query|key|value|out)$)")
+# A lone 1-D weight under a norm's name (Llama's input_layernorm, model.norm; Meta's attention_norm; GPT-NeoX's
+# ln_f): a weight-only norm, RMSNorm-style.
+_NORM_HINT = re.compile(r"(?i)(norm|^ln(_|\d|$)|^rms)")
 _STATS = ("running_mean", "running_var")
 
 
@@ -86,6 +101,13 @@ class Module:
     """``fact`` where the kind comes from ``--model``'s module type, else ``high`` or ``low`` for a guess."""
     tensors: tuple[TensorRecord, ...]
     """Every tensor directly under the prefix, in file order, integer buffers included."""
+    guessed_type: str | None = None
+    """The type its names and shapes make sure (``BatchNorm``, ``LayerNorm`` for a norm with weight and bias,
+    ``RMSNorm`` for a weight-only norm, ``Linear``, ``Conv2d``, ``Embedding``), where ``--model`` gives no type or
+    one that is not PyTorch's own; None where the guess is low or the type is PyTorch's own."""
+    forward: Mapping[str, str] | None = None
+    """``"{weight dtype}/{input dtype}"`` -> the dtype its forward returned, as ``--model``'s factory measured
+    it on the meta device (weight-only norms of types that are not PyTorch's own); None if not measured."""
 
     @property
     def name(self) -> str:
@@ -141,10 +163,16 @@ class Module:
 
     @property
     def label(self) -> str:
-        """``BatchNorm2d`` for a fact, ``Linear-like`` for a guess."""
+        """``BatchNorm2d`` for a fact, ``Linear-like`` / ``RMSNorm-like`` for a guess."""
         if self.confidence == "fact" and self.type_name:
             return self.type_name
-        base = {"batchnorm": "BatchNorm", "linear": "Linear", "conv": "Conv", "embedding": "Embedding", "norm": "norm"}.get(self.kind)
+        base = self.guessed_type or {
+            "batchnorm": "BatchNorm",
+            "linear": "Linear",
+            "conv": "Conv",
+            "embedding": "Embedding",
+            "norm": "norm",
+        }.get(self.kind)
         what = f"{base}-like" if base else "module of unknown kind"
         return f"{self.type_name}, {what}" if self.type_name else what
 
@@ -152,6 +180,8 @@ class Module:
     def provenance(self) -> str:
         """How the kind is known, in words."""
         if self.confidence == "fact":
+            if self.forward is not None:
+                return "module type from --model, its forward measured on the meta device"
             return "module type from --model"
         if self.type_name:
             return f"a type from --model whose dtype rules are not known; kind guessed from its tensors, {self.confidence} confidence"
@@ -186,19 +216,34 @@ def _guess(prefix: str, leaves: dict[str, TensorRecord]) -> tuple[ModuleKind, Co
         else:
             kind, conf = "embedding", "low"
     elif w.ndim == 1:
-        kind, conf = "norm", "high" if b is not None and b.shape == w.shape else "low"
+        sure = b.shape == w.shape if b is not None else bool(_NORM_HINT.search(name))
+        kind, conf = "norm", "high" if sure else "low"
     else:
         return "unknown", "low"
     return kind, "low" if extra else conf
+
+
+def _type_guess(kind: ModuleKind, leaves: dict[str, TensorRecord]) -> str | None:
+    """The type name a sure guess of ``kind`` stands for, as policy ``module:`` selectors see it."""
+    if kind == "norm":
+        return "LayerNorm" if "bias" in leaves else "RMSNorm"
+    if kind == "conv":
+        w = leaves["weight"]
+        return f"Conv{w.ndim - 2}d"
+    return {"batchnorm": "BatchNorm", "linear": "Linear", "embedding": "Embedding"}.get(kind)
 
 
 def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
     """Every module of the model region, in the order its first tensor appears.
 
     Grouping uses the names as written: wrapper prefixes are stripped for naming only, so two prefixes that
-    differ only by a wrapper stay two modules.
+    differ only by a wrapper stay two modules. Module types come from ``TensorRecord.module`` (``--model``)
+    only, never from ``module_guess``: a guess is recomputed here, not taken for a fact. The forwards a
+    factory measured come from the inventory's ``module_forward`` metadata.
     """
     tensors = inv.tensors if isinstance(inv, Inventory) else tuple(inv)
+    measured = inv.metadata.get("module_forward") if isinstance(inv, Inventory) else None
+    probes: Mapping[str, Mapping[str, str]] = measured if isinstance(measured, Mapping) else {}
     groups: dict[str, list[TensorRecord]] = {}
     for t in tensors:
         if t.region == "model":
@@ -208,6 +253,8 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
         leaves = {split_name(t.name)[1]: t for t in members}
         type_name = next((t.module for t in members if t.module), None)
         fact = _TYPE_KINDS.get(type_name) if type_name else None
+        guessed: str | None = None
+        forward: Mapping[str, str] | None = None
         if fact is not None:
             kind: ModuleKind = fact
             conf: Confidence = "fact"
@@ -215,8 +262,26 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
             kind, conf = _guess(prefix, leaves)
             if type_name and kind == "norm" and "norm" in type_name.lower() and conf == "low":
                 conf = "high"  # the factory says it is a norm of its own making (LlamaRMSNorm)
-        out.append(Module(prefix, kind, type_name, conf, tuple(members)))
+            if conf == "high":
+                guessed = _type_guess(kind, leaves)
+            table = probes.get(type_name) if type_name else None
+            if kind == "norm" and isinstance(table, Mapping) and set(leaves) == {"weight"}:
+                forward, conf = table, "fact"  # its own forward, measured by the factory
+        out.append(Module(prefix, kind, type_name, conf, tuple(members), guessed, forward))
     return out
+
+
+def annotate(inv: Inventory) -> Inventory:
+    """``inv`` with each model tensor's ``module_guess`` set from the structure (None where nothing is sure).
+
+    Done once per checkpoint, after ``--model`` is attached, by ``scan``, ``--explain`` and ``convert``, so that
+    every check, preset and plan reads the same guesses. Idempotent: guesses are recomputed, never read.
+    """
+    guesses = {t.name: m.guessed_type for m in infer_modules(inv) for t in m.tensors}
+    tensors = tuple(t if t.module_guess == guesses.get(t.name) else t.with_(module_guess=guesses.get(t.name)) for t in inv.tensors)
+    if all(a is b for a, b in zip(tensors, inv.tensors, strict=True)):
+        return inv
+    return replace(inv, tensors=tensors)
 
 
 COMPUTE_KINDS = frozenset({"linear", "conv", "embedding"})

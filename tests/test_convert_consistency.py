@@ -2,8 +2,9 @@
 
 For each conversion in the matrix: what convert writes passes ``scan`` with the same policy (exit 0), and
 the model loads it (``load_state_dict(assign=True)``, so the file's dtypes are what runs) and runs a forward
-pass on CPU with an input of the dtype its first layer holds. Where the forward pass fails, scan must have
-warned of it (``dtype-outlier``); where convert refuses, nothing is written and the reason is given.
+pass on CPU with an input of the dtype its first layer holds. Where convert refuses, nothing is written and
+the reason is given. No cell may write an output whose forward pass fails: convert refuses to make what scan
+would only warn of (``dtype-outlier`` without ``--model``), so a ``warned`` verdict fails the matrix.
 The full cross product runs with DTYPEAUDIT_SLOW=1.
 """
 
@@ -412,8 +413,9 @@ def target_of(policy: Policy | None, default: str = "float16") -> str:
 @dataclass(frozen=True)
 class Outcome:
     verdict: str
-    """``runs`` (written, scan passes, the forward pass runs), ``warned`` (written, scan passes with a
-    dtype-outlier warning, and the forward pass fails as warned), or ``refused`` (nothing written)."""
+    """``runs`` (written, scan passes, the forward pass runs), ``refused`` (nothing written), or ``warned``
+    (written, scan passes with a dtype-outlier warning, and the forward pass fails as warned): what convert
+    must no longer do, so no cell expects it."""
     result: Result
     detail: str = ""
 
@@ -473,11 +475,10 @@ FP32_NORM_PRESETS = {"fp16-mixed", "bf16-mixed", "fp16-weights-fp32-norms", "bf1
 
 
 def expected(subject: str, spec: str | None, variant: str, target: str) -> str:
-    """What each cell comes to, and why where it is not ``runs``. A ``warned`` cell is one where scan passes
-    the output with a dtype-outlier warning and PyTorch then refuses the forward pass, as warned."""
+    """What each cell comes to, and why where it is not ``runs``. Never ``warned``: convert refuses an output whose
+    forward pass would fail (a float32 Linear, or a float32 LlamaRMSNorm, in a half model) rather than write it."""
     if target == "float32":
         return "runs"  # amp-training and fp32: nothing narrows, nothing mixes
-    cnn = subject in ("resnet", "tutorial", "lightning")
     everything_in_target = spec in ("fp16", "bf16", "custom-head-fp32")  # the default holds norms to the target too
     if variant == "include-optimizer" and target == "float16" and spec not in FP32_NORM_PRESETS:
         # Adam's exp_avg_sq underflows float16: the value check refuses (bfloat16 keeps them; the mixed presets
@@ -486,28 +487,28 @@ def expected(subject: str, spec: str | None, variant: str, target: str) -> str:
     if variant == "keep-norm":
         if everything_in_target:
             return "refused"  # the policy wants the kept norm in the target
-        # An all-float32 BatchNorm or LayerNorm takes a half input and returns it; LlamaRMSNorm returns
-        # weight * x.to(input_dtype), which promotes the stream to float32 for the next half Linear.
-        return "warned" if subject == "llama-dir" else "runs"
+        if subject == "llama-dir":
+            # LlamaRMSNorm returns weight * x.to(input_dtype): a kept float32 norm would make the stream float32 and
+            # the next half Linear fail, so convert refuses (dtype-outlier); the fp32-norm presets also want it half.
+            return "refused"
+        return "runs"  # an all-float32 BatchNorm or LayerNorm takes a half input and returns it
     if variant == "keep-head":
-        if spec is None or (spec == "custom-head-fp32" and cnn):
-            return "warned"  # a float32 Linear in a half model refuses the half input (mat1 and mat2 ...)
-        return "refused"  # the policy wants that weight in the target
+        # A float32 Linear in a half model refuses the half input ('mat1 and mat2 must have the same dtype'): the
+        # policy wants that weight in the target, or convert refuses to write it (dtype-outlier, held by --keep).
+        return "refused"
     if variant == "keep-unsafe" and target == "float16":
         if everything_in_target:
             return "refused"  # the unsafe tensor's module is kept float32 whole, which the policy forbids
         if subject == "llama-dir":
-            return "warned" if spec is None else "refused"  # down_proj kept float32: a Linear outlier, or against the policy
+            return "refused"  # down_proj kept float32: a Linear that would refuse the half stream (or against the policy)
     if spec == "custom-head-fp32":
         if subject == "gpt2-dir":
             return "runs"  # save_pretrained drops the tied lm_head: the rule matches nothing
-        if subject == "gpt2-tied-pt" or variant == "model":
-            # The .bin ties lm_head to wte: one storage the policy wants both ways (tied-dtype-conflict). With --model,
-            # the float32 head is a known Linear: dtype-outlier is an error, and the plan fails its checks.
-            return "refused"
-        return "warned"  # a float32 head in a half model
-    if subject == "llama-dir" and spec in FP32_NORM_PRESETS:
-        return "warned"  # the presets ask for float32 norms, and LlamaRMSNorm promotes (see keep-norm)
+        # The .bin ties lm_head to wte: one storage the policy wants both ways (tied-dtype-conflict). Elsewhere the
+        # float32 head (fc, lm_head) is a Linear that would refuse the half stream: convert refuses (dtype-outlier).
+        return "refused"
+    # Everything else runs, the Llama-style model under the fp32-norm presets included: its weight-only RMSNorms
+    # take the weights' dtype (rms-norms-*), only BatchNorm/LayerNorm/GroupNorm/InstanceNorm stay float32.
     return "runs"
 
 
@@ -556,35 +557,121 @@ def _gpt2_pt(work: Path) -> Subject:
 def test_keep_keeps_the_module_whole_and_says_so(work: Path, tmp_path: Path) -> None:
     src = _resnet(work).source
     out = tmp_path / "kept.pt"
-    proc = run_cli("convert", str(src), "--to", "fp16", "--keep", "fc.weight", "-o", str(out))
+    proc = run_cli("convert", str(src), "--to", "fp16", "--keep", "layer1.0.bn1.weight", "-o", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert "note: kept fc.bias with fc.weight: a Linear's weight and bias must share a dtype" in proc.stdout
+    assert (
+        "note: kept layer1.0.bn1.bias, layer1.0.bn1.running_mean, layer1.0.bn1.running_var with layer1.0.bn1.weight: "
+        "a BatchNorm's weight, bias and running statistics must share a dtype" in proc.stdout
+    )
     got = torch.load(out, weights_only=True)
-    assert got["fc.weight"].dtype == got["fc.bias"].dtype == torch.float32 and got["conv1.weight"].dtype == torch.float16
-    scanned = run_cli("scan", str(out), "-f", "json")
-    findings = json.loads(scanned.stdout)["checkpoints"][0]["findings"]
-    assert scanned.returncode == 0 and not any(f["rule"] == "module-dtype-mix" for f in findings)
-    # A float32 Linear in a float16 model: the warning is the truth (PyTorch's Linear refuses the half input).
-    assert any(f["rule"] == "dtype-outlier" and f["tensor"] == "fc" for f in findings)
+    assert {got[f"layer1.0.bn1.{leaf}"].dtype for leaf in ("weight", "bias", "running_mean", "running_var")} == {torch.float32}
+    assert got["conv1.weight"].dtype == torch.float16
+    assert run_cli("scan", str(out)).returncode == 0
+    assert torch.isfinite(_run_resnet(_assign(cm.resnet(), got)).float()).all()  # an all-fp32 BatchNorm takes fp16 input
+
+
+def test_keep_that_would_break_the_forward_pass_is_refused(work: Path, tmp_path: Path) -> None:
+    """--keep fc.weight keeps the Linear whole, in float32; PyTorch's Linear refuses the float16 input, so convert
+    writes nothing, guess or fact, and says which module, why, and what holds it."""
+    src = _resnet(work).source
+    for model in ((), ("--model", f"{MODELS_PY}:resnet")):
+        out = tmp_path / f"kept{len(model)}.pt"
+        proc = run_cli("convert", str(src), "--to", "fp16", "--keep", "fc.weight", *model, "-o", str(out))
+        assert proc.returncode == 1 and not out.exists(), proc.stdout + proc.stderr
+        assert "refusing to convert: the planned output fails dtype-outlier: fc:" in proc.stderr
+        assert "is float32 in a float16 model" in proc.stderr and "mat1 and mat2 must have the same dtype" in proc.stderr
+        if not model:  # scan would only warn of this guess; convert, which would be making it, refuses
+            assert "convert does not write an output whose forward pass would fail (held by fc.weight: --keep fc.weight" in proc.stderr
+            assert "the planned output would not run (1 finding); nothing was written" in proc.stdout
+    # What it refuses to write is what PyTorch refuses to run.
+    state = {k: v.half() if v.is_floating_point() and not k.startswith("fc.") else v for k, v in torch.load(src, weights_only=True).items()}
     with pytest.raises(RuntimeError, match="same dtype"):
-        _run_resnet(_assign(cm.resnet(), got))
-    # With --model the module types are facts, the outlier an error: the plan fails its checks, nothing is written.
-    refused = tmp_path / "refused.pt"
-    proc = run_cli("convert", str(src), "--to", "fp16", "--keep", "fc.weight", "--model", f"{MODELS_PY}:resnet", "-o", str(refused))
-    assert proc.returncode == 1 and not refused.exists()
-    assert "refusing to convert: the planned output fails dtype-outlier: fc:" in proc.stderr
+        _run_resnet(_assign(cm.resnet(), state))
+
+
+def test_llama_under_the_fp32_norm_presets_runs_and_scans_clean(tmp_path: Path) -> None:
+    """A transformers Llama (weight-only LlamaRMSNorm) converted with fp16-mixed / bf16-mixed: its RMSNorms take the
+    weights' dtype, so from_pretrained loads it, it runs on CPU, and scan with the preset passes it, with or without
+    --model. A GPT-2 (LayerNorm with bias) under the same presets keeps its LayerNorms float32 and runs."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    llama_src, gpt2_src = tmp_path / "llama", tmp_path / "gpt2"
+    cm.llama().eval().save_pretrained(llama_src)
+    cm.gpt2().eval().save_pretrained(gpt2_src)
+    for preset, to, dtype in (("fp16-mixed", "fp16", torch.float16), ("bf16-mixed", "bf16", torch.bfloat16)):
+        policy = load_policy(preset)
+        for model in (None, f"{MODELS_PY}:llama"):
+            out = tmp_path / f"llama-{preset}-{bool(model)}"
+            result = convert(llama_src, to, output=out, policy=policy, model=model)
+            assert result.output == out, [f.message for f in result.failed]
+            report = scan([str(out)], checks=checks_for(policy), model=model, policy=policy)
+            assert report.findings == [], [(f.rule, f.tensor, f.message) for f in report.findings]
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto").eval()
+            norms = [m for m in loaded.modules() if type(m).__name__ == "LlamaRMSNorm"]
+            assert len(norms) == 5 and {n.weight.dtype for n in norms} == {dtype}
+            assert {p.dtype for p in loaded.parameters()} == {dtype}
+            logits = _run_lm(loaded)
+            assert logits.dtype == dtype and torch.isfinite(logits.float()).all()
+            assert torch.isfinite(_run_lm(_assign(cm.llama(), _load_dir(out))).float()).all()  # the file's own dtypes
+        # What the preset asks of the RMSNorms, and why, as --explain shows it.
+        explained = run_cli("scan", str(llama_src), "--preset", preset, "--explain", "model.layers.0.input_layernorm.weight")
+        assert "module type guessed from names and shapes: RMSNorm" in explained.stdout
+        assert (
+            f"✓ rms-norms-{to}: matches (module type guessed from names and shapes: RMSNorm), expects {dtype}".replace("torch.", "")
+            in explained.stdout
+        )
+        out = tmp_path / f"gpt2-{preset}"
+        assert convert(gpt2_src, to, output=out, policy=policy).output == out
+        assert scan([str(out)], checks=checks_for(policy), policy=policy).findings == []
+        gpt2 = _assign(cm.gpt2(), _load_dir(out), tied=("lm_head.weight",))  # the file's dtypes, as written
+        layer_norms = [m for m in gpt2.modules() if isinstance(m, nn.LayerNorm)]
+        assert len(layer_norms) == 5 and {p.dtype for n in layer_norms for p in n.parameters()} == {torch.float32}
+        assert gpt2.transformer.h[0].attn.c_attn.weight.dtype == dtype
+        assert torch.isfinite(_run_lm(gpt2).float()).all()
+
+
+def test_an_fp32_llama_rmsnorm_in_a_half_model_is_an_error_with_model(tmp_path: Path) -> None:
+    """The old fp16-mixed output: LlamaRMSNorm kept float32 in a float16 Llama. PyTorch fails its forward; scan warns
+    without --model (a guess) and, with --model, knows it (the factory measures LlamaRMSNorm's forward): an error."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = cm.llama().eval().half()
+    for m in model.modules():
+        if type(m).__name__ == "LlamaRMSNorm":
+            m.float()
+    with pytest.raises(RuntimeError, match="same dtype"):
+        _run_lm(model)
+    path = tmp_path / "llama.pt"
+    torch.save(model.state_dict(), path)
+    guessed = [f for f in scan([str(path)], checks=checks_for(None)).findings if f.rule == "dtype-outlier"]
+    assert guessed and {f.severity for f in guessed} == {"warning"}
+    known = [f for f in scan([str(path)], checks=checks_for(None), model=f"{MODELS_PY}:llama").findings if f.rule == "dtype-outlier"]
+    assert {f.tensor for f in known} == {f.tensor for f in guessed} and {f.severity for f in known} == {"error"}
+    assert "LlamaRMSNorm (module type from --model, its forward measured on the meta device) is float32 in a float16 model" in (
+        known[0].message
+    )
+    assert "returns float32 for float16 input" in known[0].message
 
 
 def test_batchnorm_in_a_sequential_goes_whole(work: Path) -> None:
+    bn = "layer2.0.downsample.1"
+    leaves = ("weight", "bias", "running_mean", "running_var")
     got = outcome(_resnet(work), "fp16-weights-fp32-norms", "plain", work)
     assert got.verdict == "runs"
     by = {p.tensor.name: p for p in got.result.plan.tensors}
-    # downsample.1 is a BatchNorm no name rule finds: its statistics stay fp32, so its weight and bias do too.
-    assert {by[f"layer2.0.downsample.1.{leaf}"].target for leaf in ("weight", "bias", "running_mean", "running_var")} == {"float32"}
+    # downsample.1 is a BatchNorm no name rule finds; the structure guesses its type from its running statistics,
+    # and the preset's module rule keeps it fp32 whole.
+    assert {by[f"{bn}.{leaf}"].target for leaf in leaves} == {"float32"}
+    assert by[f"{bn}.weight"].reason == "policy: norm-modules-fp32 expects float32"
     assert by["layer2.0.downsample.0.weight"].target == "float16"
+    # A policy that holds only the statistics to fp32 (and allows 1-D tensors either way): the plan keeps the
+    # BatchNorm whole, and says so.
+    got = outcome(_resnet(work), "custom-fixable", "plain", work)
+    assert got.verdict == "runs"
+    by = {p.tensor.name: p for p in got.result.plan.tensors}
+    assert {by[f"{bn}.{leaf}"].target for leaf in leaves} == {"float32"}
     assert any(
-        "layer2.0.downsample.1.weight" in n and "a BatchNorm's weight, bias and running statistics must share a dtype" in n
-        for n in got.result.plan.notes
+        f"{bn}.weight" in n and "a BatchNorm's weight, bias and running statistics must share a dtype" in n for n in got.result.plan.notes
     )
 
 
@@ -613,13 +700,19 @@ def test_tied_tensors_are_decided_together(work: Path, tmp_path: Path) -> None:
         '  - match: "*.wte.*"\n    dtype: [float16, float32]\n',
     )
     out = tmp_path / "tied.bin"
-    result = convert(src, "fp16", output=out, policy=policy)
-    assert result.output == out
+    result = convert(src, "fp16", output=out, policy=policy, dry_run=True)
     assert "kept transformer.wte.weight with lm_head.weight: tied tensors are one storage and take one dtype" in result.plan.notes
-    got = torch.load(out, weights_only=True)
-    assert got["lm_head.weight"].dtype == torch.float32 and got["lm_head.weight"].data_ptr() == got["transformer.wte.weight"].data_ptr()
-    report = scan([str(out)], checks=checks_for(policy))
-    assert exitcodes.for_report(report) == 0 and not any(f.rule == "tied-dtype-conflict" for f in report.findings)
+    by = {p.tensor.name: p.target for p in result.plan.tensors}
+    assert by["lm_head.weight"] == by["transformer.wte.weight"] == "float32" and by["transformer.h.0.attn.c_attn.weight"] == "float16"
+    assert not any(f.rule == "tied-dtype-conflict" for f in result.failed)
+    # But a float32 embedding feeds float32 activations to the float16 blocks: PyTorch refuses that forward pass,
+    # so convert writes nothing and names the embedding.
+    planned = {k: v.to(getattr(torch, by[k])) for k, v in torch.load(src, weights_only=True).items()}
+    with pytest.raises(RuntimeError, match=DTYPE_ERROR):
+        _run_lm(_assign(cm.gpt2(), planned))
+    assert result.failed and {f.rule for f in result.failed} == {"dtype-outlier"}
+    assert any(f.tensor == "transformer.wte" and "float32 in a float16 model" in f.message for f in result.failed)
+    assert convert(src, "fp16", output=out, policy=policy).output is None and not out.exists()
     # A policy that wants float32 for one name and float16 for the other cannot be met: refused, nothing written.
     strict = _policy_file(tmp_path, 'version: 1\ndefault: float16\nrules:\n  - match: "lm_head.*"\n    dtype: float32\n')
     refused = convert(src, "fp16", output=tmp_path / "no.bin", policy=strict)
@@ -654,9 +747,13 @@ def test_plan_failure_is_reported_in_json_and_exit_1(work: Path, tmp_path: Path)
     assert doc["refused"] and {(f["rule"], f["tensor"]) for f in doc["plan_failures"]} == {
         ("dtype-mismatch", "fc.weight"),
         ("dtype-mismatch", "fc.bias"),
+        ("dtype-outlier", "fc"),  # and a float32 Linear in a float16 model would not run
     }
     dry = run_cli("convert", str(src), "--to", "fp16", "--preset", "fp16", "--keep", "fc.weight", "--dry-run")
-    assert dry.returncode == 1 and "the planned output fails scan with the same policy (2 findings)" in dry.stdout
+    assert dry.returncode == 1 and "the planned output fails scan or would not run (3 findings)" in dry.stdout
+    # A refusal only the policy makes: kept whole, an fp32 BatchNorm runs, but the fp16 preset wants it fp16.
+    dry = run_cli("convert", str(src), "--to", "fp16", "--preset", "fp16", "--keep", "*.bn1.*", "--dry-run")
+    assert dry.returncode == 1 and "the planned output fails scan with the same policy (" in dry.stdout
 
 
 def test_convert_model_option_uses_module_types(work: Path, tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ def test_explain(tmp_path: Path) -> None:
 
 def test_policy_validate_and_presets(tmp_path: Path) -> None:
     good = run_cli("policy", "validate", "fp16-mixed", str(ROOT / "configs" / "bf16.yaml"))
-    assert good.returncode == 0 and "fp16-mixed: valid (7 rules, extends" in good.stdout  # an alias of fp16-weights-fp32-norms
+    assert good.returncode == 0 and "fp16-mixed: valid (8 rules, extends" in good.stdout  # an alias of fp16-weights-fp32-norms
     bad = tmp_path / "bad.yaml"
     bad.write_text("version: 1\nrules:\n  - match: x\n    dtype: fp17\n")
     proc = run_cli("policy", "validate", str(bad))

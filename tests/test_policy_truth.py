@@ -451,6 +451,7 @@ def test_unused_rules_name_the_rule_and_why(gpt2_wrapped: Path, tmp_path: Path) 
         "  - match: '*.weight'\n    dtype: any\n"
         "  - name: shadowed\n    match: 'wte.weight'\n    dtype: float32\n"
         "  - name: norms\n    module: '*LayerNorm*'\n    dtype: float32\n"
+        "  - name: mlps\n    module: 'GPT2MLP'\n    dtype: float32\n"  # no tensor sits directly under a GPT2MLP
         "  - name: maybe\n    match: lora_*\n    dtype: float32\n    optional: true\n"
         "ignore: ['ema.*']\n",
     )
@@ -458,15 +459,53 @@ def test_unused_rules_name_the_rule_and_why(gpt2_wrapped: Path, tmp_path: Path) 
     assert len(messages) == 4, messages
     assert messages[0].startswith("rule anchored-head (match: ^lm_head.*) matches no tensor in ") and "^ anchors" in messages[0]
     assert messages[1].startswith("rule shadowed (match: wte.weight) matches 1 tensor(s), but rule 2 (policy.yaml:6) comes first")
-    assert messages[2].startswith("rule norms (module: *LayerNorm*) selects by module type, but no tensor's module type is known")
+    # Without --model the norms rule still applies: the LayerNorms' type is guessed from their weight and bias.
+    assert messages[2].startswith("rule mlps (module: GPT2MLP) matches no tensor in ")
+    assert "without --model, module types are guessed from names and shapes (BatchNorm, LayerNorm, RMSNorm" in messages[2]
     assert messages[3] == f"ignore pattern 'ema.*' matches no tensor in {gpt2_wrapped}; it ignores nothing"
-    # With --model, the module rule applies (and the one before it is still reported).
+    # With --model, the module types are the model's own (and the rules before are still reported).
     with_model = unused(run_scan(gpt2_wrapped, pol, model=f"{HERE}:gpt2"))
     assert [m.message.split(" (")[0].split(" matches")[0] for m in with_model] == [
         "rule anchored-head",
         "rule shadowed",
+        "rule mlps",
         "ignore pattern 'ema.*'",
     ]
+    assert "guessed" not in with_model[2].message
+
+
+def test_a_module_rule_with_no_type_known_or_guessed_is_unused(tmp_path: Path) -> None:
+    path = save(tmp_path / "loose.pt", {"scale": torch.ones(3), "offsets": torch.zeros(2, 5, 5, 5, 5, 5)})
+    pol = write_policy(tmp_path, "default: any\nrules:\n  - name: norms\n    module: '*Norm*'\n    dtype: float32\n")
+    (finding,) = unused(run_scan(path, pol))
+    assert "selects by module type, but no tensor's module type is known or can be guessed from names and shapes" in finding.message
+
+
+def test_module_rules_see_guessed_types_everywhere_without_model(tutorial: Path, tmp_path: Path) -> None:
+    """Without --model, a module: rule sees the type the structure guesses, in scan, check(), --explain and
+    unused-rule alike, and the guess is shown as one; with --model the model's own type decides."""
+    pol = write_policy(
+        tmp_path,
+        "default: float32\nrules:\n  - name: bn-half\n    module: 'BatchNorm*'\n    dtype: float16\n"
+        "  - name: linear-half\n    module: Linear\n    dtype: float16\n",
+    )
+    bn = "model_state_dict.layer1.1.downsample.1.running_var"  # a BatchNorm inside a Sequential: no name says so
+    report = run_scan(tutorial, pol)
+    failing = {f.tensor for f in report.findings if f.rule == "dtype-mismatch"}
+    assert bn in failing and "model_state_dict.fc.weight" in failing and unused(report) == []
+    assert {f.tensor for f in check(read_checkpoint(tutorial), pol) if f.rule == "dtype-mismatch"} == failing
+    inv = report.checkpoints[0].inventory
+    assert inv is not None and (inv.by_name()[bn].module, inv.by_name()[bn].module_guess) == (None, "BatchNorm")
+    text = explain_render.render(pol, inv.by_name()[bn])
+    assert "module type guessed from names and shapes: BatchNorm" in text.splitlines()[0]
+    assert "✓ bn-half: matches (module type guessed from names and shapes: BatchNorm), expects float16" in text
+    proc = run_cli("scan", str(tutorial), "--policy", str(tmp_path / "policy.yaml"), "-f", "json")
+    tensors = {t["name"]: t for t in json.loads(proc.stdout)["checkpoints"][0]["tensors"]}
+    assert (tensors[bn]["module"], tensors[bn]["module_guess"]) == (None, "BatchNorm")
+    assert tensors["optimizer_state_dict.state.0.exp_avg"]["module_guess"] is None
+    # With --model the type is the model's own; a guess is given only for types that are not PyTorch's.
+    with_model = run_scan(tutorial, pol, model=f"{HERE}:resnet").checkpoints[0].inventory
+    assert with_model is not None and (with_model.by_name()[bn].module, with_model.by_name()[bn].module_guess) == ("BatchNorm2d", None)
 
 
 def test_integer_only_rules_without_check_integers_are_unused(tutorial: Path, tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
 """PyTorch is the truth: the module-consistency rules, checked against real forward passes on CPU.
 
-1. The kernel table: BatchNorm, Linear, Conv, LayerNorm, GroupNorm, RMSNorm, InstanceNorm and Embedding, with every
-   combination of input, weight, bias and running-statistic dtype over float32/float16/bfloat16, run for real;
-   what ``check.forward_dtype`` and ``module-dtype-mix`` predict must be what happened.
+1. The kernel table: BatchNorm, Linear, Conv, LayerNorm, GroupNorm, RMSNorm, InstanceNorm and Embedding, and
+   transformers' weight-only norms (LlamaRMSNorm, T5LayerNorm, GemmaRMSNorm), with every combination of input,
+   weight, bias and running-statistic dtype over float32/float16/bfloat16, run for real; what
+   ``check.forward_dtype`` and ``module-dtype-mix`` predict must be what happened, and what the factory measures
+   of a norm's forward on the meta device must be what the CPU returns.
 2. A corpus of small real models (a torchvision-style ResNet with BatchNorm in Sequentials, an MLP, a tiny
    transformer, transformers' GPT-2 and Llama) broken the ways users break them, and fine ones: each is saved,
    run, and scanned with and without ``--model``. A forward pass that fails on a dtype is flagged; one that
@@ -14,6 +16,7 @@ No expected forward result is written down here: every one is computed by runnin
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import re
@@ -31,7 +34,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from dtypeaudit import check, read
-from dtypeaudit.check import forward_dtype, module_dtype_mix, semantics
+from dtypeaudit.check import certain, forward_dtype, module_dtype_mix, semantics
 from dtypeaudit.formats import factory
 from dtypeaudit.inventory import Finding, Inventory, TensorRecord
 from dtypeaudit.structure import infer_modules
@@ -72,7 +75,8 @@ def run_forward(fn: Callable[[], object]) -> Outcome:
 
 
 def inventory_of(model: nn.Module, *, facts: bool, prefix: str = "") -> Inventory:
-    """The records a reader makes of ``model.state_dict()``, with module types when ``facts`` (as --model gives)."""
+    """The records a reader makes of ``model.state_dict()``, with module types and the norms' measured forwards
+    when ``facts`` (as --model gives)."""
     owners = {name: type(m).__name__ for name, m in model.named_modules()}
     records = tuple(
         TensorRecord(
@@ -84,7 +88,8 @@ def inventory_of(model: nn.Module, *, facts: bool, prefix: str = "") -> Inventor
         )
         for name, t in model.state_dict().items()
     )
-    return Inventory("<memory>", "test", records)
+    probes = factory.probe_norms(model) if facts else {}
+    return Inventory("<memory>", "test", records, metadata={"module_forward": probes} if probes else {})
 
 
 def consistency(findings: list[Finding], severities: tuple[str, ...] = ("error", "warning")) -> list[Finding]:
@@ -129,6 +134,26 @@ KERNELS: dict[str, Kernel] = {
     "Conv1d": Kernel(lambda: nn.Conv1d(3, 4, 3), lambda d: torch.randn(1, 3, 5, dtype=d), ("weight", "bias")),
     "ConvTranspose2d": Kernel(lambda: nn.ConvTranspose2d(3, 4, 3), lambda d: torch.randn(1, 3, 5, 5, dtype=d), ("weight", "bias")),
 }
+
+
+def _transformers_norm(module: str, cls: str) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        mod = pytest.importorskip(f"transformers.models.{module}")
+        return getattr(mod, cls)(4)  # type: ignore[no-any-return]
+
+    return make
+
+
+# transformers' weight-only norms: LlamaRMSNorm returns weight * x.to(input_dtype) (the RMSNorms of Mistral, Qwen2,
+# Phi-3 ... are copies of it), T5LayerNorm casts x to a half weight only, GemmaRMSNorm casts back to x's dtype.
+HF_NORMS: dict[str, tuple[str, str]] = {
+    "LlamaRMSNorm": ("llama.modeling_llama", "LlamaRMSNorm"),
+    "T5LayerNorm": ("t5.modeling_t5", "T5LayerNorm"),
+    "GemmaRMSNorm": ("gemma.modeling_gemma", "GemmaRMSNorm"),
+    "CohereLayerNorm": ("cohere.modeling_cohere", "CohereLayerNorm"),
+}
+for _name, (_module, _cls) in HF_NORMS.items():
+    KERNELS[_name] = Kernel(_transformers_norm(_module, _cls), lambda d: torch.randn(2, 4, dtype=d), ("weight",))
 
 
 # Without --model, an InstanceNorm with running statistics looks like a BatchNorm and a ConvTranspose2d whose in
@@ -179,12 +204,45 @@ def test_kernel_table_matches_a_real_forward(name: str) -> None:
                     assert outcome.raised and module.confidence in ("fact", "high"), context  # whatever the input
             else:
                 assert predicted == "crash" or not outcome.raised, context  # a guess may be stricter, never laxer
-            # Guessed weight-only norms are assumed to promote (Hugging Face's RMSNorm): only facts give torch's answer.
-            if not outcome.raised and predicted != "crash" and (facts or semantics(module) != "promote"):
+            # Guessed weight-only norms are assumed to promote (Hugging Face's RMSNorm): only what is certain (a
+            # known kernel, or a forward measured where the meta device settles it) gives the exact answer.
+            if not outcome.raised and predicted != "crash" and (certain(module, x) or (not facts and semantics(module) != "promote")):
                 assert predicted == outcome.output, context
+            if facts and name in HF_NORMS:
+                assert semantics(module) == "measured" and module.confidence == "fact", context
     # The table is not empty on either side: some combinations run, some fail.
-    assert any(o.raised for *_, o in measured) or name in ("RMSNorm", "Embedding")
+    assert any(o.raised for *_, o in measured) or name in ("RMSNorm", "Embedding", *HF_NORMS)
     assert any(not o.raised for *_, o in measured)
+
+
+TORCH_WEIGHT_ONLY: dict[str, Callable[[], nn.Module]] = {
+    "LayerNorm(bias=False)": lambda: nn.LayerNorm(4, bias=False),
+    "RMSNorm": lambda: nn.RMSNorm(4),
+}
+
+
+@pytest.mark.parametrize("name", [*TORCH_WEIGHT_ONLY, *HF_NORMS])
+def test_factory_measures_a_norms_forward_as_the_cpu_runs_it(name: str) -> None:
+    """What the factory measures of a norm's forward on the meta device is what the CPU returns, wherever the CPU
+    runs it; where the CPU refuses (a kernel's dtype check the meta device does not make), ``check`` does not trust
+    the measurement (``_settled``). PyTorch's own norms, whose rules are known, are not probed by ``--model``."""
+    norm = (TORCH_WEIGHT_ONLY.get(name) or KERNELS[name].make)()
+    probed = factory.probe_norms(nn.Sequential(norm))
+    if name in HF_NORMS:
+        assert set(probed) == {name}
+        measured = probed[name]
+    else:
+        assert probed == {}
+        measured = factory._probe(norm, 4) or {}
+    assert len(measured) == len(TORCH_DTYPES) ** 2
+    for p, x in itertools.product(TORCH_DTYPES, repeat=2):
+        m = copy.deepcopy(norm).to(TORCH_DTYPES[p]).eval()
+        example = torch.randn(2, 4, dtype=TORCH_DTYPES[x])
+        outcome = run_forward(lambda m=m, example=example: m(example))  # type: ignore[misc]
+        if outcome.raised:
+            assert p not in (x, "float32"), (name, p, x, outcome)
+        else:
+            assert measured[f"{p}/{x}"] == outcome.output, (name, p, x, outcome)
 
 
 # 2. The corpus -------------------------------------------------------------------------------------------
@@ -376,9 +434,9 @@ APPLIES: dict[str, frozenset[str]] = {
     "gpt2": FINE | {"forgotten-half", "bias-left-fp32", "embedding-fp32", "block-bf16"},
     "llama": FINE | {"forgotten-half", "embedding-fp32", "block-bf16"},
 }
-# Hugging Face's RMSNorm (weight * x.to(input_dtype)) is not a torch module whose forward was measured here: a
-# failure it causes is a warning even with --model, since another class of the same shape may cast.
-UNMEASURED = frozenset({("llama", "fp16-fp32-norms"), ("llama", "bf16-fp32-norms")})
+# With --model every failure is certain, LlamaRMSNorm's included: the factory measures its forward (weight *
+# x.to(input_dtype) is float32 for an fp32 weight), so an fp32 LlamaRMSNorm in a half model is an error.
+UNMEASURED: frozenset[tuple[str, str]] = frozenset()
 CASES = [(model, mutation) for model in MODELS for mutation in MUTATIONS if mutation in APPLIES[model]]
 
 

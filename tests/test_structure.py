@@ -11,7 +11,7 @@ from torch import nn
 
 from dtypeaudit.formats import read_checkpoint
 from dtypeaudit.inventory import Inventory, TensorRecord
-from dtypeaudit.structure import Module, by_tensor, dominant_dtype, infer_modules, strip_wrappers
+from dtypeaudit.structure import Module, annotate, by_tensor, dominant_dtype, infer_modules, strip_wrappers
 
 from .conftest import TinyCNN, TinyLM
 from .test_runtime_truth import MODELS, inventory_of
@@ -66,27 +66,33 @@ def test_batchnorm_inside_sequentials_is_found_wherever_it_sits() -> None:
 
 
 @pytest.mark.parametrize(
-    ("records", "kind", "confidence"),
+    ("records", "kind", "confidence", "guessed"),
     [
-        ((rec("fc.weight", (4, 8)), rec("fc.bias", (4,))), "linear", "high"),
-        ((rec("c_attn.weight", (32, 96)), rec("c_attn.bias", (96,))), "linear", "high"),  # transformers' Conv1D
-        ((rec("fc.weight", (4, 8)), rec("fc.bias", (5,))), "linear", "low"),
-        ((rec("conv.weight", (8, 3, 3, 3)),), "conv", "high"),
-        ((rec("conv.weight", (8, 3, 3)), rec("conv.bias", (8,))), "conv", "high"),
-        ((rec("wte.weight", (64, 16)),), "embedding", "high"),
-        ((rec("embed_tokens.weight", (64, 16)),), "embedding", "high"),
-        ((rec("table.weight", (64, 16)),), "embedding", "low"),
-        ((rec("lm_head.weight", (64, 16)),), "linear", "low"),
-        ((rec("ln.weight", (16,)), rec("ln.bias", (16,))), "norm", "high"),
-        ((rec("norm.weight", (16,)),), "norm", "low"),
-        ((rec("attn.in_proj_weight", (48, 16)), rec("attn.in_proj_bias", (48,))), "unknown", "low"),
-        ((rec("w.weight", (2, 2, 2, 2, 2, 2)),), "unknown", "low"),
-        ((rec("fc.weight", (4, 8)), rec("fc.bias", (4,)), rec("fc.scale", (4,))), "linear", "low"),
+        ((rec("fc.weight", (4, 8)), rec("fc.bias", (4,))), "linear", "high", "Linear"),
+        ((rec("c_attn.weight", (32, 96)), rec("c_attn.bias", (96,))), "linear", "high", "Linear"),  # transformers' Conv1D
+        ((rec("fc.weight", (4, 8)), rec("fc.bias", (5,))), "linear", "low", None),
+        ((rec("conv.weight", (8, 3, 3, 3)),), "conv", "high", "Conv2d"),
+        ((rec("conv.weight", (8, 3, 3)), rec("conv.bias", (8,))), "conv", "high", "Conv1d"),
+        ((rec("wte.weight", (64, 16)),), "embedding", "high", "Embedding"),
+        ((rec("embed_tokens.weight", (64, 16)),), "embedding", "high", "Embedding"),
+        ((rec("table.weight", (64, 16)),), "embedding", "low", None),
+        ((rec("lm_head.weight", (64, 16)),), "linear", "low", None),
+        ((rec("ln.weight", (16,)), rec("ln.bias", (16,))), "norm", "high", "LayerNorm"),
+        # A lone 1-D weight under a norm's name is a weight-only (RMS-style) norm: Llama, Meta's, GPT-NeoX's names.
+        ((rec("model.layers.0.input_layernorm.weight", (16,)),), "norm", "high", "RMSNorm"),
+        ((rec("model.norm.weight", (16,)),), "norm", "high", "RMSNorm"),
+        ((rec("layers.0.attention_norm.weight", (16,)),), "norm", "high", "RMSNorm"),
+        ((rec("ln_f.weight", (16,)),), "norm", "high", "RMSNorm"),
+        ((rec("scale.weight", (16,)),), "norm", "low", None),
+        ((rec("attn.in_proj_weight", (48, 16)), rec("attn.in_proj_bias", (48,))), "unknown", "low", None),
+        ((rec("w.weight", (2, 2, 2, 2, 2, 2)),), "unknown", "low", None),
+        ((rec("fc.weight", (4, 8)), rec("fc.bias", (4,)), rec("fc.scale", (4,))), "linear", "low", None),
+        ((rec("bn.running_mean", (4,)), rec("bn.running_var", (4,))), "batchnorm", "high", "BatchNorm"),
     ],
 )
-def test_kind_from_names_and_shapes(records: tuple[TensorRecord, ...], kind: str, confidence: str) -> None:
+def test_kind_from_names_and_shapes(records: tuple[TensorRecord, ...], kind: str, confidence: str, guessed: str | None) -> None:
     (m,) = modules(*records).values()
-    assert (m.kind, m.confidence, m.type_name) == (kind, confidence, None)
+    assert (m.kind, m.confidence, m.type_name, m.guessed_type) == (kind, confidence, None, guessed)
 
 
 def test_module_types_from_the_model_are_facts() -> None:
@@ -109,6 +115,59 @@ def test_module_types_from_the_model_are_facts() -> None:
     assert found["h.0.odd"].label == "MyProjection, Embedding-like" and "not known" in found["h.0.odd"].provenance
     assert (found["h.0.inorm"].kind, found["h.0.inorm"].confidence) == ("norm", "fact")  # statistics of any dtype
     assert found["h.0.ln"].label == "LayerNorm" and "--model" in found["h.0.ln"].provenance
+    # A type that is not PyTorch's own also gets the type its shape suggests, for policies' module: selectors.
+    assert found["h.0.norm"].guessed_type == "RMSNorm" and found["h.0.ln"].guessed_type is None
+    assert found["h.0.c_fc"].guessed_type is None and found["h.0.odd"].guessed_type is None  # a low guess names nothing
+
+
+def test_annotate_fills_guesses_that_are_never_taken_for_facts() -> None:
+    inv = Inventory(
+        "x",
+        "test",
+        (
+            rec("model.layers.0.input_layernorm.weight", (8,)),
+            rec("model.layers.0.mlp.up.weight", (16, 8)),
+            rec("model.layers.0.mlp.up.bias", (16,)),
+            rec("h.ln.weight", (8,), module="LayerNorm"),
+            rec("h.ln.bias", (8,), module="LayerNorm"),
+            rec("h.t5.weight", (8,), module="T5LayerNorm"),
+            rec("table.weight", (64, 16)),
+            rec("state.0.exp_avg", (8,), region="optimizer"),
+        ),
+    )
+    out = annotate(inv)
+    guesses = {t.name: t.module_guess for t in out.tensors}
+    assert guesses == {
+        "model.layers.0.input_layernorm.weight": "RMSNorm",
+        "model.layers.0.mlp.up.weight": "Linear",
+        "model.layers.0.mlp.up.bias": "Linear",
+        "h.ln.weight": None,  # PyTorch's own LayerNorm: a fact, nothing to guess
+        "h.ln.bias": None,
+        "h.t5.weight": "RMSNorm",  # not PyTorch's own: its shape says weight-only norm
+        "table.weight": None,  # a low guess names no type
+        "state.0.exp_avg": None,
+    }
+    assert all(t.module is None for t in out.tensors if t.name.startswith("model."))  # the guess is not put in module
+    assert annotate(out) is out  # idempotent
+    # The structure reads facts only from module: a guess fed back in changes nothing.
+    assert [(m.prefix, m.kind, m.confidence, m.type_name) for m in infer_modules(out)] == [
+        (m.prefix, m.kind, m.confidence, m.type_name) for m in infer_modules(inv)
+    ]
+    assert Inventory("x", "test", ()) == annotate(Inventory("x", "test", ()))
+
+
+def test_a_measured_norm_forward_makes_the_kind_a_fact() -> None:
+    table = {
+        f"{p}/{x}": "float32" if "float32" in (p, x) or p != x else p
+        for p in ("float32", "float16", "bfloat16")
+        for x in ("float32", "float16", "bfloat16")
+    }
+    records = (rec("m.norm.weight", (8,), module="LlamaRMSNorm"),)
+    (measured,) = infer_modules(Inventory("x", "t", records, metadata={"module_forward": {"LlamaRMSNorm": table}}))
+    (guessed,) = infer_modules(Inventory("x", "t", records))
+    assert (measured.kind, measured.confidence, measured.forward, measured.guessed_type) == ("norm", "fact", table, "RMSNorm")
+    assert "measured on the meta device" in measured.provenance and measured.label == "LlamaRMSNorm"
+    assert (guessed.confidence, guessed.forward) == ("high", None)
 
 
 def test_wrapper_prefixes_are_for_naming_only() -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import structure
 from ..errors import UsageError
 from ..formats import read_checkpoint
 from ..inventory import Finding, Inventory
@@ -118,6 +119,7 @@ def convert(
         from ..formats import factory
 
         inv = factory.attach(inv, factory.inventory(model))
+    inv = structure.annotate(inv)  # the module types the policy sees, as scan sees them
     options: dict[str, Any] = {
         "policy": policy,
         "keep": keep,

@@ -18,6 +18,7 @@ from .. import dtypes
 from ..errors import ConversionError, UsageError
 from ..inventory import Finding, Inventory, TensorRecord, severity_rank, unique_tensors
 from ..policy import Matcher, Policy, compile_matcher, decide
+from ..structure import annotate
 from ..values import ValueStats
 
 CASTABLE = frozenset({"float64", "float32", "float16", "bfloat16"})
@@ -147,6 +148,7 @@ def make_plan(
         raise UsageError(f"--to must be fp16, bf16 or fp32, not '{to}'")
     if inv.format in ("torchscript", "dcp", "factory", "pickle"):
         raise ConversionError(_REFUSALS[inv.format], path=inv.path)
+    inv = annotate(inv)  # a no-op after convert's own; policies' module: rules see the guessed types
     keepers: list[Matcher] = []
     for pattern in keep:
         try:
@@ -376,13 +378,34 @@ def plan_config_dtype(plan: Plan) -> str | None:
     return first
 
 
+WOULD_NOT_RUN = "convert does not write an output whose forward pass would fail"
+
+
 def plan_findings(plan: Plan, policy: Policy | None) -> list[Finding]:
-    """Run the planned output through every check ``scan`` runs with ``policy``; store and return the findings."""
+    """Run the planned output through every check ``scan`` runs with ``policy``; store and return the findings.
+
+    Stricter than ``scan`` in one way: a ``dtype-outlier`` warning (a guess, without ``--model``) on a module the
+    plan holds in a castable dtype becomes an error. Scan warns of such a module in a checkpoint it is given;
+    convert would be making it, so it refuses instead, naming what holds the module.
+    """
     from ..check import check
 
     plan.config_dtype = plan_config_dtype(plan)
-    plan.findings = check(plan.output_inventory(), policy, strict=bool(policy and policy.strict))
+    found = check(plan.output_inventory(), policy, strict=bool(policy and policy.strict))
+    plan.findings = [_would_not_run(plan, f) for f in found]
     return plan.findings
+
+
+def _would_not_run(plan: Plan, f: Finding) -> Finding:
+    """A dtype-outlier the plan makes: an error, naming what holds the module (--keep, a rule, --keep-unsafe)."""
+    if f.rule != "dtype-outlier" or f.actual not in CASTABLE or f.tensor is None:
+        return f
+    held = [p for p in plan.tensors if p.action in ("keep", "leave") and p.tensor.name.rpartition(".")[0] == f.tensor]
+    reasons = list(dict.fromkeys(f"{p.tensor.name}: {p.reason}" for p in held if p.reason))
+    why = f" (held by {'; '.join(reasons)})" if reasons else ""
+    if f.severity == "error":
+        return replace(f, message=f.message + why)
+    return replace(f, severity="error", message=f"{f.message}; {WOULD_NOT_RUN}{why}")
 
 
 def _names(expected: frozenset[str] | None) -> str:

@@ -1,7 +1,9 @@
 """Build a model from code the user names (``path/to/file.py:func``, ``pkg.module:func``, ``pkg.module:Class``).
 
 This is the one place user code runs, because the user asked for it. The model is built on the meta
-device where the factory allows it, so no memory is spent on weights.
+device where the factory allows it, so no memory is spent on weights. The forward of each weight-only norm
+class that is not PyTorch's own (transformers' LlamaRMSNorm, T5LayerNorm, GemmaRMSNorm ...) is run on the
+meta device too, to measure which dtype it returns (``probe_norms``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from ..errors import FactoryError
 from ..inventory import Finding, Inventory, TensorRecord, link_shared_storage
+from ..structure import MEASURED_DTYPES, is_torch_type
 from ..structure import WRAPPER_PREFIXES as WRAPPER_PREFIXES  # structure owns the list; diff reads it here
 
 
@@ -116,7 +119,57 @@ def inventory(target: str) -> Inventory:
 
     add(model.named_parameters(remove_duplicate=False), "parameter")
     add(model.named_buffers(remove_duplicate=False), "buffer")
-    return Inventory(target, "factory", link_shared_storage(records), (), {"model_class": type(model).__name__})
+    metadata: dict[str, object] = {"model_class": type(model).__name__}
+    probes = probe_norms(model)
+    if probes:
+        metadata["module_forward"] = probes
+    return Inventory(target, "factory", link_shared_storage(records), (), metadata)
+
+
+def probe_norms(model: Any) -> dict[str, dict[str, str]]:
+    """Type name -> ``{"{weight dtype}/{input dtype}": output dtype}`` for each weight-only norm class that is
+    not PyTorch's own, from its own forward run on the meta device (no memory, no values).
+
+    Whether a norm hands on its input's dtype or its weight's decides whether an fp32 norm in a half model
+    runs: transformers' LlamaRMSNorm returns ``weight * x.to(input_dtype)`` (float32), GemmaRMSNorm casts back.
+    Names cannot tell them apart; their forwards can. A class whose forward fails on the meta device for any
+    combination (it needs more arguments, or real values) is left out: nothing is claimed for it.
+    """
+    out: dict[str, dict[str, str]] = {}
+    tried: set[str] = set()
+    for m in model.modules():
+        name = type(m).__name__
+        if name in tried or is_torch_type(name) or next(m.children(), None) is not None:
+            continue
+        own = {**dict(m.named_parameters(recurse=False)), **dict(m.named_buffers(recurse=False))}
+        weight = own.get("weight")
+        if set(own) != {"weight"} or weight is None or weight.ndim != 1 or not weight.is_floating_point():
+            continue
+        tried.add(name)
+        table = _probe(m, int(weight.shape[0]))
+        if table is not None:
+            out[name] = table
+    return out
+
+
+def _probe(m: Any, width: int) -> dict[str, str] | None:
+    import copy
+
+    import torch
+
+    table: dict[str, str] = {}
+    try:
+        for p in MEASURED_DTYPES:
+            probe = copy.deepcopy(m).to(device="meta", dtype=getattr(torch, p))
+            for x in MEASURED_DTYPES:
+                with torch.no_grad():
+                    y = probe(torch.empty(2, width, dtype=getattr(torch, x), device="meta"))
+                if not isinstance(y, torch.Tensor):
+                    return None
+                table[f"{p}/{x}"] = _dtype_name(y.dtype)
+    except Exception:  # the user's forward: whatever it raises, it measured nothing
+        return None
+    return table
 
 
 def attach(checkpoint: Inventory, model: Inventory) -> Inventory:
@@ -139,9 +192,10 @@ def attach(checkpoint: Inventory, model: Inventory) -> Inventory:
     findings = checkpoint.findings
     if mapping.total and len(mapping.matched) * 2 < mapping.total:
         findings = (*findings, Finding("model-mismatch", "error", mapping.message(model.path)))
-    return Inventory(
-        checkpoint.path, checkpoint.format, tuple(out), findings, {**checkpoint.metadata, "model": model.path}, checkpoint.layout
-    )
+    metadata = {**checkpoint.metadata, "model": model.path}
+    if "module_forward" in model.metadata:
+        metadata["module_forward"] = model.metadata["module_forward"]  # the forwards --model measured
+    return Inventory(checkpoint.path, checkpoint.format, tuple(out), findings, metadata, checkpoint.layout)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..conversion import Result, pickled_module_files
+from ..conversion.plan import WOULD_NOT_RUN
 from .humanize import human_bytes
 from .json import finding_dict
 
@@ -45,7 +46,9 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
     lines.append(f"{head}: {plan.source.path}{where} (to {plan.target})")
     if result.failed:
         n = len(result.failed)
-        lines.append(f"the planned output fails scan with the same policy ({n} finding{'s' if n != 1 else ''}); nothing was written:")
+        runs = sum(WOULD_NOT_RUN in f.message for f in result.failed)
+        what = "fails scan with the same policy" if not runs else "would not run" if runs == n else "fails scan or would not run"
+        lines.append(f"the planned output {what} ({n} finding{'s' if n != 1 else ''}); nothing was written:")
         for f in result.failed if verbose or n <= 10 else result.failed[:10]:
             lines.append(f"  {f.severity}: {f.rule}: {f.tensor + ': ' if f.tensor else ''}{f.message}")
         if n > 10 and not verbose:

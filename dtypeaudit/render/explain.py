@@ -10,7 +10,7 @@ from .humanize import shape_text
 def render(policy: Policy, t: TensorRecord) -> str:
     d = decide(policy, t)
     lines = [
-        f"{t.name}: {t.dtype} {shape_text(t.shape)}, kind {t.kind}, region {t.region}, module {t.module or 'unknown'}",
+        f"{t.name}: {t.dtype} {shape_text(t.shape)}, kind {t.kind}, region {t.region}, {_module(t)}",
         f"policy: {policy.source}" + (f" (extends {' -> '.join(policy.extends)})" if policy.extends else ""),
     ]
     if d.skipped:
@@ -38,3 +38,11 @@ def render(policy: Policy, t: TensorRecord) -> str:
 
 def _dt(expected: frozenset[str] | None) -> str:
     return "any dtype" if expected is None else " or ".join(sorted(expected))
+
+
+def _module(t: TensorRecord) -> str:
+    """``module BatchNorm2d`` (from --model), ``module type guessed from names and shapes: RMSNorm``, or both."""
+    guess = f"module type guessed from names and shapes: {t.module_guess}" if t.module_guess else None
+    if t.module:
+        return f"module {t.module}" + (f" ({guess})" if guess else "")
+    return guess or "module unknown"

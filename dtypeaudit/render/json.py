@@ -27,6 +27,7 @@ def tensor_dict(t: TensorRecord) -> dict[str, Any]:
         "region": t.region,
         "module": t.module,
         "shares_with": list(t.shares_with),
+        "module_guess": t.module_guess,
     }
 
 
