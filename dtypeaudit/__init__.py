@@ -9,6 +9,7 @@ Library API::
     report = dtypeaudit.scan(["ckpts/"], checks=dtypeaudit.checks_for(policy), policy=policy, strict=policy.strict)
     result = dtypeaudit.convert("model.pt", "fp16", policy=policy)      # plan, check, write, verify
     result.refused                                                       # findings that forbid converting; nothing written
+    findings = dtypeaudit.audit(model, "fp16-mixed", target="t4")        # a live nn.Module, optimizer, scaler, batch or dict
 
 ``policy=`` adds the run's ``unused-rule`` warnings (rules that no checkpoint used). ``strict=True`` raises
 every finding a loader might read differently from dtypeaudit (loader-divergence, foreign-global,
@@ -32,6 +33,8 @@ _LAZY = {
     "load_policy": ("policy", "load_policy"),
     "Policy": ("policy", "Policy"),
     "convert": ("conversion", "convert"),
+    "audit": ("live", "audit"),
+    "Auditor": ("live", "Auditor"),
 }
 
 
@@ -54,6 +57,8 @@ __all__ = [
     "checks_for",
     "strict_findings",
     "convert",
+    "audit",
+    "Auditor",
     "CheckpointError",
     "ConversionError",
     "DtypeAuditError",

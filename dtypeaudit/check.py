@@ -102,12 +102,17 @@ def tied_conflicts(inv: Inventory, policy: Policy) -> list[Finding]:
 #   except that an all-float32 norm takes float16 or bfloat16 input and returns the input's dtype. Any other
 #   combination fails ("expected scalar type Half but found Float", "mixed dtype (CPU): expect parameter to
 #   have scalar type of Float"). InstanceNorm: the same for weight and bias; its statistics may be any dtype;
-# - torch.nn.RMSNorm takes any input and returns its dtype; Embedding returns its weight's dtype.
+# - torch.nn.RMSNorm takes any input and returns its dtype; Embedding returns its weight's dtype;
+# - transformers' LlamaRMSNorm (and the RMSNorms copied from it, T5LayerNorm ...) returns weight * x.to(input_dtype):
+#   a float32 weight makes its output float32 for half input, and the next half Linear fails ("mat1 and mat2 must
+#   have the same dtype"); Gemma's and Cohere's cast back and return the input's dtype. With --model, the factory
+#   measures each such weight-only norm class's forward on the meta device (``Module.forward``), which settles the
+#   output dtype; without it, a weight-only norm is assumed to multiply in its weight's dtype.
 # Activations flow in the model's dominant dtype, so a module that does not take it, or hands on another dtype,
 # breaks the next layer.
-Semantics = Literal["strict", "transpose", "norm", "any", "promote", "embedding"]
+Semantics = Literal["strict", "transpose", "norm", "any", "promote", "embedding", "measured"]
 _CRASH = "crash"
-_MEASURED = ("float32", "float16", "bfloat16")
+_MEASURED = structure.MEASURED_DTYPES
 
 _MIX_REASONS: dict[str, str] = {
     "linear": "weight and bias must share one dtype, so the forward pass fails ('self and mat2 must have the same dtype')",
@@ -135,11 +140,31 @@ def semantics(m: Module) -> Semantics | None:
     if m.kind == "batchnorm":
         return "norm"
     if m.kind == "norm":
+        if m.forward is not None:
+            return "measured"
         if m.confidence == "fact":
             return "any" if m.type_name == "RMSNorm" else "norm"
-        # A weight-only norm may be an RMSNorm written as weight * x (Hugging Face's), which returns the wider dtype.
-        return "norm" if m.leaf("bias") is not None else "promote"
+        return _guessed_norm(m)
     return None
+
+
+def _guessed_norm(m: Module) -> Semantics:
+    # A weight-only norm may be an RMSNorm written as weight * x (Hugging Face's), which returns the wider dtype.
+    return "norm" if m.leaf("bias") is not None else "promote"
+
+
+def _settled(m: Module, x: str) -> str | None:
+    """What a measured norm's forward returns for input ``x``, where the measurement settles it, else None.
+
+    The meta device computes output dtypes exactly but does not run CPU kernels' dtype checks, so a measured
+    output is trusted where it differs from the input (a promotion is certain) and where the weight is the
+    input's dtype or float32 (which every measured norm kernel accepts); otherwise the guess decides.
+    """
+    p = m.dtype
+    out = m.forward.get(f"{p}/{x}") if m.forward is not None and p is not None else None
+    if out is None or (out == x and p not in (x, "float32")):
+        return None
+    return out
 
 
 def forward_dtype(m: Module, x: str) -> str | None:
@@ -149,6 +174,11 @@ def forward_dtype(m: Module, x: str) -> str | None:
     p = m.dtype
     if sem is None or not found:
         return None
+    if sem == "measured":
+        settled = _settled(m, x)
+        if settled is not None:
+            return settled
+        sem = _guessed_norm(m)
     if sem == "embedding":
         return p
     if sem == "strict":
@@ -166,9 +196,12 @@ def forward_dtype(m: Module, x: str) -> str | None:
     return x if p == x or (p == "float32" and x in structure.HALF_DTYPES) else _CRASH
 
 
-def _certain(m: Module) -> bool:
-    """Whether a predicted failure is known (the module type is a fact with measured rules) or guessed."""
-    return m.confidence == "fact" and semantics(m) != "promote"
+def certain(m: Module, x: str) -> bool:
+    """Whether what ``m`` does with input ``x`` is known (a module type with measured rules, or a forward the
+    factory measured) or guessed."""
+    if m.confidence != "fact":
+        return False
+    return _settled(m, x) is not None if semantics(m) == "measured" else semantics(m) != "promote"
 
 
 def _mix_finding(m: Module, dominant: str | None) -> Finding | None:
@@ -193,7 +226,16 @@ def _mix_finding(m: Module, dominant: str | None) -> Finding | None:
 
 def _outlier_reason(m: Module, p: str, d: str) -> str | None:
     """Why ``m``, all in ``p``, breaks a ``d`` model's forward pass; None if it does not."""
-    if semantics(m) == "promote":
+    if semantics(m) == "measured" and _settled(m, d) is not None:
+        result = _settled(m, d)
+        if result == d:
+            return None
+        return (
+            f"its forward returns {result} for {d} input (measured through --model on the meta device; transformers' "
+            f"LlamaRMSNorm and the norms written like it return weight * x.to(input_dtype)), so the next {d} layer "
+            "fails ('mat1 and mat2 must have the same dtype')"
+        )
+    if semantics(m) in ("promote", "measured"):
         if p == "float32" and d in structure.HALF_DTYPES:
             return (
                 f"torch's own norms return the input's dtype, but a norm written as weight * x (Hugging Face's RMSNorm) "
@@ -225,11 +267,11 @@ def _outlier_finding(m: Module, dominant: str | None) -> Finding | None:
     reason = _outlier_reason(m, p, dominant)
     if reason is None:
         return None
-    certain = _certain(m)
-    hint = "" if certain or m.type_name else "; give --model to know the module types"
+    sure = certain(m, dominant)
+    hint = "" if sure or m.type_name else "; give --model to know the module types"
     return Finding(
         "dtype-outlier",
-        "error" if certain else "warning",
+        "error" if sure else "warning",
         f"{m.label} ({m.provenance}) is {p} in a {dominant} model: {reason}{hint}",
         tensor=m.prefix,
         file=m.file,
@@ -293,10 +335,14 @@ def config_dtype(inv: Inventory) -> list[Finding]:
 
 
 def checks_for(policy: Policy | None) -> list[Check]:
-    """Every check to run: the policy-free ones, plus the policy's when there is one."""
+    """Every check to run: the policy-free ones, plus the policy's when there is one (and its hardware ``target``)."""
     checks: list[Check] = [module_consistency, config_dtype]
     if policy is not None:
         checks += [lambda inv: policy_findings(inv, policy), lambda inv: tied_conflicts(inv, policy)]
+        if policy.target is not None:
+            from .targets import check_for
+
+            checks.append(check_for(policy.target))
     return checks
 
 
@@ -313,7 +359,12 @@ def strict_findings(findings: Iterable[Finding]) -> list[Finding]:
 
 
 def check(inv: Inventory, policy: Policy | None = None, *, strict: bool = False) -> list[Finding]:
-    """All findings for one inventory: the reader's own, then each check's; promoted by ``strict``."""
+    """All findings for one inventory: the reader's own, then each check's; promoted by ``strict``.
+
+    The inventory is annotated with the structure's module guesses first (``structure.annotate``), as ``scan``
+    does, so that policy ``module:`` rules see the same types here as there.
+    """
+    inv = structure.annotate(inv)
     out = list(inv.findings)
     for c in checks_for(policy):
         out.extend(c(inv))

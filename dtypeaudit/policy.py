@@ -22,6 +22,11 @@ and ``bias`` matches every ``*.bias``. A leading ``^`` anchors the glob at the s
 (``^lm_head.*`` matches ``lm_head.weight`` only). ``*`` and ``?`` cross dots, as in ``fnmatch``.
 ``re:<regex>`` is searched anywhere in the name (write ``^``/``$`` to anchor it).
 
+Module types. ``module:`` globs match the owning module's type name: the one ``--model`` gives
+(``TensorRecord.module``, a fact), or the one the structure guesses from names and shapes where the type is
+unknown or not one of PyTorch's own (``module_guess``: ``BatchNorm``, ``LayerNorm``, ``RMSNorm``, ``Linear``,
+``Conv2d``, ``Embedding``; see ``structure.annotate``). Either matching is enough.
+
 Dtype scope. A rule holds floating-point tensors to its dtypes; integer and bool tensors meet only
 the rules whose ``dtype`` names an integer or bool dtype (or ``any``), and only with
 ``check_integers: true``. So ``module: "*Norm*"`` with ``dtype: float32`` never catches BatchNorm's
@@ -290,9 +295,17 @@ class Rule:
             return False
         if self.kind is not None and t.kind not in self.kind:
             return False
-        if self.module and (t.module is None or not any(m(t.module) for m in self.module)):
+        if self.module and self.module_via(t) is None:
             return False
         return self.region is None or t.region == self.region
+
+    def module_via(self, t: TensorRecord) -> str | None:
+        """``module`` or ``guess``: which of ``t``'s module types a ``module:`` selector matches; None for neither."""
+        if t.module is not None and any(m(t.module) for m in self.module):
+            return "module"
+        if t.module_guess is not None and any(m(t.module_guess) for m in self.module):
+            return "guess"
+        return None
 
     def why_not(self, t: TensorRecord) -> str | None:
         """None when the rule applies to ``t``; otherwise the first selector that does not hold."""
@@ -305,21 +318,27 @@ class Rule:
         if self.kind is not None and t.kind not in self.kind:
             return f"kind {t.kind} is not {'/'.join(sorted(self.kind))}"
         if self.module:
-            if t.module is None:
-                return "module type unknown (give --model FACTORY)"
-            if not any(m(t.module) for m in self.module):
-                return f"module {t.module} is not {', '.join(m.text for m in self.module)}"
+            if t.module is None and t.module_guess is None:
+                return "module type unknown (not sure from names and shapes; give --model FACTORY)"
+            if self.module_via(t) is None:
+                return f"module {module_text(t)} is not {', '.join(m.text for m in self.module)}"
         if self.region is not None and t.region != self.region:
             return f"region {t.region} is not {self.region}"
         return None
 
     def how(self, t: TensorRecord) -> str:
-        """For ``--explain``: the tail of ``t``'s name a glob matched, when it is not the whole name; else ``""``."""
+        """For ``--explain``: the tail of ``t``'s name a glob matched, when it is not the whole name, and the
+        guessed module type a ``module:`` selector matched; else ``""``."""
+        parts = []
         for m in self.match:
             at = m.start(t.name)
             if at is not None:
-                return f"{m.text} matches '{t.name[at:]}' after the '{t.name[:at]}' prefix" if at and not m.text.startswith("re:") else ""
-        return ""
+                if at and not m.text.startswith("re:"):
+                    parts.append(f"{m.text} matches '{t.name[at:]}' after the '{t.name[:at]}' prefix")
+                break
+        if self.module and self.module_via(t) == "guess":
+            parts.append(f"module type guessed from names and shapes: {t.module_guess}")
+        return "; ".join(parts)
 
     def expects(self, dtype: str) -> bool:
         return self.dtypes is None or dtype in self.dtypes
@@ -327,6 +346,14 @@ class Rule:
 
 def _dtype_text(expected: frozenset[str] | None) -> str:
     return "any dtype" if expected is None else " or ".join(sorted(expected))
+
+
+def module_text(t: TensorRecord) -> str:
+    """``t``'s module type for messages: ``LlamaRMSNorm``, ``RMSNorm (guessed from names and shapes)``, ``unknown``."""
+    guess = f"{t.module_guess} (guessed from names and shapes)" if t.module_guess else None
+    if t.module and guess:
+        return f"{t.module}, {guess}"
+    return t.module or guess or "unknown"
 
 
 @dataclass(frozen=True)
@@ -343,6 +370,10 @@ class Policy:
     fail_on: Severity | None = None
     strict: bool = False
     """Raise every finding a loader might read differently from dtypeaudit to an error (``--strict``)."""
+    target: str | None = None
+    """A hardware target's name (``targets.resolve``): dtypes it cannot compute or only emulates are findings."""
+    default_dtype: str | None = None
+    """What ``torch.get_default_dtype()`` must be when a live object is audited (``dtypeaudit.audit``)."""
     extends: tuple[str, ...] = field(default=())
     """The chain of sources this policy extends, nearest first."""
     optional_ignores: frozenset[int] = frozenset()
@@ -364,10 +395,11 @@ class Policy:
         gated = [0] * len(self.rules)
         first_decider: dict[int, int] = {}
         ignored = [0] * len(self.ignore)
-        have_modules = False
+        have_modules = have_guesses = False
         for inv in invs:
             for t in inv.tensors:
                 have_modules = have_modules or t.module is not None
+                have_guesses = have_guesses or t.module_guess is not None
                 hit = next((i for i, m in enumerate(self.ignore) if m(t.name)), None)
                 if hit is not None:
                     ignored[hit] += 1
@@ -392,8 +424,16 @@ class Policy:
             if r.optional or decided[i]:
                 continue
             head = f"rule {r.label} ({r.selectors()})"
-            if r.module and not have_modules:
-                why = "selects by module type, but no tensor's module type is known (give --model FACTORY, or select by name with match)"
+            if r.module and not have_modules and not have_guesses:
+                why = (
+                    "selects by module type, but no tensor's module type is known or can be guessed from names and shapes "
+                    "(give --model FACTORY, or select by name with match)"
+                )
+            elif r.module and not have_modules and not selected[i] and not gated[i]:
+                why = (
+                    f"matches no tensor in {where}: without --model, module types are guessed from names and shapes "
+                    "(BatchNorm, LayerNorm, RMSNorm, Linear, Conv1d/2d/3d, Embedding); give --model FACTORY for the model's own"
+                )
             elif selected[i]:
                 why = f"matches {selected[i]} tensor(s), but {self.rules[first_decider[i]].label} comes first and decides them all"
             elif gated[i]:
@@ -532,6 +572,8 @@ def _load(path: Path, chain: tuple[str, ...]) -> Policy:
         rules=rules,
         fail_on=own.fail_on if own.fail_on is not None else parent.fail_on,
         strict=own.strict if "strict" in raw else parent.strict,
+        target=own.target if "target" in raw else parent.target,
+        default_dtype=own.default_dtype if "default_dtype" in raw else parent.default_dtype,
         extends=(parent.source, *parent.extends),
     )
 
@@ -601,7 +643,7 @@ def _construct(node: Any, where: tuple[object, ...], lines: Lines, path: str) ->
 
 # -- validation: a declarative schema ------------------------------------------------------------
 
-TOP_KEYS = ("version", "extends", "default", "check_integers", "ignore", "rules", "fail_on", "strict")
+TOP_KEYS = ("version", "extends", "default", "check_integers", "ignore", "rules", "fail_on", "strict", "target", "default_dtype")
 RULE_KEYS = ("name", "match", "ndim", "kind", "module", "region", "dtype", "severity", "reason", "optional")
 
 
@@ -641,6 +683,13 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool =
     strict = raw.get("strict", False)
     if not isinstance(strict, bool):
         raise fail(("strict",), "strict must be true or false")
+    target = _target(raw["target"], fail) if "target" in raw else None
+    default_dtype = None
+    if "default_dtype" in raw:
+        default_dtype = dtypes.canonical(raw["default_dtype"]) if isinstance(raw["default_dtype"], str) else None
+        if default_dtype is None or not is_floating(default_dtype):
+            wrong = raw["default_dtype"]
+            raise fail(("default_dtype",), f"default_dtype must be a floating dtype, not {wrong!r}", hint="float32, float64, ...")
 
     ignore = _matchers(raw.get("ignore", []), ("ignore",), fail)
     rules_raw = raw.get("rules", [])
@@ -710,10 +759,25 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool =
         rules=tuple(rules),
         fail_on=fail_on,
         strict=strict,
+        target=target,
+        default_dtype=default_dtype,
     )
 
 
 Fail = Callable[..., PolicyError]
+
+
+def _target(value: Any, fail: Fail) -> str:
+    """A hardware target's name, as ``--target`` takes it; its canonical name."""
+    from .errors import UsageError
+    from .targets import names, resolve
+
+    if not isinstance(value, str):
+        raise fail(("target",), "target must be a hardware target's name", hint=f"valid: {', '.join(names())}; or sm_XY")
+    try:
+        return resolve(value).name
+    except UsageError as exc:
+        raise fail(("target",), exc.message, hint=f"valid: {', '.join(names())}; or sm_XY") from None
 
 
 def _dtypes(value: Any, where: tuple[object, ...], fail: Fail) -> frozenset[str] | None:
