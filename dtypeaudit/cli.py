@@ -153,6 +153,32 @@ def _policy(policy: Optional[str], preset: Optional[str]) -> Policy | None:
     return load_policy(spec)
 
 
+TargetOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--target",
+        help="A hardware target (`dtypeaudit targets` lists them: cpu, cpu-amx, t4, v100, a100, l4, h100, mi300, mps, sm_XY ...): "
+        "floating dtypes it cannot compute are errors (unsupported-dtype), dtypes it only emulates warnings (emulated-dtype). "
+        "Default: the policy's `target`.",
+    ),
+]
+
+
+def _checks(pol: Policy | None, target: Optional[str]) -> list:
+    """``checks_for(pol)``, with ``--target`` in place of the policy's own ``target``."""
+    from dataclasses import replace
+
+    from .check import checks_for
+
+    if target is None:
+        return checks_for(pol)
+    from .targets import check_for, resolve
+
+    t = resolve(target)  # an unknown name is misuse (exit 2) before anything is read
+    own = replace(pol, target=None) if pol is not None and pol.target else pol
+    return [*checks_for(own), check_for(t)]
+
+
 @app.command()
 def scan(
     targets: Annotated[
@@ -172,7 +198,9 @@ def scan(
         typer.Option(
             "--model",
             "-m",
-            help="A factory (file.py:func or module:func) whose parameters and buffers give each tensor its kind and module type.",
+            help="A factory (file.py:func or module:func) whose parameters and buffers give each tensor its kind and module type. "
+            "Without it, module types are guessed from names and shapes (BatchNorm, LayerNorm, RMSNorm, Linear, Conv2d, Embedding) "
+            "and shown as guesses.",
         ),
     ] = None,
     fail_on: FailOnOpt = None,
@@ -204,6 +232,7 @@ def scan(
             "Default: the policy's `strict`, else off.",
         ),
     ] = False,
+    target: TargetOpt = None,
     verbose: VerboseOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -218,11 +247,11 @@ def scan(
       dtypeaudit scan model.pt --policy policy.yaml --explain lm_head.weight
       dtypeaudit scan model.pt --values
       dtypeaudit scan model.pt --strict
+      dtypeaudit scan model.safetensors --target v100
       dtypeaudit scan mymodels/net.py:build_model
     """
 
     def body() -> None:
-        from .check import checks_for
         from .scan import scan as run_scan
 
         pol = _policy(policy, preset)
@@ -230,7 +259,7 @@ def scan(
         if explain is not None:
             _explain(targets, pol, explain, model)
         progress = _progress_callback()
-        checks = checks_for(pol)
+        checks = _checks(pol, target)
         if include_optimizer and not values:
             raise UsageError("--include-optimizer applies to --values")
         if values:
@@ -275,6 +304,7 @@ def _progress_callback():
 
 
 def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:
+    from . import structure
     from .formats import factory
     from .render import explain as explain_render
     from .scan import expand, read_target
@@ -291,7 +321,7 @@ def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:
             for f in inv.findings:
                 if f.rule == "model-mismatch":
                     typer.echo(f"dtypeaudit: error: {path}: {f.message}", err=True)
-        t = inv.by_name().get(name)
+        t = structure.annotate(inv).by_name().get(name)
         if t is None:
             continue
         found = True
@@ -361,6 +391,47 @@ def policy_presets() -> None:
     width = max(len(p.name) for p in shipped)
     for p in shipped:
         typer.echo(f"{p.name:{width}}  {p.description}")
+
+
+@app.command("targets")
+def targets_command(
+    name: Annotated[
+        Optional[str],
+        typer.Argument(
+            help="One target (a name, an alias or sm_XY) to show in detail: why each dtype is or is not native, and the "
+            "vendor documentation the row follows.",
+            show_default=False,
+            metavar="[NAME]",
+        ),
+    ] = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="text, markdown or json.")] = "text",
+    debug: DebugOpt = False,
+) -> None:
+    """List the hardware targets and which floating dtypes each computes natively, emulates, or cannot compute.
+
+    \b
+    Examples:
+      dtypeaudit targets
+      dtypeaudit targets v100
+      dtypeaudit scan model.safetensors --target v100
+    """
+
+    def body() -> None:
+        import json
+
+        from . import targets as table
+
+        if fmt not in ("text", "markdown", "json"):
+            raise UsageError(f"--format must be text, markdown or json, not '{fmt}'")
+        chosen = [table.resolve(name)] if name is not None else list(table.TARGETS)
+        if fmt == "json":
+            emit(json.dumps(table.as_json(chosen), indent=2) + "\n", None)
+        elif fmt == "markdown":
+            emit(table.render_markdown(chosen), None)
+        else:
+            emit(table.render_detail(chosen[0]) if name is not None else table.render_text(chosen), None)
+
+    run_guarded(body, debug)
 
 
 @app.command()
@@ -463,6 +534,14 @@ def convert(
         ),
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show the plan and the value checks; write nothing.")] = False,
+    target: Annotated[
+        Optional[str],
+        typer.Option(
+            "--target",
+            help="With --dry-run: check the planned output against a hardware target (`dtypeaudit targets`); "
+            "a dtype the target cannot compute fails the run (exit 1), one it emulates is a warning.",
+        ),
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     in_place: Annotated[bool, typer.Option("--in-place", help="Replace the source itself (atomically).")] = False,
     fmt: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
@@ -487,6 +566,7 @@ def convert(
       dtypeaudit convert model.bin --to fp16 -o model.safetensors
       dtypeaudit convert model.pt --to fp16 --preset fp16-mixed
       dtypeaudit convert model.pt --to fp16 --dry-run
+      dtypeaudit convert model.pt --to bf16 --dry-run --target t4
     """
 
     def body() -> None:
@@ -497,6 +577,13 @@ def convert(
             raise UsageError(f"--format must be text or json, not '{fmt}'")
         if in_place and output is not None:
             raise UsageError("give --in-place or --output, not both")
+        if target is not None and not dry_run:
+            raise UsageError("--target checks a plan: give --dry-run too")
+        hardware = None
+        if target is not None:
+            from .targets import resolve
+
+            hardware = resolve(target)
         progress = _ByteProgress() if sys.stderr.isatty() else None
         try:
             result = run_convert(
@@ -519,10 +606,16 @@ def convert(
         finally:
             if progress is not None:
                 progress.close()
-        emit(render_json(result) if fmt == "json" else render_text(result, verbose=verbose), None)
+        text = render_json(result) if fmt == "json" else render_text(result, verbose=verbose)
+        unfit = False
+        if hardware is not None and not result.refused:
+            from .targets import plan_report
+
+            text, unfit = plan_report(text, result.plan.output_inventory(), hardware, as_json=fmt == "json")
+        emit(text, None)
         for line in refusal_lines(result):
             typer.echo(f"dtypeaudit: {line}", err=True)
-        raise typer.Exit(exitcodes.FINDINGS if result.blocked else exitcodes.CLEAN)
+        raise typer.Exit(exitcodes.FINDINGS if result.blocked or unfit else exitcodes.CLEAN)
 
     run_guarded(body, debug)
 
@@ -562,6 +655,118 @@ class _ByteProgress:
     def close(self) -> None:
         if self.bar.live.is_started:
             self.bar.stop()
+
+
+@app.command("trace")
+def trace_command(
+    target: Annotated[
+        str,
+        typer.Argument(
+            help="The model: a factory (path/to/file.py:func or package.module:func; it runs, it is your code), "
+            "transformers:MODEL_TYPE (e.g. transformers:gpt2, its default config), or a directory with config.json / a config.json.",
+            show_default=False,
+            metavar="MODEL",
+        ),
+    ],
+    checkpoint: Annotated[
+        Optional[str],
+        typer.Option(
+            "--checkpoint",
+            "-c",
+            help="Give every parameter and buffer the dtype this checkpoint stores, as load_state_dict(assign=True) would. "
+            "Read by dtypeaudit's own readers: no tensor bytes, no checkpoint code. A model directory with weights is its own checkpoint.",
+        ),
+    ] = None,
+    inputs: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--input",
+            "-i",
+            help="An input as [NAME=]SHAPE[:DTYPE]: 8x3x224x224:float16, input_ids=1x128:int64, scalar:float32. Repeatable; "
+            "unnamed ones are positional. Default dtype: int64 for *ids/labels/mask, else the default dtype. "
+            "Hugging Face models default to input_ids=1x128.",
+        ),
+    ] = None,
+    input_factory: Annotated[
+        Optional[str],
+        typer.Option(
+            "--input-factory",
+            help="file.py:func returning the inputs (a tensor, a tuple, a dict or (args, kwargs)); called under fake tensors.",
+        ),
+    ] = None,
+    autocast: Annotated[
+        Optional[str],
+        typer.Option("--autocast", help="Run under torch.autocast with this dtype: fp16 or bf16. CPU autocast rules (the device traced)."),
+    ] = None,
+    backward: Annotated[
+        bool,
+        typer.Option("--backward", help="Also compute a loss and its backward pass: the loss dtype, backward operations, gradient dtypes."),
+    ] = False,
+    loss: Annotated[
+        str,
+        typer.Option(
+            "--loss",
+            help="With --backward: auto (the model's own loss, e.g. a Hugging Face model given labels=input_ids, else sum), "
+            "sum, mean or cross-entropy (the output as logits, last dim classes).",
+        ),
+    ] = "auto",
+    default_dtype: Annotated[
+        Optional[str],
+        typer.Option("--default-dtype", help="torch.set_default_dtype for building and running the model (float64, bfloat16 ...)."),
+    ] = None,
+    allow_promotion: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--allow-promotion",
+            help="Module paths whose implicit promotion is meant (globs as in policies: '*.norm', 're:^layers\\.\\d+\\.ln'). Repeatable.",
+        ),
+    ] = None,
+    fmt: FormatOpt = None,
+    output: OutputOpt = None,
+    fail_on: Annotated[
+        Optional[str],
+        typer.Option("--fail-on", help="Lowest finding severity that makes the run exit 1: error, warning or info. Default: error."),
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every module and every operation.")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Predict the dtype of every operation of a forward (and backward) pass, on fake tensors: no weights, no memory.
+
+    Reports operations that fail (runtime-dtype-error, with PyTorch's message; the trace goes on and reports
+    each), silent fp16/bf16-to-fp32 promotions, reductions in half precision, what autocast keeps in fp32, and
+    with --backward the loss and gradient dtypes; plus input, compute and output dtypes and activation bytes per
+    module. The factory runs (it is your code); nothing from a checkpoint does. Exit codes as for scan.
+
+    \b
+    Examples:
+      dtypeaudit trace mymodels/net.py:build_model --input 8x3x224x224:float16
+      dtypeaudit trace mymodels/net.py:build_model --checkpoint ckpt.pt --input 8x3x224x224 --autocast bf16
+      dtypeaudit trace transformers:gpt2 --input input_ids=1x128:int64 --backward --format json
+      dtypeaudit trace ./Llama-3-8B/ --autocast fp16 --backward --fail-on warning
+    """
+
+    def body() -> None:
+        from .render.trace import renderer_for as trace_renderer_for
+        from .trace import trace as run_trace
+
+        severity = _severity(fail_on or "error")
+        report = run_trace(
+            target,
+            inputs=tuple(inputs or ()),
+            input_factory=input_factory,
+            checkpoint=checkpoint,
+            autocast=autocast,
+            backward=backward,
+            loss=loss,
+            default_dtype=default_dtype,
+            allow_promotion=tuple(allow_promotion or ()),
+            fail_on=severity,
+        )
+        chosen = fmt or (OutputFormat.plain if output else default_format())
+        emit(trace_renderer_for(chosen, width=_terminal_width(), verbose=verbose)(report), output)
+        raise typer.Exit(exitcodes.for_report(report))
+
+    run_guarded(body, debug)
 
 
 def main() -> None:

@@ -129,6 +129,93 @@ RULES: dict[str, Rule] = {
             "Usually harmless; keep the tensor in float32 if its small values matter.",
         ),
         Rule("non-finite", "error", "The tensor already holds NaN or Inf.", "Find where training diverged; the values are lost."),
+        Rule(
+            "unsupported-dtype",
+            "error",
+            "The hardware target (--target, or the policy's target) cannot compute this floating dtype.",
+            "For example fp8 before NVIDIA compute capability 8.9, float64 on Apple's MPS, OCP fp8 on AMD MI300 (which computes "
+            "the FNUZ variants). Convert to the dtype the message suggests; `dtypeaudit targets NAME` shows the target's row.",
+        ),
+        Rule(
+            "emulated-dtype",
+            "warning",
+            "The hardware target runs this floating dtype only through conversions to a wider type, at a fraction of the speed.",
+            "For example bfloat16 on a V100 or T4 (no bf16 tensor cores before compute capability 8.0), or float16 on a CPU "
+            "without AVX512-FP16. Use the dtype the message suggests (float16 on those GPUs).",
+        ),
+        Rule(
+            "dtype-drift",
+            "warning",
+            "A live tensor's dtype changed since the previous audit (dtypeaudit.audit's Auditor, the training callbacks).",
+            "A .to()/.half() applied to part of a model, or an optimizer or hook that rewrites parameters, shows up this way; "
+            "a changed torch.get_default_dtype() too. Find the cast; drift_severity='error' makes drift fail the run.",
+        ),
+        Rule(
+            "batch-dtype",
+            "warning",
+            "A floating tensor of the batch has another dtype than the model's first layer.",
+            "A Linear or Conv fails on input of another dtype ('mat1 and mat2 must have the same dtype'), and a float64 target "
+            "makes the loss run in float64. Cast the batch where it is loaded (numpy arrays become float64 tensors).",
+        ),
+        Rule(
+            "default-dtype",
+            "error",
+            "torch.get_default_dtype() is not the policy's default_dtype.",
+            "A torch.set_default_dtype call changes the dtype of every layer built afterwards and of torch.tensor(1.0); reset "
+            "it, or build the model before changing it.",
+        ),
+        Rule(
+            "runtime-dtype-error",
+            "error",
+            "An operation of the traced forward or backward pass fails with these dtypes (dtypeaudit trace).",
+            "The message is PyTorch's own, from the CPU kernel ('mat1 and mat2 must have the same dtype', 'expected scalar type "
+            "Half but found Float'). Give the module's weights, biases, statistics and inputs one dtype, or run under autocast. "
+            "The trace goes on with the inputs in the dtype the module's weight has, so every failure is listed.",
+        ),
+        Rule(
+            "implicit-promotion",
+            "warning",
+            "A half-precision tensor meets a wider one in an operation and the result is silently wider (dtypeaudit trace).",
+            "An fp32 bias or buffer added to fp16 activations makes everything after it fp32: the memory and speed of half "
+            "precision are lost without an error. Cast the wider operand, or list the module with --allow-promotion if "
+            "it is meant (an fp32 norm).",
+        ),
+        Rule(
+            "low-precision-reduction",
+            "warning",
+            "A softmax, sum, mean, norm, variance or loss is computed and returned in float16 or bfloat16 (dtypeaudit trace).",
+            "float16 overflows past 65504 and bfloat16 keeps 8 bits of mantissa, so long sums go wrong. Compute it in "
+            "float32 (softmax(x, dim, dtype=torch.float32), x.float().sum()), as autocast does for the reductions it lists.",
+        ),
+        Rule(
+            "autocast-fp32",
+            "info",
+            "autocast runs this operation in float32, casting its half-precision inputs up (dtypeaudit trace --autocast).",
+            "Expected for the operations autocast keeps in float32 (losses, norms and others, per device); the cost is a cast "
+            "and float32 activations. The trace follows CPU autocast's lists.",
+        ),
+        Rule(
+            "loss-dtype",
+            "warning",
+            "The loss is computed in float16 or bfloat16 (dtypeaudit trace --backward); info when float32.",
+            "A float16 loss needs loss scaling (torch.amp.GradScaler) or its small gradients underflow to zero; compute the loss "
+            "from logits.float().",
+        ),
+        Rule(
+            "grad-dtype",
+            "warning",
+            "A parameter gets float16 gradients, or no gradient at all (dtypeaudit trace --backward).",
+            "float16 gradients need loss scaling and float32 master weights (torch.amp, apex O2). A parameter without a "
+            "gradient is never trained, and DistributedDataParallel needs find_unused_parameters=True for it. bfloat16 "
+            "gradients are info.",
+        ),
+        Rule(
+            "checkpoint-missing",
+            "warning",
+            "A parameter or buffer of the traced model is not in the --checkpoint (dtypeaudit trace).",
+            "It keeps the dtype the factory gave it. load_state_dict(strict=True) refuses such a checkpoint; check that the "
+            "factory builds the model the checkpoint was saved from.",
+        ),
     )
 }
 

@@ -1,0 +1,283 @@
+"""Reports of ``dtypeaudit trace``: the scan renderers, plus the trace section (modules, activations, operations).
+
+JSON is ``dtypeaudit.report/1`` with a ``trace`` object in the checkpoint; SARIF, GitHub and JUnit carry the
+findings exactly as for ``scan``. Pure functions, report -> str; no torch.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from collections.abc import Iterable
+
+from ..inventory import Report, dtype_summary, severity_rank
+from ..trace.result import ModuleSummary, OpRecord, TraceCheckpointReport, TraceSummary
+from . import OutputFormat, Renderer
+from . import renderer_for as scan_renderer_for
+from .humanize import _label, human_bytes, human_count
+
+TRACE_LISTS = frozenset({"ops", "modules", "grads", "activations", "inputs"})
+"""Lists of the trace section written one item per line."""
+FULL_LISTING_LIMIT = 60
+_LAYER = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
+
+
+def renderer_for(fmt: OutputFormat, *, width: int = 120, verbose: bool = False) -> Renderer:
+    if fmt is OutputFormat.json:
+        return render_json
+    if fmt in (OutputFormat.table, OutputFormat.plain):
+        color = fmt is OutputFormat.table
+        return lambda r: render_text(r, color=color, width=width, verbose=verbose)
+    if fmt is OutputFormat.markdown:
+        return lambda r: render_markdown(r, verbose=verbose)
+    return scan_renderer_for(fmt, width=width, verbose=verbose)
+
+
+def _traces(report: Report) -> list[TraceSummary | None]:
+    return [c.trace if isinstance(c, TraceCheckpointReport) else None for c in report.checkpoints]
+
+
+# -- JSON ------------------------------------------------------------------------------------------
+
+
+def render_json(report: Report) -> str:
+    from .json import dumps, report_dict
+
+    doc = report_dict(report)
+    sections: dict[str, str] = {}
+    for i, (c, summary) in enumerate(zip(doc["checkpoints"], _traces(report), strict=True)):
+        if summary is not None:
+            marker = f"\x00trace{i}\x00"
+            c["trace"] = marker
+            sections[json.dumps(marker)] = _section(summary.to_dict(), "      ")
+    text = dumps(doc)
+    for marker, section in sections.items():
+        text = text.replace(marker, section, 1)
+    return text + "\n"
+
+
+def _section(d: dict[str, object], indent: str) -> str:
+    """The trace object: its long lists one item per line (fast at 20,000 operations), the rest as ``dumps`` writes it."""
+    from .json import dumps
+
+    inner = indent + "  "
+    items = []
+    for key, value in d.items():
+        if key in TRACE_LISTS and isinstance(value, list) and value:
+            body = ",\n".join(inner + "  " + json.dumps(x, ensure_ascii=False) for x in value)
+            items.append(f"{inner}{json.dumps(key)}: [\n{body}\n{inner}]")
+        else:
+            items.append(f"{inner}{json.dumps(key)}: {dumps(value, inner)}")
+    return "{\n" + ",\n".join(items) + "\n" + indent + "}"
+
+
+# -- text ------------------------------------------------------------------------------------------
+
+
+def render_text(report: Report, *, color: bool = True, width: int = 120, verbose: bool = False) -> str:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from . import text
+
+    buffer = io.StringIO()
+    console = Console(
+        file=buffer,
+        width=width,
+        force_terminal=color,
+        color_system="standard" if color else None,
+        no_color=not color,
+        highlight=False,
+        emoji=False,
+    )
+
+    def table(title: str) -> Table:
+        return Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
+
+    for c, summary in zip(report.checkpoints, _traces(report), strict=True):
+        if c.error or summary is None:
+            text._checkpoint(console, c, verbose=verbose)
+            continue
+        console.print(Text.assemble((c.path, "bold"), ("  trace", "dim"), f"  {headline(summary)}"))
+        for line in settings_lines(summary):
+            console.print(Text(f"  {line}", style="dim"))
+        if c.findings:
+            console.print()
+            text._findings(console, c, verbose=verbose)
+        rows = module_rows(summary.modules, verbose)
+        if rows:
+            console.print()
+            folded = len(rows) < len(summary.modules)
+            t = table("Modules" + (" (repeated layers folded, figures of the first; --verbose lists each)" if folded else ""))
+            t.add_column("module", overflow="fold", ratio=4)
+            t.add_column("type", overflow="fold", ratio=2)
+            for name in ("in", "compute", "out"):
+                t.add_column(name, overflow="fold", ratio=1)
+            t.add_column("activations", justify="right", overflow="fold", ratio=2)
+            for label, m in rows:
+                t.add_row(label, m.type, _short(m.inputs), _short(m.compute), _short(m.outputs), _bytes(m.activation_bytes))
+            console.print(t)
+        if summary.activations:
+            console.print()
+            t = table("Activations by dtype")
+            for name, justify in (("dtype", "left"), ("bytes", "right"), ("share", "right")):
+                t.add_column(name, justify=justify)  # type: ignore[arg-type]
+            total = sum(n for _, n in summary.activations) or 1
+            for dtype, n in summary.activations:
+                t.add_row(Text(dtype, style=text.DTYPE_STYLE.get(dtype, "")), human_bytes(n), f"{n / total:.1%}")
+            console.print(t)
+        if c.tensors:
+            console.print()
+            t = table("Parameters and buffers by dtype")
+            for name, justify in (("dtype", "left"), ("tensors", "right"), ("elements", "right"), ("bytes", "right"), ("share", "right")):
+                t.add_column(name, justify=justify)  # type: ignore[arg-type]
+            for row in dtype_summary(c.tensors):
+                t.add_row(
+                    Text(row.dtype, style=text.DTYPE_STYLE.get(row.dtype, "")),
+                    str(row.tensors),
+                    human_count(row.numel),
+                    human_bytes(row.nbytes),
+                    f"{row.share:.1%}",
+                )
+            console.print(t)
+        if verbose and summary.ops:
+            console.print()
+            t = table(f"Operations ({len(summary.ops)})")
+            for name in ("#", "phase", "module", "op", "inputs", "outputs", "note"):
+                t.add_column(name, overflow="fold")
+            for o in summary.ops:
+                t.add_row(str(o.index), o.phase, o.module or "(root)", o.name, ", ".join(o.inputs), ", ".join(o.outputs), op_note(o))
+            console.print(t)
+    console.print()
+    console.print(Text(verdict(report), style="bold red" if _failing(report) else "green"))
+    return buffer.getvalue()
+
+
+def headline(s: TraceSummary) -> str:
+    parts = [s.model, f"{s.device} kernels"]
+    parts.append(f"autocast {s.autocast} ({s.device} rules)" if s.autocast else "no autocast")
+    parts.append("forward+backward" if s.backward else "forward")
+    parts.append(f"{human_count(len(s.ops))} operations")
+    errors = sum(1 for o in s.ops if o.error)
+    if errors:
+        parts.append(f"{errors} failing")
+    return " · ".join(parts)
+
+
+def settings_lines(s: TraceSummary) -> list[str]:
+    inputs = ", ".join(f"{i.name + '=' if i.name else ''}{'x'.join(map(str, i.shape)) or 'scalar'} {i.dtype}" for i in s.inputs)
+    lines = [f"inputs: {inputs or 'none'}; output: {', '.join(s.output) or 'none'}; default dtype {s.default_dtype}"]
+    if s.checkpoint:
+        lines.append(f"dtypes from checkpoint {s.checkpoint}")
+    if s.autocast_copies:
+        casts = sum(1 for o in s.ops if o.autocast_cast)
+        made = ", ".join(f"{human_bytes(n)} {d}" for d, n in s.autocast_copies)
+        lines.append(f"autocast casts: {casts} ({made} of copies, not counted as activations)")
+    if s.loss_dtype:
+        lines.append(f"loss: {s.loss} in {s.loss_dtype}")
+    if s.stopped:
+        lines.append(f"stopped early: {s.stopped}")
+    return lines
+
+
+def op_note(o: OpRecord) -> str:
+    if o.error:
+        return f"FAILS: {o.error} (went on in {o.continued_as})"
+    notes = []
+    if o.autocast_cast:
+        notes.append("autocast cast")
+    if o.autocast_casts:
+        notes.append("autocast: " + ", ".join(f"{a}->{b}" for a, b in o.autocast_casts))
+    if o.promotion:
+        notes.append(f"promotes {o.promotion[0]} to {o.promotion[1]}")
+    return "; ".join(notes)
+
+
+def module_rows(modules: Iterable[ModuleSummary], verbose: bool) -> list[tuple[str, ModuleSummary]]:
+    """Rows of the module table; above FULL_LISTING_LIMIT, modules that differ only in layer numbers and not in
+    dtypes share a row (``layers.{0..31}.mlp ×32``)."""
+    modules = list(modules)
+    if verbose or len(modules) <= FULL_LISTING_LIMIT:
+        return [(m.module or "(root)", m) for m in modules]
+    buckets: dict[tuple[object, ...], list[ModuleSummary]] = {}
+    for m in modules:
+        key = (_LAYER.sub("*", m.module), m.type, m.inputs, m.compute, m.outputs, tuple(d for d, _ in m.activation_bytes))
+        buckets.setdefault(key, []).append(m)
+    rows = []
+    for members in buckets.values():
+        label = _label([m.module for m in members]) or "(root)"
+        rows.append((f"{label}  ×{len(members)}" if len(members) > 1 else label, members[0]))
+    return rows
+
+
+def _short(items: tuple[str, ...]) -> str:
+    """``fp32, bf16``: the module table is wide."""
+    return ", ".join(_SHORT.get(d, d) for d in items) if items else "-"
+
+
+def _dtypes(items: tuple[str, ...]) -> str:
+    return ", ".join(items) if items else "-"
+
+
+_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "i64", "int32": "i32"}
+
+
+def _bytes(items: tuple[tuple[str, int], ...]) -> str:
+    """``380M bf16, 156M fp32``: compact, since the table is wide; JSON has the exact figures."""
+    return ", ".join(f"{_short_bytes(n)} {_SHORT.get(d, d)}" for d, n in items) if items else "-"
+
+
+def _short_bytes(n: int) -> str:
+    for limit, suffix in ((1 << 40, "T"), (1 << 30, "G"), (1 << 20, "M"), (1 << 10, "K")):
+        if n >= limit:
+            value = n / limit
+            return f"{value:.0f}{suffix}" if value >= 100 else f"{value:.1f}{suffix}" if value >= 10 else f"{value:.2f}{suffix}"
+    return f"{n}B"
+
+
+def _failing(report: Report) -> bool:
+    return any(c.error for c in report.checkpoints) or any(
+        severity_rank(f.severity) >= severity_rank(report.fail_on) for f in report.findings
+    )
+
+
+def verdict(report: Report) -> str:
+    counts = {s: sum(1 for f in report.findings if f.severity == s) for s in ("error", "warning", "info")}
+    parts = [f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items() if n]
+    if any(c.error for c in report.checkpoints):
+        return "✗ trace failed"
+    if _failing(report):
+        return f"✗ trace: {', '.join(parts)} (failing at --fail-on {report.fail_on})"
+    if parts:
+        return f"✓ trace: {', '.join(parts)}, none at or above --fail-on {report.fail_on}"
+    return "✓ trace: no findings"
+
+
+# -- markdown --------------------------------------------------------------------------------------
+
+
+def render_markdown(report: Report, *, verbose: bool = False) -> str:
+    from . import markdown
+
+    out = [markdown.render(report, verbose=verbose).rstrip("\n"), ""]
+    for c, summary in zip(report.checkpoints, _traces(report), strict=True):
+        if summary is None:
+            continue
+        out += [f"### Trace of `{c.path}`", "", headline(summary) + ".", ""]
+        out += [f"- {markdown._cell(line)}" for line in settings_lines(summary)] + [""]
+        out += ["| module | type | in | compute | out | activations |", "|---|---|---|---|---|---:|"]
+        for label, m in module_rows(summary.modules, verbose):
+            out.append(
+                f"| `{markdown._cell(label)}` | {m.type} | {_dtypes(m.inputs)} | {_dtypes(m.compute)} | {_dtypes(m.outputs)} | "
+                f"{_bytes(m.activation_bytes)} |"
+            )
+        out.append("")
+        if summary.activations:
+            total = sum(n for _, n in summary.activations) or 1
+            out += ["| activation dtype | bytes | share |", "|---|---:|---:|"]
+            out += [f"| `{d}` | {human_bytes(n)} | {n / total:.1%} |" for d, n in summary.activations]
+            out.append("")
+    return "\n".join(out) + "\n"

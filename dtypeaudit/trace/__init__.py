@@ -1,0 +1,193 @@
+"""``dtypeaudit trace``: the dtype of every operation of a forward (and backward) pass, predicted on fake tensors.
+
+The flow: factory or Hugging Face config -> model on the meta device (``build``), the checkpoint's dtypes
+applied -> fake tensors -> one run under a recorder (``record``) -> findings and a per-module summary
+(``checks``) -> the same ``Report`` that ``scan`` makes, with a ``trace`` section.
+
+    from dtypeaudit.trace import trace
+    report = trace("mymodels/net.py:build", inputs=["8x3x224x224:float16"], backward=True)
+    summary = report.checkpoints[0].trace          # TraceSummary: ops, modules, activations, grads
+
+The factory the user names runs (it is their code); nothing from a checkpoint does. torch is imported here
+only inside functions, so ``import dtypeaudit`` and ``dtypeaudit scan`` never load it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import UsageError
+from ..inventory import Finding, Report, Severity
+from . import checks
+from .record import LOSSES, TraceStopped
+from .result import TraceCheckpointReport, TraceSummary
+
+AUTOCAST_DTYPES = {"float16": "float16", "bfloat16": "bfloat16"}
+DEVICES = ("cpu",)
+
+__all__ = ["trace", "trace_module", "TraceStopped", "TraceSummary", "TraceCheckpointReport", "LOSSES", "DEVICES"]
+
+
+def trace(
+    target: str,
+    *,
+    inputs: Sequence[str] = (),
+    input_factory: str | None = None,
+    checkpoint: str | None = None,
+    autocast: str | None = None,
+    backward: bool = False,
+    loss: str = "auto",
+    default_dtype: str | None = None,
+    device: str = "cpu",
+    allow_promotion: Sequence[str] = (),
+    fail_on: Severity = "error",
+    policy: str | None = None,
+) -> Report:
+    """Build the model ``target`` names (running its factory), apply ``checkpoint``'s dtypes, and trace it.
+
+    Raises ``DtypeAuditError`` (``FactoryError``, ``UsageError``, ``TraceStopped``, ``CheckpointError``) for
+    input that cannot be traced; everything about dtypes is a finding in the report.
+    """
+    from .build import build, checkpoint_dtypes, torch_dtype
+    from .build import default_dtype as default_dtype_ctx
+
+    dd = torch_dtype(default_dtype, "--default-dtype") if default_dtype else None
+    with default_dtype_ctx(dd):
+        built = build(target)
+        applied: dict[str, str] = {}
+        found: list[Finding] = []
+        source = checkpoint or built.weights
+        if source:
+            applied, found = checkpoint_dtypes(built.model, source)
+        return trace_module(
+            built.model,
+            name=target,
+            source=built.source,
+            inputs=inputs,
+            input_factory=input_factory,
+            checkpoint=source,
+            checkpoint_dtypes=applied,
+            extra_findings=found,
+            autocast=autocast,
+            backward=backward,
+            loss=loss,
+            device=device,
+            allow_promotion=allow_promotion,
+            fail_on=fail_on,
+            policy=policy,
+        )
+
+
+def trace_module(
+    model: Any,
+    *,
+    name: str | None = None,
+    source: str = "factory",
+    inputs: Sequence[str] = (),
+    input_factory: str | None = None,
+    checkpoint: str | None = None,
+    checkpoint_dtypes: dict[str, str] | None = None,
+    extra_findings: Sequence[Finding] = (),
+    autocast: str | None = None,
+    backward: bool = False,
+    loss: str = "auto",
+    device: str = "cpu",
+    allow_promotion: Sequence[str] = (),
+    fail_on: Severity = "error",
+    policy: str | None = None,
+) -> Report:
+    """Trace a model that is already built (on the meta device, or anywhere: its tensors become fake ones).
+
+    The model's parameters and buffers are replaced by fake tensors in place.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from . import inputs as inputs_mod
+    from . import record
+    from .build import fakeify, model_inventory
+
+    if device not in DEVICES:
+        raise UsageError(f"--device {device}: traces follow the kernels and autocast rules of {', '.join(DEVICES)}")
+    if loss not in LOSSES:
+        raise UsageError(f"--loss must be one of {', '.join(LOSSES)}, not '{loss}'")
+    ac = None
+    if autocast is not None:
+        from ..dtypes import canonical
+
+        ac_name = AUTOCAST_DTYPES.get(canonical(autocast) or "")
+        if ac_name is None:
+            raise UsageError(f"--autocast must be fp16 or bf16, not '{autocast}'")
+        ac = getattr(torch, ac_name)
+    if inputs and input_factory:
+        raise UsageError("give --input or --input-factory, not both")
+    allowed = _matchers(allow_promotion)
+    label = name or type(model).__name__
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakeify(model, fake_mode, device, checkpoint_dtypes or {})
+    model.train(backward)
+    with fake_mode:
+        if input_factory:
+            args, kwargs, records = inputs_mod.from_factory(input_factory)
+        else:
+            specs = [inputs_mod.parse(s) for s in inputs] or inputs_mod.default_specs(model, source)
+            args, kwargs, records = inputs_mod.make(specs, str(torch.get_default_dtype()).removeprefix("torch."))
+        if backward and loss == "auto" and source == "transformers":
+            inputs_mod.add_labels(model, kwargs)
+        grad = contextlib.nullcontext() if backward else torch.no_grad()
+        with grad:
+            rec = record.run(model, args, kwargs, autocast=ac, device=device, backward=backward, loss=loss, probe=True)
+    modules, activations, copies = checks.summarize(rec.ops, rec.calls, list(rec.types), rec.types)
+    summary = TraceSummary(
+        model=type(model).__name__,
+        device=device,
+        autocast=str(ac).removeprefix("torch.") if ac is not None else None,
+        backward=backward,
+        default_dtype=str(torch.get_default_dtype()).removeprefix("torch."),
+        checkpoint=checkpoint,
+        inputs=records,
+        output=rec.output,
+        loss=rec.loss,
+        loss_dtype=rec.loss_dtype,
+        stopped=rec.stopped,
+        ops=tuple(rec.ops),
+        calls=tuple(rec.calls),
+        modules=modules,
+        activations=activations,
+        grads=tuple(rec.grads),
+        autocast_copies=copies,
+    )
+    found = [
+        *extra_findings,
+        *checks.findings(
+            rec.ops,
+            grads=rec.grads,
+            loss=rec.loss,
+            loss_dtype=rec.loss_dtype,
+            stopped=rec.stopped,
+            stopped_module=rec.stopped_module,
+            allow_promotion=allowed,
+            autocast=summary.autocast,
+        ),
+    ]
+    inventory = model_inventory(model, label)
+    metadata = {**inventory.metadata, "device": device, "autocast": summary.autocast, "backward": backward}
+    inventory = type(inventory)(inventory.path, "trace", inventory.tensors, (), metadata)
+    report = TraceCheckpointReport(label, "trace", None, inventory, tuple(found), trace=summary)
+    return Report((report,), fail_on=fail_on, policy=policy)
+
+
+def _matchers(patterns: Sequence[str]) -> Callable[[str], bool] | None:
+    if not patterns:
+        return None
+    from ..policy import compile_matcher
+
+    compiled = []
+    for p in patterns:
+        try:
+            compiled.append(compile_matcher(p))
+        except ValueError as exc:
+            raise UsageError(f"--allow-promotion '{p}': {exc}") from None
+    return lambda module: any(m(module) for m in compiled)
