@@ -7,6 +7,9 @@ A policy says which dtype each tensor should have::
     default: float16             # floating tensors no rule matches
     check_integers: true         # also hold integer/bool tensors to the rules that name an integer dtype
     strict: true                 # fail on anything a loader might read differently (security gates)
+    trace:                       # what `dtypeaudit trace` must show
+      fail_on: warning           # the trace's failing severity (--fail-on wins; else the policy's fail_on)
+      allow_promotion: ["head*"] # module paths whose implicit promotion is meant (as --allow-promotion)
     ignore: ["optimizer.*"]      # never checked
     rules:                       # first match wins
       - match: "*norm*"          # glob, or "re:<regex>"; a list means any of them
@@ -357,6 +360,16 @@ def module_text(t: TensorRecord) -> str:
 
 
 @dataclass(frozen=True)
+class TracePolicy:
+    """A policy's ``trace:`` section: what ``dtypeaudit trace`` must show."""
+
+    fail_on: Severity | None = None
+    """The trace's failing severity; ``--fail-on`` wins over it, and it wins over the policy's own ``fail_on``."""
+    allow_promotion: tuple[Matcher, ...] = ()
+    """Module paths whose implicit promotion is meant: ``--allow-promotion``'s patterns, matched as names are."""
+
+
+@dataclass(frozen=True)
 class Policy:
     """A validated policy; ``rules`` are in precedence order (a file's own before those it extends)."""
 
@@ -374,6 +387,8 @@ class Policy:
     """A hardware target's name (``targets.resolve``): dtypes it cannot compute or only emulates are findings."""
     default_dtype: str | None = None
     """What ``torch.get_default_dtype()`` must be when a live object is audited (``dtypeaudit.audit``)."""
+    trace: TracePolicy = field(default_factory=TracePolicy)
+    """The ``trace:`` section, for ``dtypeaudit trace``."""
     extends: tuple[str, ...] = field(default=())
     """The chain of sources this policy extends, nearest first."""
     optional_ignores: frozenset[int] = frozenset()
@@ -574,6 +589,10 @@ def _load(path: Path, chain: tuple[str, ...]) -> Policy:
         strict=own.strict if "strict" in raw else parent.strict,
         target=own.target if "target" in raw else parent.target,
         default_dtype=own.default_dtype if "default_dtype" in raw else parent.default_dtype,
+        trace=TracePolicy(
+            fail_on=own.trace.fail_on if own.trace.fail_on is not None else parent.trace.fail_on,
+            allow_promotion=own.trace.allow_promotion + parent.trace.allow_promotion,
+        ),
         extends=(parent.source, *parent.extends),
     )
 
@@ -643,7 +662,20 @@ def _construct(node: Any, where: tuple[object, ...], lines: Lines, path: str) ->
 
 # -- validation: a declarative schema ------------------------------------------------------------
 
-TOP_KEYS = ("version", "extends", "default", "check_integers", "ignore", "rules", "fail_on", "strict", "target", "default_dtype")
+TOP_KEYS = (
+    "version",
+    "extends",
+    "default",
+    "check_integers",
+    "ignore",
+    "rules",
+    "fail_on",
+    "strict",
+    "target",
+    "default_dtype",
+    "trace",
+)
+TRACE_KEYS = ("fail_on", "allow_promotion")
 RULE_KEYS = ("name", "match", "ndim", "kind", "module", "region", "dtype", "severity", "reason", "optional")
 
 
@@ -690,6 +722,7 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool =
         if default_dtype is None or not is_floating(default_dtype):
             wrong = raw["default_dtype"]
             raise fail(("default_dtype",), f"default_dtype must be a floating dtype, not {wrong!r}", hint="float32, float64, ...")
+    trace = _trace(raw["trace"], fail) if "trace" in raw else TracePolicy()
 
     ignore = _matchers(raw.get("ignore", []), ("ignore",), fail)
     rules_raw = raw.get("rules", [])
@@ -761,10 +794,23 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool =
         strict=strict,
         target=target,
         default_dtype=default_dtype,
+        trace=trace,
     )
 
 
 Fail = Callable[..., PolicyError]
+
+
+def _trace(value: Any, fail: Fail) -> TracePolicy:
+    """The ``trace:`` section: ``{fail_on: SEVERITY, allow_promotion: [PATTERN, ...]}``."""
+    if not isinstance(value, dict):
+        raise fail(("trace",), "trace must be a mapping", hint=f"valid keys: {', '.join(TRACE_KEYS)}")
+    for key in value:
+        if key not in TRACE_KEYS:
+            raise fail(("trace", key), f"unknown key '{key}' in trace", hint=f"valid keys: {', '.join(TRACE_KEYS)}")
+    fail_on = _severity(value["fail_on"], ("trace", "fail_on"), fail) if "fail_on" in value else None
+    allow = _matchers(value.get("allow_promotion", []), ("trace", "allow_promotion"), fail)
+    return TracePolicy(fail_on=fail_on, allow_promotion=allow)
 
 
 def _target(value: Any, fail: Fail) -> str:

@@ -134,6 +134,36 @@ def test_implicit_promotion_and_allow_promotion() -> None:
     (warning,) = rules(traced(build(), "2x4:float16"))["implicit-promotion"]
     assert warning.tensor == "(root)" and warning.expected == ("float16",) and warning.actual == "float32"
     assert "implicit-promotion" not in rules(traced(build(), "2x4:float16", allow_promotion=["^(root)", "re:^$"]))
+    for pattern in ("(root)", "re:^$"):  # the model itself, by the name findings show or by its empty path
+        assert "implicit-promotion" not in rules(traced(build(), "2x4:float16", allow_promotion=[pattern]))
+
+
+def test_target_findings_count_computing_operations_only() -> None:
+    """Views, conversions, fills and failed operations compute nothing; one finding per module and dtype."""
+    from dtypeaudit.targets import resolve
+    from dtypeaudit.trace.checks import target_findings
+    from dtypeaudit.trace.result import OpRecord
+
+    def op(module: str, name: str, out: str, **kw: Any) -> OpRecord:
+        return OpRecord(0, "forward", module, f"{name}.default", (out,), (out,), **kw)
+
+    ops = [
+        op("fc", "aten.t", "bfloat16", view=True),
+        op("fc", "aten._to_copy", "bfloat16"),
+        op("fc", "aten.ones_like", "bfloat16"),
+        op("fc", "aten.addmm", "bfloat16", error="boom"),
+        op("act", "aten.gelu", "bfloat16"),
+        op("act", "aten.mul", "bfloat16"),
+        op("act", "aten.gelu", "bfloat16"),
+        op("act", "aten.add", "float32"),
+        op("cast", "aten.add", "int64"),
+    ]
+    (found,) = target_findings(ops, resolve("t4"))
+    assert found.rule == "emulated-dtype" and found.tensor == "act" and found.actual == "bfloat16"
+    assert found.message.startswith("aten.gelu, aten.mul compute in bfloat16 here: bfloat16 runs emulated (slowly) on t4")
+    many = [op("", f"aten.op{i}", "float8_e4m3fn") for i in range(5)]
+    (fp8,) = target_findings(many, resolve("a100"))
+    assert fp8.rule == "unsupported-dtype" and fp8.tensor == "(root)" and "aten.op2, and 2 more compute" in fp8.message
 
 
 def test_low_precision_reduction_and_explicit_upcast() -> None:

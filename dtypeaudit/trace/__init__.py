@@ -7,6 +7,10 @@ applied -> fake tensors -> one run under a recorder (``record``) -> findings and
     from dtypeaudit.trace import trace
     report = trace("mymodels/net.py:build", inputs=["8x3x224x224:float16"], backward=True)
     summary = report.checkpoints[0].trace          # TraceSummary: ops, modules, activations, grads
+    report = trace("mymodels/net.py:build", policy="release.yaml", target="t4")   # trace:, fail_on, target:
+
+A policy gives the trace its ``trace:`` section (``fail_on``, ``allow_promotion``), its ``fail_on`` and its
+``target:``; explicit arguments win over it. Its tensor rules are for ``scan`` and ``audit``.
 
 The factory the user names runs (it is their code); nothing from a checkpoint does. torch is imported here
 only inside functions, so ``import dtypeaudit`` and ``dtypeaudit scan`` never load it.
@@ -16,13 +20,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
 from ..inventory import Finding, Report, Severity
 from . import checks
 from .record import LOSSES, TraceStopped
 from .result import TraceCheckpointReport, TraceSummary
+
+if TYPE_CHECKING:
+    from ..policy import Matcher, Policy
+    from ..targets import Target
 
 AUTOCAST_DTYPES = {"float16": "float16", "bfloat16": "bfloat16"}
 DEVICES = ("cpu",)
@@ -31,7 +39,7 @@ __all__ = ["trace", "trace_module", "TraceStopped", "TraceSummary", "TraceCheckp
 
 
 def trace(
-    target: str,
+    model: str,
     *,
     inputs: Sequence[str] = (),
     input_factory: str | None = None,
@@ -42,20 +50,24 @@ def trace(
     default_dtype: str | None = None,
     device: str = "cpu",
     allow_promotion: Sequence[str] = (),
-    fail_on: Severity = "error",
-    policy: str | None = None,
+    fail_on: Severity | None = None,
+    policy: Policy | str | None = None,
+    target: Target | str | None = None,
 ) -> Report:
-    """Build the model ``target`` names (running its factory), apply ``checkpoint``'s dtypes, and trace it.
+    """Build the model ``model`` names (running its factory), apply ``checkpoint``'s dtypes, and trace it.
 
-    Raises ``DtypeAuditError`` (``FactoryError``, ``UsageError``, ``TraceStopped``, ``CheckpointError``) for
-    input that cannot be traced; everything about dtypes is a finding in the report.
+    ``policy`` (a ``Policy``, a file or a preset name) and ``target`` (a hardware target) are resolved before the
+    factory runs. Raises ``DtypeAuditError`` (``FactoryError``, ``UsageError``, ``PolicyError``, ``TraceStopped``,
+    ``CheckpointError``) for input that cannot be traced; everything about dtypes is a finding in the report.
     """
     from .build import build, checkpoint_dtypes, torch_dtype
     from .build import default_dtype as default_dtype_ctx
 
+    pol = _as_policy(policy)
+    hardware = _hardware(target, pol)
     dd = torch_dtype(default_dtype, "--default-dtype") if default_dtype else None
     with default_dtype_ctx(dd):
-        built = build(target)
+        built = build(model)
         applied: dict[str, str] = {}
         found: list[Finding] = []
         source = checkpoint or built.weights
@@ -63,7 +75,7 @@ def trace(
             applied, found = checkpoint_dtypes(built.model, source)
         return trace_module(
             built.model,
-            name=target,
+            name=model,
             source=built.source,
             inputs=inputs,
             input_factory=input_factory,
@@ -76,7 +88,8 @@ def trace(
             device=device,
             allow_promotion=allow_promotion,
             fail_on=fail_on,
-            policy=policy,
+            policy=pol,
+            target=hardware,
         )
 
 
@@ -95,12 +108,15 @@ def trace_module(
     loss: str = "auto",
     device: str = "cpu",
     allow_promotion: Sequence[str] = (),
-    fail_on: Severity = "error",
-    policy: str | None = None,
+    fail_on: Severity | None = None,
+    policy: Policy | str | None = None,
+    target: Target | str | None = None,
 ) -> Report:
     """Trace a model that is already built (on the meta device, or anywhere: its tensors become fake ones).
 
-    The model's parameters and buffers are replaced by fake tensors in place.
+    The model's parameters and buffers are replaced by fake tensors in place. The run fails at ``fail_on``, else the
+    policy's ``trace: fail_on``, else its ``fail_on``, else ``error``; ``allow_promotion`` adds to the policy's
+    ``trace: allow_promotion``; ``target`` replaces the policy's ``target:``.
     """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -123,7 +139,11 @@ def trace_module(
         ac = getattr(torch, ac_name)
     if inputs and input_factory:
         raise UsageError("give --input or --input-factory, not both")
-    allowed = _matchers(allow_promotion)
+    pol = _as_policy(policy)
+    hardware = _hardware(target, pol)
+    own = (pol.trace.fail_on or pol.fail_on) if pol is not None else None
+    severity: Severity = fail_on or own or "error"
+    allowed = _matchers(allow_promotion, pol.trace.allow_promotion if pol is not None else ())
     label = name or type(model).__name__
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakeify(model, fake_mode, device, checkpoint_dtypes or {})
@@ -173,21 +193,46 @@ def trace_module(
         ),
     ]
     inventory = model_inventory(model, label)
+    if hardware is not None:
+        from ..targets import target_findings
+
+        found += checks.target_findings(rec.ops, hardware)
+        found += target_findings(inventory, hardware)  # parameters and buffers live on the device too
     metadata = {**inventory.metadata, "device": device, "autocast": summary.autocast, "backward": backward}
     inventory = type(inventory)(inventory.path, "trace", inventory.tensors, (), metadata)
     report = TraceCheckpointReport(label, "trace", None, inventory, tuple(found), trace=summary)
-    return Report((report,), fail_on=fail_on, policy=policy)
+    return Report((report,), fail_on=severity, policy=pol.source if pol is not None else None)
 
 
-def _matchers(patterns: Sequence[str]) -> Callable[[str], bool] | None:
-    if not patterns:
+def _as_policy(policy: Policy | str | None) -> Policy | None:
+    """A ``Policy`` as given, or loaded from a file or preset name (``PolicyError``, exit 2, when it is not valid)."""
+    if policy is None or not isinstance(policy, str):
+        return policy
+    from ..policy import load_policy
+
+    return load_policy(policy)
+
+
+def _hardware(target: Target | str | None, policy: Policy | None) -> Target | None:
+    """``target`` (``--target``), else the policy's ``target:``; an unknown name is a ``UsageError``."""
+    chosen = target if target is not None else (policy.target if policy is not None else None)
+    if chosen is None or not isinstance(chosen, str):
+        return chosen
+    from ..targets import resolve
+
+    return resolve(chosen)
+
+
+def _matchers(patterns: Sequence[str], from_policy: Sequence[Matcher] = ()) -> Callable[[str], bool] | None:
+    """Whether a module's implicit promotion is meant: one of the patterns matches its path, or ``(root)`` for the model."""
+    if not patterns and not from_policy:
         return None
     from ..policy import compile_matcher
 
-    compiled = []
+    compiled = list(from_policy)
     for p in patterns:
         try:
             compiled.append(compile_matcher(p))
         except ValueError as exc:
             raise UsageError(f"--allow-promotion '{p}': {exc}") from None
-    return lambda module: any(m(module) for m in compiled)
+    return lambda module: any(m(module) or m(checks.where(module)) for m in compiled)

@@ -7,16 +7,23 @@
   returned in float16 (overflow past 65504) or bfloat16 (8 bits of mantissa), which autocast would have upcast.
 * ``autocast-fp32`` (info): an operation autocast ran in float32 by casting its half-precision inputs up.
 * ``loss-dtype`` and ``grad-dtype`` with ``--backward``.
+* ``unsupported-dtype`` (error) and ``emulated-dtype`` (warning) with a hardware target: a module whose operations
+  compute in a dtype the target cannot compute, or only emulates (``targets.finding_for``), once per module and dtype.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from ..dtypes import DTYPES
 from ..inventory import Finding
-from .result import LOSS, LOW_PRECISION, ROOT, GradRecord, ModuleCall, ModuleSummary, OpRecord, is_floating, unique
+from .result import LOSS, LOW_PRECISION, NOT_PROMOTION, ROOT, GradRecord, ModuleCall, ModuleSummary, OpRecord, is_floating, unique
+
+if TYPE_CHECKING:
+    from ..targets import Target
 
 REDUCTIONS = frozenset(
     {
@@ -256,6 +263,61 @@ def grad_findings(grads: Iterable[GradRecord]) -> list[Finding]:
                     actual=g.grad,
                 )
             )
+    return out
+
+
+NO_ARITHMETIC = NOT_PROMOTION | {
+    "aten.clone",
+    "aten.lift_fresh",
+    "aten.lift_fresh_copy",
+    "aten.empty",
+    "aten.empty_like",
+    "aten.empty_strided",
+    "aten.zeros",
+    "aten.zeros_like",
+    "aten.ones",
+    "aten.ones_like",
+    "aten.full",
+    "aten.full_like",
+    "aten.fill_",
+    "aten.zero_",
+    "aten.new_empty",
+    "aten.new_empty_strided",
+    "aten.new_zeros",
+    "aten.new_ones",
+    "aten.new_full",
+    "aten.scalar_tensor",
+    "aten.detach",
+    "aten.set_",
+}
+"""Operations that convert, copy or fill memory but compute nothing in their result's dtype."""
+
+
+def target_findings(ops: Iterable[OpRecord], target: Target, *, shown: int = 3) -> list[Finding]:
+    """``unsupported-dtype`` / ``emulated-dtype`` at each module (forward and backward) whose operations compute in a
+    dtype ``target`` does not compute natively: one finding per module and dtype, naming the first operations.
+
+    An operation computes in the floating dtypes of its results. Views, conversions (``.to()``, autocast's casts),
+    copies and fills compute nothing, and neither do operations that failed (those are ``runtime-dtype-error``).
+    """
+    from ..targets import finding_for
+
+    ops_at: dict[tuple[str, str], list[str]] = {}
+    for o in ops:
+        if o.error is not None or o.view or o.autocast_cast or o.name in NO_ARITHMETIC:
+            continue
+        for dtype in unique(d for d in o.outputs if is_floating(d)):
+            names = ops_at.setdefault((o.module, dtype), [])
+            if o.name not in names:
+                names.append(o.name)
+    out = []
+    for (module, dtype), names in ops_at.items():
+        f = finding_for(target, dtype, tensor=where(module))
+        if f is None:
+            continue
+        more = f", and {len(names) - shown} more" if len(names) > shown else ""
+        verb = "computes" if len(names) == 1 else "compute"
+        out.append(replace(f, message=f"{', '.join(names[:shown])}{more} {verb} in {dtype} here: {f.message}"))
     return out
 
 

@@ -285,6 +285,7 @@ class Recorder:
                 error=error,
                 continued_as=dtype_name(continued) if continued is not None else None,
                 promotion=None if error is not None else _promotion(func, inputs, outputs, args, kwargs),
+                view=bool(func.is_view),
             )
         )
         return out

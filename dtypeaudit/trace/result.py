@@ -49,6 +49,8 @@ class OpRecord:
     promotion: tuple[str, str] | None = None
     """``(narrow, wide)`` when a non-scalar floating input was silently widened: its result takes a wider dtype
     that another input brought, and no argument asked for a dtype."""
+    view: bool = False
+    """A view of an input (``t``, ``view``, ``expand``): it moves no data and computes nothing."""
 
     @property
     def name(self) -> str:
