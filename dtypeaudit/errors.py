@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .redact import redact
+
 _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
 
 
@@ -19,7 +21,8 @@ class DtypeAuditError(Exception):
         if self.hint:
             text += f" ({self.hint})"
         # Messages quote names from hostile files: control characters are shown escaped, never acted on.
-        return text.translate(_ESCAPES)
+        # A URL named in one is shown without its credentials.
+        return redact(text).translate(_ESCAPES)
 
     def __str__(self) -> str:
         return self.one_line()

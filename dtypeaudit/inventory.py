@@ -10,6 +10,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from .redact import redact
+
 Severity = Literal["error", "warning", "info"]
 SEVERITIES: tuple[Severity, ...] = ("info", "warning", "error")
 Kind = Literal["parameter", "buffer", "unknown"]
@@ -120,6 +122,8 @@ class Inventory:
     """Format-specific facts: ``config_dtype`` of a Hugging Face config, safetensors ``__metadata__``."""
     layout: Layout | None = field(default=None, compare=False, repr=False)
     """Where a single file's parts lie (None for directories, DCP and factories)."""
+    bytes_read: int | None = field(default=None, compare=False)
+    """Bytes read to build it (remote: bytes fetched, whole cached blocks included); None where nothing was read (a factory)."""
 
     def by_name(self) -> dict[str, TensorRecord]:
         return {t.name: t for t in self.tensors}
@@ -150,6 +154,13 @@ class CheckpointReport:
     """None, or the one-line reason the checkpoint could not be read."""
     inventory: Inventory | None
     findings: tuple[Finding, ...] = ()
+
+    def __post_init__(self) -> None:
+        # A path or an error may be a URL with credentials in it (a presigned URL, user:password@): reports never show them.
+        for name in ("path", "error"):
+            value = getattr(self, name)
+            if value and "://" in value:
+                object.__setattr__(self, name, redact(value))
 
     @property
     def tensors(self) -> tuple[TensorRecord, ...]:

@@ -1,54 +1,85 @@
-"""Readers, one module per container. Each turns a path into an Inventory without running checkpoint code.
+"""Readers, one module per container. Each turns a byte source into an Inventory without running checkpoint code.
 
 :func:`read_checkpoint` picks the reader from the content, never the extension, as torch.load and
-safetensors decide (see :mod:`.sniff`); a file that is two formats at once is refused.
+safetensors decide (see :mod:`.sniff`); a file that is two formats at once is refused. Every reader
+reads through a :class:`.source.Source`, local or remote (see :mod:`.source`), so a URL is audited by
+the same code as a file on disk.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import CheckpointError, DtypeAuditError
 from ..inventory import Inventory
-from . import dcp, directory, safetensors, torchzip
+from ..redact import redact
+from . import dcp, directory, safetensors, source, torchzip
 from .sniff import sniff
+from .source import AnyPath, Source
 
 
-def read_file(path: Path) -> Inventory:
-    kind = sniff(path)
-    if kind == "zip":
-        return torchzip.read_zip(path)
-    if kind == "legacy":
-        return torchzip.read_legacy(path)
-    if kind == "safetensors":
-        return safetensors.read(path)
-    return torchzip.read_pickle(path)
+def read_file(path: AnyPath | Source) -> Inventory:
+    """One file's inventory, its format decided by content; the source is opened once for sniffing and reading."""
+    with source.opened(path) as src:
+        kind = sniff(src)
+        if kind == "zip":
+            return torchzip.read_zip(src)
+        if kind == "legacy":
+            return torchzip.read_legacy(src)
+        if kind == "safetensors":
+            return safetensors.read(src)
+        return torchzip.read_pickle(src)
 
 
-def read_checkpoint(path: str | Path) -> Inventory:
-    """The inventory of a checkpoint file or directory; CheckpointError (one line) if it cannot be read."""
-    p = Path(path)
-    try:
-        if not p.exists():
-            raise CheckpointError("no such file or directory", path=str(p))
-        if p.is_dir():
-            if (p / ".metadata").is_file():
-                return dcp.read(p)
-            if directory.is_model_directory(p):
-                return directory.read(p, read_file)
-            raise CheckpointError(
-                "directory holds no checkpoint (no .metadata, no index, no *.safetensors or pytorch_model*.bin)", path=str(p)
-            )
-        return read_file(p)
-    except DtypeAuditError as exc:
-        if exc.path is None:
-            exc.path = str(p)
-        raise
-    except PermissionError:
-        raise CheckpointError("permission denied", path=str(p)) from None
-    except RecursionError:
-        raise CheckpointError("structure nests too deeply to read", path=str(p)) from None
-    except MemoryError:
-        raise CheckpointError("ran out of memory reading it", path=str(p)) from None
-    except OSError as exc:
-        raise CheckpointError(f"cannot read ({exc.strerror or exc})", path=str(p)) from None
+def read_checkpoint(path: str | AnyPath, *, label: str | None = None) -> Inventory:
+    """The inventory of a checkpoint file or directory, local or remote (a URL: ``s3://``, ``https://``, ``hf://``,
+    any fsspec protocol); CheckpointError (one line) if it cannot be read. ``bytes_read`` says how much was read.
+
+    ``label`` names it in the inventory instead of the path (a hub id read from a cache snapshot).
+    """
+    shown = label or (redact(path) if isinstance(path, str) and source.is_url(path) else None)
+    hub_meta: dict[str, object] = {}
+    with source.metered() as meter:
+        p: AnyPath = Path(path) if isinstance(path, str) and not source.is_url(path) else Path()
+        try:
+            if isinstance(path, str) and path.lower().startswith("hf://"):
+                from . import hub
+
+                found = hub.locate(path)
+                p = found.location
+                hub_meta = {"hub": {"read_from": found.source, "revision": found.revision}}
+            else:
+                p = source.locate(path)
+            shown = shown or str(p)
+            inv = _read(p, shown)
+        except DtypeAuditError as exc:
+            if exc.path is None:
+                exc.path = shown or str(p)
+            raise
+        except PermissionError:
+            raise CheckpointError("permission denied", path=shown or str(p)) from None
+        except RecursionError:
+            raise CheckpointError("structure nests too deeply to read", path=shown or str(p)) from None
+        except MemoryError:
+            raise CheckpointError("ran out of memory reading it", path=shown or str(p)) from None
+        except OSError as exc:
+            raise CheckpointError(f"cannot read ({exc.strerror or exc})", path=shown or str(p)) from None
+    out = replace(inv, bytes_read=meter.total)
+    if label is not None or (shown is not None and shown != inv.path):
+        out = replace(out, path=shown)
+    if hub_meta:
+        out = replace(out, metadata={**out.metadata, **hub_meta})
+    return out
+
+
+def _read(p: AnyPath, shown: str) -> Inventory:
+    if not p.exists():
+        raise CheckpointError("no such file or directory", path=shown)
+    if p.is_dir():
+        if (p / ".metadata").is_file():
+            return dcp.read(p)
+        if directory.is_model_directory(p):
+            return directory.read(p, read_file)
+        raise CheckpointError("directory holds no checkpoint (no .metadata, no index, no *.safetensors or pytorch_model*.bin)", path=shown)
+    return read_file(p)

@@ -6,22 +6,24 @@ persistent ids. torch.load refuses such a file (no zip signature, no legacy magi
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, LimitExceeded
 from ..inventory import Finding, Inventory
+from . import source
 from .picklevm import Opaque
+from .source import AnyPath, Source
 from .torchpickle import global_findings, module_findings, tensor_records, torch_vm, trailing_findings, walk
 
 MAX_PICKLE_BYTES = 1 << 30
 
 
-def read_pickle(path: Path) -> Inventory:
-    with path.open("rb") as fh:
-        data = fh.read(MAX_PICKLE_BYTES + 1)
-    if len(data) > MAX_PICKLE_BYTES:
-        raise LimitExceeded("bare pickle is over the 1 GiB cap", path=str(path))
+def read_pickle(where: AnyPath | Source) -> Inventory:
+    with source.opened(where) as src:
+        path = src.name
+        if src.size > MAX_PICKLE_BYTES:
+            raise LimitExceeded("bare pickle is over the 1 GiB cap", path=path)
+        data = src.read(0, src.size)
     vm = torch_vm(data, source=str(path), persistent=False, encoding="ASCII", torch_load=False)
     vm.persistent_load = _no_persistent(path)
     root, end = vm.load()
@@ -35,10 +37,10 @@ def read_pickle(path: Path) -> Inventory:
             "a bare pickle: torch.load refuses it (no zip signature, no legacy magic number), pickle.load runs it in full",
         )
     )
-    return Inventory(str(path), "pickle", tensor_records(found), tuple(findings), {})
+    return Inventory(path, "pickle", tensor_records(found), tuple(findings), {})
 
 
-def _no_persistent(path: Path) -> Any:
+def _no_persistent(path: str) -> Any:
     def load(pid: Any) -> Any:
         raise CheckpointError("a bare pickle refers to external storage; not a torch.save file", path=str(path))
 

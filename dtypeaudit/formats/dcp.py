@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 from .. import dtypes
 from ..errors import CheckpointError, LimitExceeded
 from ..inventory import Inventory, TensorRecord
 from .picklevm import Global, Opaque
+from .source import AnyPath, read_small
 from .torchpickle import global_findings, torch_vm
 
 MAX_METADATA_BYTES = 1 << 30
@@ -26,12 +26,12 @@ def _cls(value: Any) -> str:
     return value.callable.name if isinstance(value, Opaque) and isinstance(value.callable, Global) else ""
 
 
-def read(path: Path) -> Inventory:
+def read(path: AnyPath) -> Inventory:
     meta_path = path / ".metadata"
     size = meta_path.stat().st_size
     if size > MAX_METADATA_BYTES:
         raise LimitExceeded(".metadata is over the 1 GiB cap", path=str(meta_path))
-    vm = torch_vm(meta_path.read_bytes(), source=str(meta_path), persistent=False)
+    vm = torch_vm(read_small(meta_path, MAX_METADATA_BYTES), source=str(meta_path), persistent=False)
     root, _ = vm.load()
     if _cls(root) != "Metadata" or not isinstance(root.state, dict):
         raise CheckpointError("not a torch.distributed.checkpoint Metadata object", path=str(meta_path))
@@ -54,7 +54,7 @@ def read(path: Path) -> Inventory:
     return Inventory(str(path), "dcp", tuple(tensors), tuple(findings), {})
 
 
-def _dtype(props: Any, meta_path: Path, name: str) -> str:
+def _dtype(props: Any, meta_path: AnyPath, name: str) -> str:
     if _cls(props) == "TensorProperties":
         state = props.state
         value = state[0] if isinstance(state, tuple) and state else state.get("dtype") if isinstance(state, dict) else None

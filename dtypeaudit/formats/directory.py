@@ -9,6 +9,9 @@ and its index, in that order (``_get_resolved_checkpoint_files``), plus the conf
 Names that come from a file the user downloaded (an index's shards, ``transformers_weights``) are
 confined to the directory before they are opened. Where the index and the shards disagree, the
 report says so tensor by tensor.
+
+The directory may be remote (an S3 prefix, a repository on the hub): ``source.RemotePath`` answers the
+same questions from one listing per folder, and the shards are then read concurrently.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from ..errors import CheckpointError, DtypeAuditError, LimitExceeded
 from ..inventory import Finding, Inventory, TensorRecord, link_shared_storage
+from . import source
 from .jsonfile import DuplicateKey, loads_unique
+from .source import AnyPath, RemoteError, RemotePath
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -42,12 +47,12 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 _SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.(safetensors|bin)$")
 
 
-def _load_json(path: Path) -> Any:
+def _load_json(path: AnyPath) -> Any:
     if path.stat().st_size > MAX_JSON_BYTES:
         raise LimitExceeded("JSON file is over the 64 MiB cap", path=str(path))
 
     try:
-        return loads_unique(path.read_text(encoding="utf-8"))
+        return loads_unique(source.read_small(path, MAX_JSON_BYTES).decode("utf-8"))
     except DuplicateKey as exc:
         raise CheckpointError(f"'{exc.key}' is listed twice", path=str(path)) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -61,10 +66,13 @@ def _unsafe_name(name: str) -> bool:
 _CACHE_REPO = re.compile(r"^(models|datasets|spaces)--.+")
 
 
-def link_allowed(root: Path, resolved: Path) -> bool:
+def link_allowed(root: AnyPath, resolved: AnyPath) -> bool:
     """Whether a link under ``root`` may be followed to ``resolved``: inside ``root``, or, where ``root`` is a
     snapshot in the Hugging Face cache (``models--org--name/snapshots/<rev>/``, whose files huggingface_hub
-    lays out as links to ``../../blobs/<hash>``), into that same repository's ``blobs/``."""
+    lays out as links to ``../../blobs/<hash>``), into that same repository's ``blobs/``. Remote stores have
+    no links: a remote name is allowed where it stays under ``root``."""
+    if isinstance(root, RemotePath) or isinstance(resolved, RemotePath):
+        return isinstance(root, RemotePath) and isinstance(resolved, RemotePath) and resolved.is_relative_to(root)
     if resolved.is_relative_to(root.resolve()):
         return True
     here = root.absolute()
@@ -75,7 +83,11 @@ def link_allowed(root: Path, resolved: Path) -> bool:
     return False
 
 
-def confine(root: Path, name: str, *, origin: Path) -> Path:
+@overload
+def confine(root: Path, name: str, *, origin: AnyPath) -> Path: ...
+@overload
+def confine(root: RemotePath, name: str, *, origin: AnyPath) -> RemotePath: ...
+def confine(root: AnyPath, name: str, *, origin: AnyPath) -> AnyPath:
     """The shard ``name`` inside ``root``, refusing absolute paths, ``..`` and links that lead out (except a
     cache snapshot's links into its own blobs, see ``link_allowed``)."""
     if _unsafe_name(name):
@@ -87,6 +99,14 @@ def confine(root: Path, name: str, *, origin: Path) -> Path:
     if not candidate.is_file():
         raise CheckpointError(f"shard '{name}' named by the index is missing", path=str(origin))
     return candidate
+
+
+def _relative(p: AnyPath, root: AnyPath) -> str:
+    if isinstance(p, RemotePath) and isinstance(root, RemotePath):
+        return p.relative_to(root).as_posix()
+    if isinstance(p, Path) and isinstance(root, Path):
+        return p.relative_to(root).as_posix()
+    raise ValueError(f"{p} is not under {root}")
 
 
 def _label(name: str) -> str:
@@ -112,18 +132,20 @@ class Resolution:
     """False where from_pretrained finds nothing to load and dtypeaudit reads the shards it sees instead."""
 
 
-def _config(path: Path) -> dict[str, Any]:
+def _config(path: AnyPath) -> dict[str, Any]:
     config = path / "config.json"
     if not config.is_file():
         return {}
     try:
         cfg = _load_json(config)
+    except RemoteError:
+        raise
     except (CheckpointError, OSError):
         return {}
     return cfg if isinstance(cfg, dict) else {}
 
 
-def _weight_map(path: Path, index_name: str) -> dict[str, str]:
+def _weight_map(path: AnyPath, index_name: str) -> dict[str, str]:
     index_path = path / index_name
     index = _load_json(index_path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -132,7 +154,7 @@ def _weight_map(path: Path, index_name: str) -> dict[str, str]:
     return weight_map
 
 
-def _sharded(path: Path, index_name: str, chosen: str) -> Resolution:
+def _sharded(path: AnyPath, index_name: str, chosen: str) -> Resolution:
     weight_map = _weight_map(path, index_name)
     # get_checkpoint_shard_files: sorted(set(weight_map.values())), each joined to the model directory
     # (not to the index's own folder); merged in that order, so a later shard wins a name.
@@ -142,9 +164,9 @@ def _sharded(path: Path, index_name: str, chosen: str) -> Resolution:
     return Resolution(tuple(_label(s) for s in shards), chosen, index_name, weight_map)
 
 
-def resolve(path: Path) -> Resolution | None:
+def resolve(path: AnyPath) -> Resolution | None:
     """The files ``from_pretrained(path)`` loads, or None where it finds none of its names."""
-    names = sorted(os.listdir(path))
+    names = sorted(source.listdir(path))
     if any(_DISTRIBUTED_SHARD.match(n) for n in names):
         # _get_resolved_distributed_checkpoint_files: every name ending .safetensors, sorted.
         files = tuple(n for n in names if n.endswith(".safetensors") and (path / n).is_file())
@@ -187,21 +209,21 @@ def resolve(path: Path) -> Resolution | None:
     return res
 
 
-def shard_files(path: Path) -> list[Path]:
-    safetensors = sorted(p for p in path.glob("*.safetensors") if p.is_file())
+def shard_files(path: AnyPath) -> list[AnyPath]:
+    safetensors: list[AnyPath] = sorted((p for p in path.glob("*.safetensors") if p.is_file()), key=lambda p: p.name)
     if safetensors:
         return safetensors
-    return sorted(p for p in path.glob("pytorch_model*.bin") if p.is_file())
+    return sorted((p for p in path.glob("pytorch_model*.bin") if p.is_file()), key=lambda p: p.name)
 
 
-def find_index(path: Path) -> Path | None:
+def find_index(path: AnyPath) -> AnyPath | None:
     for name in INDEX_NAMES:
         if (path / name).is_file():
             return path / name
     return None
 
 
-def _fallback(path: Path) -> Resolution | None:
+def _fallback(path: AnyPath) -> Resolution | None:
     """What dtypeaudit reads where from_pretrained finds none of its names (diffusers' folders, bare
     shards): every ``*.safetensors`` file, else every ``pytorch_model*.bin``."""
     shards = shard_files(path)
@@ -211,7 +233,7 @@ def _fallback(path: Path) -> Resolution | None:
     return Resolution(names, ", ".join(names), from_pretrained=False)
 
 
-def is_model_directory(path: Path) -> bool:
+def is_model_directory(path: AnyPath) -> bool:
     """A config.json next to weights from_pretrained would load, an index, or shard files with a
     config.json or numbered like ``model-00001-of-00004``. A folder that merely holds a few
     unrelated checkpoints is not one model."""
@@ -230,10 +252,14 @@ def is_model_directory(path: Path) -> bool:
 # -- walking a tree -------------------------------------------------------------------------------
 
 
-def walk_files(root: Path, *, stop_at: Callable[[Path], bool] | None = None) -> Iterator[Path]:
+def walk_files(root: AnyPath, *, stop_at: Callable[[Any], bool] | None = None) -> Iterator[AnyPath]:
     """Every regular file under ``root`` in sorted order, skipping VCS folders and links that lead out
-    of ``root`` (a link to a folder is not entered). A folder below ``root`` for which ``stop_at`` is
-    true is yielded itself instead of entered."""
+    of ``root`` (a link to a folder is not entered; a cache snapshot's links into its blobs are followed,
+    see ``link_allowed``). A folder below ``root`` for which ``stop_at`` is true is yielded itself instead
+    of entered."""
+    if isinstance(root, RemotePath):
+        yield from root.walk(stop_at)
+        return
     top = root.resolve()
     stack = [root]
     while stack:
@@ -252,7 +278,8 @@ def walk_files(root: Path, *, stop_at: Callable[[Path], bool] | None = None) -> 
             try:
                 if entry.is_symlink():
                     target = p.resolve()
-                    if target.is_relative_to(top) and target.is_file():
+                    # inside the tree, or a Hugging Face cache snapshot's link into its own blobs/ (link_allowed)
+                    if (target.is_relative_to(top) or link_allowed(root, target)) and target.is_file():
                         yield p
                 elif entry.is_dir(follow_symlinks=False):
                     if entry.name not in SKIPPED_DIRS:
@@ -267,19 +294,26 @@ def walk_files(root: Path, *, stop_at: Callable[[Path], bool] | None = None) -> 
 # -- reading --------------------------------------------------------------------------------------
 
 
-def _unused(path: Path, res: Resolution, read_file: Callable[[Path], Inventory]) -> list[Finding]:
+def _unused(path: AnyPath, res: Resolution, read_file: Callable[[Any], Inventory]) -> list[Finding]:
     from .sniff import is_candidate
 
     used = {(path / f).resolve() for f in res.files}  # a blob the loader reads through a link is not unused
-    out = []
-    for p in walk_files(path):
-        label = p.relative_to(path).as_posix()
-        if p.resolve() in used or not (is_candidate(p) or p.name.endswith(_WEIGHT_SUFFIXES)):
-            continue
+    others = [p for p in walk_files(path) if p.resolve() not in used]
+
+    def holds_weights(p: AnyPath) -> bool:
+        if not (is_candidate(p) or p.name.endswith(_WEIGHT_SUFFIXES)):
+            return False
         try:
-            holds = bool(read_file(p).tensors)
+            return bool(read_file(p).tensors)
+        except RemoteError:
+            raise  # the network failed: say so, rather than guess
         except (DtypeAuditError, OSError, RecursionError, MemoryError):
-            holds = True  # unreadable: it may hold weights, and it is not looked at with the rest
+            return True  # unreadable: it may hold weights, and it is not looked at with the rest
+
+    holding = source.concurrent_map(holds_weights, others) if isinstance(path, RemotePath) else [holds_weights(p) for p in others]
+    out = []
+    for p, holds in zip(others, holding, strict=True):
+        label = _relative(p, path)
         if not holds:
             continue  # training_args.bin, a tokenizer pickle: nothing a loader takes for weights
         if res.from_pretrained:
@@ -290,15 +324,18 @@ def _unused(path: Path, res: Resolution, read_file: Callable[[Path], Inventory])
     return out
 
 
-def read(path: Path, read_file: Callable[[Path], Inventory]) -> Inventory:
+def read(path: AnyPath, read_file: Callable[[Any], Inventory]) -> Inventory:
     res = resolve(path) or _fallback(path)
     if res is None:
         raise CheckpointError("directory holds no checkpoint: no index, no *.safetensors, no pytorch_model*.bin", path=str(path))
     findings: list[Finding] = []
     tensors: list[TensorRecord] = []
     holder: dict[str, str] = {}
-    for label in res.files:
-        inv = read_file(path / label)
+    shards = [path / label for label in res.files]
+    # Remote shards are read at once (their headers are a round trip each); the first failure in file order is raised.
+    invs = source.concurrent_map(read_file, shards) if isinstance(path, RemotePath) else None
+    for i, label in enumerate(res.files):
+        inv = invs[i] if invs is not None else read_file(shards[i])
         findings.extend(f if f.file else Finding(**{**f.__dict__, "file": label}) for f in inv.findings)
         for t in inv.tensors:
             if t.name in holder:

@@ -9,14 +9,16 @@ size its first record gave. Storage sizes are checked by seeking; tensor bytes a
 
 from __future__ import annotations
 
-import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import CheckpointError
 from ..inventory import Finding, Inventory, Layout
+from . import source
 from .picklevm import Opaque, PickleVM, Trace
+from .source import AnyPath, Source
 from .torchpickle import StorageRef, global_findings, module_findings, tensor_records, torch_vm, walk
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -37,7 +39,7 @@ def is_legacy_magic(value: object) -> bool:
     return type(value) is int and value == LEGACY_MAGIC
 
 
-def legacy_header(buf: bytes | mmap.mmap, path: Path) -> LegacyHeader:
+def legacy_header(buf: Any, path: Path | str) -> LegacyHeader:
     vm = PickleVM(buf, source=str(path))
     magic, pos = vm.load(0)
     if not is_legacy_magic(magic):
@@ -49,7 +51,7 @@ def legacy_header(buf: bytes | mmap.mmap, path: Path) -> LegacyHeader:
     return LegacyHeader(pos, vm.trace, sys_info)
 
 
-def legacy_storage_keys(buf: bytes | mmap.mmap, pos: int, path: Path) -> tuple[list[str], int, Trace]:
+def legacy_storage_keys(buf: Any, pos: int, path: Path | str) -> tuple[list[str], int, Trace]:
     """The list of storage keys that follows the main pickle, and where the storage data starts."""
     vm = PickleVM(buf, source=str(path))
     keys, end = vm.load(pos)
@@ -58,15 +60,17 @@ def legacy_storage_keys(buf: bytes | mmap.mmap, pos: int, path: Path) -> tuple[l
     return keys, end, vm.trace
 
 
-def read_legacy(path: Path) -> Inventory:
-    try:
-        with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return _read_legacy(path, mm)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot map the file ({exc})", path=str(path)) from None
+def read_legacy(where: AnyPath | Source) -> Inventory:
+    with source.opened(where) as src:
+        try:
+            mm = src.view()
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot map the file ({exc})", path=src.name) from None
+        return _read_legacy(src, mm)
 
 
-def _read_legacy(path: Path, mm: mmap.mmap) -> Inventory:
+def _read_legacy(src: Source, mm: Any) -> Inventory:
+    path = src.name
     storages: list[StorageRef] = []
     header = legacy_header(mm, path)
     vm = torch_vm(mm, source=str(path), on_storage=storages.append, legacy=True)
@@ -74,7 +78,12 @@ def _read_legacy(path: Path, mm: mmap.mmap) -> Inventory:
     objects: list[Opaque] = []
     found = list(walk(root, on_object=objects.append))
     keys, pos, keys_trace = legacy_storage_keys(mm, pos, path)
+    src.note_span(0, pos)
+    if src.remote:
+        src.read_ranges(_count_ranges(pos, keys, storages))
     spans = storage_spans(mm, pos, keys, storages, path)
+    for offset, _ in spans.values():
+        src.note_span(offset - 8, offset)
     findings: list[Finding] = []
     for trace in (header.trace, vm.trace, keys_trace):
         findings += global_findings(trace, weights_only_loader=True)
@@ -85,10 +94,26 @@ def _read_legacy(path: Path, mm: mmap.mmap) -> Inventory:
             Finding("loader-divergence", "info", "sys_info says big-endian, but torch reads legacy files in the machine's byte order")
         )
     layout = Layout("legacy", spans, pickle_offset=header.main)
-    return Inventory(str(path), "torch-legacy", tensor_records(found), tuple(findings), metadata, layout)
+    return Inventory(path, "torch-legacy", tensor_records(found), tuple(findings), metadata, layout)
 
 
-def storage_spans(mm: mmap.mmap, pos: int, keys: list[str], storages: list[StorageRef], path: Path) -> dict[str, tuple[int, int]]:
+def _count_ranges(pos: int, keys: list[str], storages: list[StorageRef]) -> list[tuple[int, int]]:
+    """Where each storage's 8-byte element count should lie, if every storage is the size the pickle says:
+    fetched at once, before ``storage_spans`` checks them one by one."""
+    nbytes: dict[str, int] = {}
+    for s in storages:
+        if s.key not in nbytes or not nbytes[s.key]:
+            nbytes[s.key] = s.nbytes
+    out = []
+    for key in keys:
+        if key not in nbytes:
+            break
+        out.append((pos, 8))
+        pos += 8 + nbytes[key]
+    return out
+
+
+def storage_spans(mm: Any, pos: int, keys: list[str], storages: list[StorageRef], path: Path | str) -> dict[str, tuple[int, int]]:
     """Storage key -> (offset, length) of its bytes, walking the count headers from ``pos``."""
     by_key: dict[str, StorageRef] = {}
     for s in storages:

@@ -14,13 +14,14 @@ import math
 import re
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from .. import dtypes
 from ..errors import CheckpointError, LimitExceeded
 from ..inventory import Inventory, Layout, TensorRecord
+from . import source
 from .jsonfile import DuplicateKey
+from .source import AnyPath, RemoteError, Source
 
 MAX_HEADER_BYTES = 100_000_000
 """The crate's ``MAX_HEADER_SIZE``: a longer header is refused."""
@@ -144,21 +145,26 @@ def _loads(text: str) -> Any:
 # -- the header -----------------------------------------------------------------------------------
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The parsed header and the offset where the data area starts."""
-    size = path.stat().st_size
-    with path.open("rb") as fh:
-        raw = fh.read(8)
-        if len(raw) < 8:
-            raise CheckpointError("file is too short to be safetensors", path=str(path))
-        (n,) = struct.unpack("<Q", raw)
-        if n > MAX_HEADER_BYTES:
-            raise LimitExceeded(f"safetensors header claims {n} bytes, over the {MAX_HEADER_BYTES}-byte cap", path=str(path))
-        if n > size - 8:
-            raise CheckpointError(
-                f"safetensors header claims {n} bytes but the file has {size - 8} after the length (truncated?)", path=str(path)
-            )
-        text = fh.read(n)
+def read_header(path: AnyPath | Source) -> tuple[dict[str, Any], int]:
+    """The parsed header and the offset where the data area starts: 8 bytes, then the header, nothing else."""
+    with source.opened(path) as src:
+        return _read_header(src)
+
+
+def _read_header(src: Source) -> tuple[dict[str, Any], int]:
+    path = src.name
+    size = src.size
+    raw = src.read(0, 8)
+    if len(raw) < 8:
+        raise CheckpointError("file is too short to be safetensors", path=str(path))
+    (n,) = struct.unpack("<Q", raw)
+    if n > MAX_HEADER_BYTES:
+        raise LimitExceeded(f"safetensors header claims {n} bytes, over the {MAX_HEADER_BYTES}-byte cap", path=str(path))
+    if n > size - 8:
+        raise CheckpointError(
+            f"safetensors header claims {n} bytes but the file has {size - 8} after the length (truncated?)", path=str(path)
+        )
+    text = src.read(8, n)
     try:
         header = _loads(text.decode("utf-8"))
     except UnicodeDecodeError:
@@ -180,7 +186,7 @@ def _usize(value: Any) -> bool:
     return type(value) is int and 0 <= value <= _U64_MAX
 
 
-def _code(name: str, raw: Any, path: Path) -> str:
+def _code(name: str, raw: Any, path: str) -> str:
     # serde reads an enum from its name, or from a one-key object whose value is null (a unit variant).
     if isinstance(raw, dict) and len(raw) == 1:
         ((raw, unit),) = raw.items()
@@ -191,7 +197,7 @@ def _code(name: str, raw: Any, path: Path) -> str:
     return raw
 
 
-def _entry(name: str, raw: Any, path: Path) -> Entry:
+def _entry(name: str, raw: Any, path: str) -> Entry:
     if isinstance(raw, list):
         # serde reads a struct from an array of its fields, in order: [dtype, shape, data_offsets].
         if len(raw) != len(_FIELDS):
@@ -218,7 +224,7 @@ def _entry(name: str, raw: Any, path: Path) -> Entry:
     return Entry(name, code, tuple(shape), offsets[0], offsets[1])
 
 
-def _check_size(entry: Entry, path: Path) -> None:
+def _check_size(entry: Entry, path: str) -> None:
     # The crate multiplies the shape left to right in u64 and refuses on overflow, even when a later 0
     # would make the product 0; then the bits, which must fill whole bytes.
     numel = 1
@@ -244,10 +250,16 @@ def _check_size(entry: Entry, path: Path) -> None:
         )
 
 
-def parse(path: Path) -> Header:
+def parse(path: AnyPath | Source) -> Header:
     """The header, checked as the crate checks it; CheckpointError where the crate would refuse the file."""
-    header, start = read_header(path)
-    data_size = path.stat().st_size - start
+    with source.opened(path) as src:
+        return _parse(src)
+
+
+def _parse(src: Source) -> Header:
+    path = src.name
+    header, start = _read_header(src)
+    data_size = src.size - start
     metadata = header.pop("__metadata__", None)
     if metadata is not None and (
         not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
@@ -272,10 +284,12 @@ def parse(path: Path) -> Header:
     return Header(tuple(entries), dict(metadata or {}), start)
 
 
-def accepts(path: Path) -> bool:
+def accepts(path: AnyPath | Source) -> bool:
     """Whether ``safetensors.safe_open`` would open the file (whatever torch makes of its dtypes)."""
     try:
         parse(path)
+    except RemoteError:
+        raise
     except (CheckpointError, OSError):
         return False
     return True
@@ -284,7 +298,7 @@ def accepts(path: Path) -> bool:
 # -- tensors as torch gets them -------------------------------------------------------------------
 
 
-def _record(entry: Entry, path: Path) -> TensorRecord:
+def _record(entry: Entry, path: str) -> TensorRecord:
     if entry.code in dtypes.SAFETENSORS_TORCHLESS:
         raise CheckpointError(
             f"tensor '{entry.name}' is {entry.code}, which safetensors can store but torch has no dtype for", path=str(path)
@@ -306,11 +320,13 @@ def _record(entry: Entry, path: Path) -> TensorRecord:
     return TensorRecord(name=entry.name, dtype=dtype, shape=tuple(shape), nbytes=entry.end - entry.begin, offset=entry.begin, stride=None)
 
 
-def read(path: Path, *, file_label: str = "") -> Inventory:
-    header = parse(path)
-    tensors = [_record(e, path) for e in header.entries]
+def read(path: AnyPath | Source, *, file_label: str = "") -> Inventory:
+    with source.opened(path) as src:
+        header = _parse(src)
+        name = src.name
+    tensors = [_record(e, name) for e in header.entries]
     layout = Layout("safetensors", {t.name: (header.start + t.offset, t.nbytes) for t in tensors})
     meta: dict[str, object] = {"safetensors_metadata": header.metadata}
     if file_label:
         tensors = [t.with_(file=file_label) for t in tensors]
-    return Inventory(str(path), "safetensors", tuple(tensors), (), meta, layout=layout)
+    return Inventory(name, "safetensors", tuple(tensors), (), meta, layout=layout)

@@ -9,15 +9,13 @@ parses. A file valid as two of these is refused: two loaders would read two diff
 
 from __future__ import annotations
 
-import mmap
-import os
 import struct
-from pathlib import Path
 from typing import IO, Any
 
 from ..errors import CheckpointError, LimitExceeded
-from . import safetensors
+from . import safetensors, source
 from .legacy import LEGACY_MAGIC, is_legacy_magic
+from .source import AnyPath, RemoteError, Source, SourceFile
 
 HEAD_BYTES = 64 << 10
 """Bytes read to name a format; a first pickle that runs past them is interpreted over the whole file."""
@@ -65,10 +63,13 @@ _TOO_BIG = (None, -1)
 # -- the pieces ---------------------------------------------------------------------------------
 
 
-def _head(path: Path, n: int) -> tuple[bytes, int]:
+def _head(src: Source, n: int) -> tuple[bytes, int]:
+    return src.read(0, n), src.size
+
+
+def _open(path: AnyPath) -> Source:
     try:
-        with path.open("rb") as fh:
-            return fh.read(n), os.fstat(fh.fileno()).st_size
+        return source.open_source(path)
     except IsADirectoryError:
         raise CheckpointError("is a directory", path=str(path)) from None
 
@@ -84,7 +85,7 @@ class _PastProbe(Exception):
 class _Capped:
     """A read-only file that refuses to be read past ``cap`` bytes (unless the file is no longer than that)."""
 
-    def __init__(self, fh: IO[bytes], size: int, cap: int) -> None:
+    def __init__(self, fh: IO[bytes] | SourceFile, size: int, cap: int) -> None:
         self.fh, self.size, self.cap = fh, size, cap
 
     def read(self, n: int | None = -1) -> bytes:
@@ -101,21 +102,22 @@ class _Capped:
         return self.fh.tell()
 
 
-def _tar(path: Path, size: int) -> str | None:
+def _tar(src: Source, size: int) -> str | None:
     """``"tar"`` where torch.load's ``tarfile.open(mode="r:")`` succeeds, ``"empty-tar"`` where it opens a
     tar of no members (a first block of zeros), None where it raises TarError and torch moves on."""
     import tarfile
 
-    with path.open("rb") as fh:
-        try:
-            with tarfile.open(fileobj=_Capped(fh, size, TAR_PROBE_BYTES), mode="r:", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
-                return "tar" if tar.firstmember is not None else "empty-tar"
-        except tarfile.TarError:
-            return None
-        except _PastProbe:
-            return "tar"  # a header claiming a megabyte of long name: a tar to tarfile, and refused as one
-        except Exception:
-            return "tar"  # torch.load would raise this same error out of tarfile: the file is unreadable to it
+    try:
+        with tarfile.open(fileobj=_Capped(SourceFile(src), size, TAR_PROBE_BYTES), mode="r:", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
+            return "tar" if tar.firstmember is not None else "empty-tar"
+    except tarfile.TarError:
+        return None
+    except _PastProbe:
+        return "tar"  # a header claiming a megabyte of long name: a tar to tarfile, and refused as one
+    except RemoteError:
+        raise  # a remote read failed: say so, rather than guess
+    except Exception:
+        return "tar"  # torch.load would raise this same error out of tarfile: the file is unreadable to it
 
 
 def _tar_block(head: bytes) -> bool:
@@ -131,27 +133,35 @@ def _tar_block(head: bytes) -> bool:
     return True
 
 
-def _first_pickle(path: Path, head: bytes, size: int) -> tuple[Any, int] | _NoPickle:
+def _first_pickle(src: Source, head: bytes, size: int) -> tuple[Any, int] | _NoPickle:
     """The value of the pickle at byte 0 and where it ends, interpreted (never run) by dtypeaudit's VM."""
     if head.startswith(_LEGACY_FAST):
         return LEGACY_MAGIC, len(_LEGACY_FAST)
     from .picklevm import PickleVM
 
     try:
-        return PickleVM(head, source=str(path)).load(0)
+        return PickleVM(head, source=src.name).load(0)
     except LimitExceeded:
         return _TOO_BIG
     except CheckpointError:
         if len(head) >= size:
             return _NO_PICKLE
     # It ran past the bytes read: the file decides. Any protocol, so no prefix is trusted.
+    vm = None
     try:
-        with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return PickleVM(mm, source=str(path)).load(0)
+        vm = PickleVM(src.view(), source=src.name)
+        return vm.load(0)
     except LimitExceeded:
         return _TOO_BIG
-    except (CheckpointError, OSError, ValueError):
+    except RemoteError:
+        raise  # the network failed, not the pickle
+    except CheckpointError:
         return _NO_PICKLE
+    except (OSError, ValueError):
+        return _NO_PICKLE
+    finally:
+        if vm is not None:
+            src.note_span(0, vm.pos)
 
 
 def _safetensors_plausible(head: bytes, size: int) -> bool:
@@ -168,47 +178,50 @@ def _safetensors_plausible(head: bytes, size: int) -> bool:
     return text.startswith(b"{") or (not text and len(head) < 8 + n)
 
 
-def _both(path: Path, formats: list[str]) -> CheckpointError:
+def _both(name: str, formats: list[str]) -> CheckpointError:
     what = " and ".join(_NAMES[f] for f in formats)
     if "safetensors" in formats:
         why = "torch.load and safetensors would read different tensors"
     else:
         why = "loaders would read different things from it"
-    return CheckpointError(f"is both {what}; {why}", path=str(path))
+    return CheckpointError(f"is both {what}; {why}", path=name)
 
 
 # -- the decisions ------------------------------------------------------------------------------
 
 
-def sniff(path: Path) -> str:
+def sniff(path: AnyPath | Source) -> str:
     """``zip``, ``legacy``, ``safetensors`` or ``pickle``; anything else raises a one-line CheckpointError."""
-    head, size = _head(path, HEAD_BYTES)
+    if not isinstance(path, Source):
+        with _open(path) as src:
+            return sniff(src)
+    src = path
+    name = src.name
+    head, size = _head(src, HEAD_BYTES)
     if not head:
-        raise CheckpointError("empty file (0 bytes); an interrupted download?", path=str(path))
+        raise CheckpointError("empty file (0 bytes); an interrupted download?", path=name)
     formats: list[str] = []
     if _is_zip(head):
         formats.append("zip")
-    tar = _tar(path, size)
+    tar = _tar(src, size)
     if tar is not None:
         formats.append("tar")
-    first = _first_pickle(path, head, size)
+    first = _first_pickle(src, head, size)
     # torch compares with !=: only an int equals the magic (a float cannot; it needs 75 bits of mantissa).
     if not isinstance(first, _NoPickle) and is_legacy_magic(first[0]):
         formats.append("legacy")
     plausible = _safetensors_plausible(head, size)
-    if plausible and formats and safetensors.accepts(path):
+    if plausible and formats and safetensors.accepts(src):
         formats.append("safetensors")
     if len(formats) > 1:
-        raise _both(path, formats)
+        raise _both(name, formats)
     if formats == ["tar"]:
         if tar == "empty-tar":
             raise CheckpointError(
                 "is not a checkpoint: it starts with a block of zero bytes, which torch.load takes for an empty tar archive",
-                path=str(path),
+                path=name,
             )
-        raise CheckpointError(
-            "is a tar archive (torch.save's pre-0.4 format, not supported); re-save it with a current torch", path=str(path)
-        )
+        raise CheckpointError("is a tar archive (torch.save's pre-0.4 format, not supported); re-save it with a current torch", path=name)
     if formats:
         return formats[0]
     if plausible:
@@ -222,16 +235,16 @@ def sniff(path: Path) -> str:
         return "pickle"  # a damaged pickle: its reader says where
     for magic, what in _NOT_CHECKPOINTS:
         if head.startswith(magic):
-            raise CheckpointError(f"is {what}", path=str(path))
+            raise CheckpointError(f"is {what}", path=name)
     text = head[:512].lstrip().lower()
     if text.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head")):
-        raise CheckpointError("is an HTML page, not a checkpoint (a login or error page saved in its place?)", path=str(path))
+        raise CheckpointError("is an HTML page, not a checkpoint (a login or error page saved in its place?)", path=name)
     if text.startswith((b"{", b"[")):
-        raise CheckpointError("is a JSON file, not a checkpoint", path=str(path))
-    raise CheckpointError(f"is not a checkpoint: unrecognised content starting {head[:8]!r}", path=str(path))
+        raise CheckpointError("is a JSON file, not a checkpoint", path=name)
+    raise CheckpointError(f"is not a checkpoint: unrecognised content starting {head[:8]!r}", path=name)
 
 
-def _zip_may_hold_pickles(path: Path) -> bool:
+def _zip_may_hold_pickles(src: Source) -> bool:
     """Whether a zip archive may hold a pickle; True unless Python's zipfile lists it cleanly without one.
 
     miniz (torch's reader) looks names up case-insensitively, so ``.PKL`` counts.
@@ -239,34 +252,39 @@ def _zip_may_hold_pickles(path: Path) -> bool:
     import zipfile
 
     try:
-        with zipfile.ZipFile(path) as zf:
+        with zipfile.ZipFile(SourceFile(src)) as zf:
             return any(name.lower().endswith(".pkl") for name in zf.namelist())
     except Exception:
         return True
 
 
-def is_candidate(path: Path) -> bool:
+def is_candidate(path: AnyPath) -> bool:
     """Whether a file found by walking a directory should be scanned: its content may be a checkpoint
     (or its name says it should be one). Reads a few hundred bytes; only pickles without a protocol
     header (protocols 0 and 1) are interpreted further."""
     if path.suffix.lower() in _CHECKPOINT_SUFFIXES:
         return True
     try:
-        head, size = _head(path, WALK_HEAD_BYTES)
+        with _open(path) as src:
+            return _candidate(src)
     except (OSError, CheckpointError):
         return True  # cannot look: say so by scanning it, rather than pass it over
+
+
+def _candidate(src: Source) -> bool:
+    head, size = _head(src, WALK_HEAD_BYTES)
     if not head:
         return False
     if head.startswith(_ZIP_LOCAL):
-        return _zip_may_hold_pickles(path)
+        return _zip_may_hold_pickles(src)
     if head[0] == 0x80 and len(head) > 1 and head[1] <= 5:
         return True  # a pickle with a protocol header: legacy torch.save or a bare pickle
     if _safetensors_plausible(head, size) or _tar_block(head):
         return True
     if head[:1] not in _PICKLE_OPCODES:
         return False
-    more, size = _head(path, HEAD_BYTES)
-    return not isinstance(_first_pickle(path, more, size), _NoPickle)
+    more, size = _head(src, HEAD_BYTES)
+    return not isinstance(_first_pickle(src, more, size), _NoPickle)
 
 
 # Bytes a pickle can start with (pickletools' opcode codes, protocols 0 to 5).

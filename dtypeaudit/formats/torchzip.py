@@ -11,13 +11,14 @@ to torch.jit.load. Every pickle in the archive is interpreted for its globals, n
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from ..errors import CheckpointError
 from ..inventory import Finding, Inventory, Layout
+from . import source
 from .barepickle import read_pickle
 from .legacy import read_legacy
 from .picklevm import Global, Opaque, PickleVM
+from .source import AnyPath, Source
 from .torchpickle import Found, StorageRef, global_findings, module_findings, tensor_records, torch_vm, trailing_findings, walk
 from .ziparchive import Entry, ZipArchive
 
@@ -26,7 +27,7 @@ MIN_VERSION, MAX_VERSION = 1, 10
 """The archive format versions torch 2.13's reader accepts (caffe2/serialize/versions.h)."""
 
 
-def _prefix(za: ZipArchive, path: Path) -> str:
+def _prefix(za: ZipArchive, path: str) -> str:
     if not za.entries:
         raise CheckpointError("zip archive is empty", path=str(path))
     first = za.entries[0].name
@@ -47,7 +48,7 @@ def _read(za: ZipArchive, entry: Entry, cap: int = MAX_PICKLE_BYTES) -> bytes:
     return za.read(entry, cap)
 
 
-def _version(za: ZipArchive, prefix: str, path: Path) -> None:
+def _version(za: ZipArchive, prefix: str, path: str) -> None:
     entry = _record(za, prefix, ".data/version") or _record(za, prefix, "version")
     if entry is None:
         raise CheckpointError("zip archive has no version record; torch refuses it", path=str(path))
@@ -60,7 +61,7 @@ def _version(za: ZipArchive, prefix: str, path: Path) -> None:
         raise CheckpointError(what, path=str(path))
 
 
-def _check_storages(za: ZipArchive, prefix: str, storages: list[StorageRef], path: Path) -> dict[str, tuple[int, int]]:
+def _check_storages(za: ZipArchive, prefix: str, storages: list[StorageRef], path: str) -> dict[str, tuple[int, int]]:
     """Each storage's record, which torch requires to be stored and exactly the size the pickle says."""
     spans: dict[str, tuple[int, int]] = {}
     for ref in storages:
@@ -95,7 +96,7 @@ def _torchscript_kinds(za: ZipArchive, prefix: str) -> dict[str, dict[str, str]]
     return kinds
 
 
-def _other_pickles(za: ZipArchive, main: Entry, path: Path, *, torchscript: bool) -> list[Finding]:
+def _other_pickles(za: ZipArchive, main: Entry, path: str, *, torchscript: bool) -> list[Finding]:
     """Globals of every other pickle in the archive (a second data.pkl, constants.pkl, a stray .pkl)."""
     out: list[Finding] = []
     for entry in za.pickle_entries():
@@ -114,8 +115,9 @@ def _other_pickles(za: ZipArchive, main: Entry, path: Path, *, torchscript: bool
     return out
 
 
-def read_zip(path: Path) -> Inventory:
-    with ZipArchive.open(path) as za:
+def read_zip(where: AnyPath | Source) -> Inventory:
+    with source.opened(where) as src, ZipArchive.open(src) as za:
+        path = src.name
         first = za.entries[0].name if za.entries else ""
         main = za.find(first[: first.index("/") + 1] + "data.pkl") if "/" in first else None
         if main is None:
@@ -166,7 +168,7 @@ def read_zip(path: Path) -> Inventory:
         return Inventory(str(path), "torch-zip", tensor_records(found), tuple(findings), metadata, layout)
 
 
-def _foreign_zip(za: ZipArchive, path: Path) -> Inventory:
+def _foreign_zip(za: ZipArchive, path: str) -> Inventory:
     """A zip that is no torch archive: still report what its pickles would call, else say what it is not."""
     if not za.entries:
         raise CheckpointError("zip archive is empty", path=str(path))

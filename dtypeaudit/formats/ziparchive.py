@@ -6,20 +6,22 @@ bytes, decodes names as cp437, looks names up case-sensitively). Where miniz's r
 mirrors it; where a file could honestly be read two ways it raises ``CheckpointError`` with one line.
 
 Opening touches only the end records, the central directory and each member's 30-byte local header and
-name, never member data, so a 10 GB archive opens as fast as a small one.
+name, never member data, so a 10 GB archive opens as fast as a small one. It reads through a byte source
+(``source.py``): locally the file's mapping and ``pread``; remotely a block cache, with every member's
+local header fetched at once, so a remote archive costs a handful of round trips.
 """
 
 from __future__ import annotations
 
-import mmap
-import os
 import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from ..errors import CheckpointError, LimitExceeded
+from .source import LocalSource, Source
 
 MAX_ENTRIES = 1_000_000
 """More entries than any checkpoint holds; the central directory of a hostile file costs at most this."""
@@ -60,7 +62,7 @@ class Entry:
     """The CRC-32 the central directory records (0 when torch.save ran with ``compute_crc32=False``)."""
 
 
-def _refuse(path: Path, message: str) -> CheckpointError:
+def _refuse(path: Path | str, message: str) -> CheckpointError:
     return CheckpointError(message, path=str(path))
 
 
@@ -70,37 +72,44 @@ def _ascii_lower(raw: bytes) -> bytes:
 
 
 class ZipArchive:
-    """A read-only, memory-mapped zip archive; use ``ZipArchive.open`` (also a context manager)."""
+    """A read-only zip archive over a byte source; use ``ZipArchive.open`` (also a context manager)."""
 
-    def __init__(self, path: Path, mm: mmap.mmap, entries: tuple[Entry, ...]) -> None:
-        self.path = path
-        self._mm = mm
+    def __init__(self, src: Source, buf: Any, entries: tuple[Entry, ...], *, owned: bool = False) -> None:
+        self.source = src
+        self.path: Path | str = src.path if isinstance(src, LocalSource) else src.name
+        """The file (a local Path), or the remote source's name."""
+        self._mm = buf
+        self._owned = owned
         self.entries = entries
         """Central-directory order: torch takes the archive's folder name from the first entry."""
         self._by_name = {_ascii_lower(e.name.encode("utf-8")): e for e in entries}
 
     @classmethod
-    def open(cls, path: Path) -> ZipArchive:
-        path = Path(path)
-        try:
-            fh = open(path, "rb")  # closed below, once the headers are read
-        except OSError as exc:
-            raise _refuse(path, f"cannot read the file ({exc.strerror or exc})") from None
-        with fh:
+    def open(cls, path: Path | str | Source) -> ZipArchive:
+        """The archive at ``path`` (a local file), or in an open source, which stays the caller's to close."""
+        if isinstance(path, Source):
+            src, owned = path, False
+        else:
             try:
-                if fh.seek(0, 2) < _EOCD.size:
-                    raise _refuse(path, f"truncated zip archive: too short to be one ({fh.tell()} bytes); an incomplete download?")
-                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                src, owned = LocalSource(Path(path)), True
             except OSError as exc:
                 raise _refuse(path, f"cannot read the file ({exc.strerror or exc})") from None
+        try:
+            if src.size < _EOCD.size:
+                raise _refuse(src.name, f"truncated zip archive: too short to be one ({src.size} bytes); an incomplete download?")
             try:
-                return cls(path, mm, _read_entries(path, mm, fh.fileno()))
-            except BaseException:
-                mm.close()
-                raise
+                buf = src.view()
+            except (OSError, ValueError) as exc:
+                raise _refuse(src.name, f"cannot read the file ({getattr(exc, 'strerror', None) or exc})") from None
+            return cls(src, buf, _read_entries(src.name, buf, src), owned=owned)
+        except BaseException:
+            if owned:
+                src.close()
+            raise
 
     def close(self) -> None:
-        self._mm.close()
+        if self._owned:
+            self.source.close()
 
     def __enter__(self) -> ZipArchive:
         return self
@@ -122,6 +131,7 @@ class ZipArchive:
         if entry.size > cap:
             raise LimitExceeded(f"zip entry '{entry.name}' holds {entry.size} bytes, over the {cap}-byte cap", path=str(self.path))
         raw = self._mm[entry.data_offset : entry.data_offset + entry.compressed_size]
+        self.source.note_span(entry.data_offset, entry.data_offset + entry.compressed_size)
         if entry.method == 8:
             # miniz's extraction inflates into a buffer of exactly ``size`` bytes and fails unless the deflate
             # stream ends there (tinfl DONE and out == size); bytes after the stream's end are ignored by both.
@@ -181,21 +191,22 @@ class ZipArchive:
 _PROTO_HEADS = frozenset(bytes((0x80, p)) for p in range(2, 6))
 
 
-def _find_eocd(path: Path, mm: mmap.mmap) -> int:
+def _find_eocd(path: str, mm: Any, src: Source) -> int:
     """miniz's ``mz_zip_reader_locate_header_sig``: the last signature, scanning back from the end, after
     which a whole record fits, no further back than 64 KiB plus the record."""
     size = len(mm)
     start = max(0, size - (_U16 + _EOCD.size) - 4096)  # miniz reads in 4 KiB blocks, so may look a little further
     pos = mm.rfind(_SIG_EOCD, start, size - _EOCD.size + 4)
+    src.note_span(start, size)
     if pos < 0:
         raise _refuse(path, "no end-of-central-directory record: a truncated zip archive (an incomplete download?) or none at all")
     return pos
 
 
-def _read_entries(path: Path, mm: mmap.mmap, fd: int) -> tuple[Entry, ...]:
+def _read_entries(path: str, mm: Any, src: Source) -> tuple[Entry, ...]:
     size = len(mm)
-    eocd = _find_eocd(path, mm)
-    _, disk, cd_disk, count_disk, count, cd_size, cd_offset, comment_len = _EOCD.unpack_from(mm, eocd)
+    eocd = _find_eocd(path, mm, src)
+    _, disk, cd_disk, count_disk, count, cd_size, cd_offset, comment_len = _EOCD.unpack(mm[eocd : eocd + _EOCD.size])
     # miniz ignores the comment length: bytes past the comment hide where the archive ends, so the record
     # and its comment must end the file.
     if eocd + _EOCD.size + comment_len != size:
@@ -215,14 +226,14 @@ def _read_entries(path: Path, mm: mmap.mmap, fd: int) -> tuple[Entry, ...]:
     if loc >= 0 and mm[loc : loc + 4] == _SIG_LOC64:
         # Both readers then take every count, size and offset from the zip64 record. miniz finds it through
         # the locator's offset, zipfile just before the locator: they must be the same place.
-        _, loc_disk, rec, disks = _LOC64.unpack_from(mm, loc)
+        _, loc_disk, rec, disks = _LOC64.unpack(mm[loc : loc + _LOC64.size])
         if loc_disk != 0 or disks != 1:
             raise _refuse(
                 path, f"zip archive spans several disks (zip64 locator: disk {loc_disk} of {disks}); torch reads single-disk archives"
             )
         if rec != loc - _EOCD64.size or mm[rec : rec + 4] != _SIG_EOCD64:
             raise _refuse(path, f"zip64 end record is not where its locator points (offset {rec}); {_DISAGREE} on which record is used")
-        _, rec_size, _, _, disk64, cd_disk64, count_disk64, count64, cd_size64, cd_offset64 = _EOCD64.unpack_from(mm, rec)
+        _, rec_size, _, _, disk64, cd_disk64, count_disk64, count64, cd_size64, cd_offset64 = _EOCD64.unpack(mm[rec : rec + _EOCD64.size])
         if rec_size != _EOCD64.size - 12:
             raise _refuse(
                 path, f"zip64 end record carries {rec_size - (_EOCD64.size - 12)} bytes of extensible data; {_DISAGREE} on its layout"
@@ -255,19 +266,46 @@ def _read_entries(path: Path, mm: mmap.mmap, fd: int) -> tuple[Entry, ...]:
             f"zip archive's central directory is not where its end record says (offset {cd_offset} + size {cd_size} != {directory_end}): "
             f"bytes were inserted or prepended, and {_DISAGREE} (zipfile shifts offsets, torch does not)",
         )
-    entries = _read_directory(path, mm, fd, cd_offset, cd_size, count)
+    if src.remote:
+        src.prefetch([(cd_offset, cd_size)])
+        src.read_ranges(_header_ranges(mm, cd_offset, cd_size, count))
+    entries = _read_directory(path, mm, src, cd_offset, cd_size, count)
+    src.note_span(cd_offset, cd_offset + cd_size)
     _check_layout(path, entries, cd_offset)
     return entries
 
 
-def _read_directory(path: Path, mm: mmap.mmap, fd: int, cd_offset: int, cd_size: int, count: int) -> tuple[Entry, ...]:
+def _header_ranges(mm: Any, cd_offset: int, cd_size: int, count: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each member's local header and name, from the central directory read without
+    checks, to fetch them all at once before ``_read_directory`` reads them one by one, with every check."""
+    out: list[tuple[int, int]] = []
+    pos, end = cd_offset, cd_offset + cd_size
+    try:
+        for _ in range(count):
+            if pos + _CDH.size > end:
+                break
+            fields = _CDH.unpack(mm[pos : pos + _CDH.size])
+            if fields[0] != _SIG_CDH:
+                break
+            csize, usize, name_len, extra_len, comment_len, offset = *fields[8:13], fields[16]
+            if _U32 in (usize, csize, offset):
+                extra = mm[pos + _CDH.size + name_len : pos + _CDH.size + name_len + extra_len]
+                offset = _zip64_fields("", "", extra, usize, csize, offset)[2]
+            out.append((offset, _LFH.size + name_len))
+            pos += _CDH.size + name_len + extra_len + comment_len
+    except CheckpointError:
+        pass  # the checked read says what is wrong
+    return out
+
+
+def _read_directory(path: str, mm: Any, src: Source, cd_offset: int, cd_size: int, count: int) -> tuple[Entry, ...]:
     entries = []
     seen: dict[bytes, str] = {}
     pos, end = cd_offset, cd_offset + cd_size
     for i in range(count):
         if pos + _CDH.size > end or mm[pos : pos + 4] != _SIG_CDH:
             raise _refuse(path, f"zip central directory entry {i} is corrupt (no header signature at offset {pos})")
-        fields = _CDH.unpack_from(mm, pos)
+        fields = _CDH.unpack(mm[pos : pos + _CDH.size])
         flags, method, crc, csize, usize, name_len, extra_len, comment_len = fields[3], fields[4], *fields[7:13]
         disk_start, external_attr, header_offset = fields[13], fields[15], fields[16]
         name_at = pos + _CDH.size
@@ -300,7 +338,7 @@ def _read_directory(path: Path, mm: mmap.mmap, fd: int, cd_offset: int, cd_size:
         if (external_attr & _DOS_DIRECTORY or name.endswith("/")) and usize:
             # mz_zip_reader_extract_to_mem returns at once for a directory: torch would hand back unread memory
             raise _refuse(path, f"zip entry '{name}' is marked as a directory but holds {usize} bytes; torch reads no data for directories")
-        data_offset = _local_header(path, fd, name, raw, flags, header_offset)
+        data_offset = _local_header(path, src, name, raw, flags, header_offset)
         if data_offset + csize > len(mm):
             raise _refuse(path, f"zip entry '{name}' runs past the end of the file ({data_offset} + {csize} > {len(mm)} bytes)")
         entries.append(Entry(name, header_offset, data_offset, csize, usize, method, crc))
@@ -313,7 +351,7 @@ def _read_directory(path: Path, mm: mmap.mmap, fd: int, cd_offset: int, cd_size:
     return tuple(entries)
 
 
-def _decode_name(path: Path, raw: bytes, flags: int) -> str:
+def _decode_name(path: str, raw: bytes, flags: int) -> str:
     try:
         name = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -328,7 +366,7 @@ def _decode_name(path: Path, raw: bytes, flags: int) -> str:
     return name
 
 
-def _zip64_fields(path: Path, name: str, extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
+def _zip64_fields(path: str, name: str, extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
     """miniz's ``mz_zip_file_stat_internal``: a field of 0xFFFFFFFF is read from the zip64 extra field, in the
     order size, compressed size, offset; the first such field counts (zipfile reads the same order)."""
     wanted = [v == _U32 for v in (usize, csize, offset)]
@@ -359,16 +397,17 @@ def _zip64_fields(path: Path, name: str, extra: bytes, usize: int, csize: int, o
     return values[0], values[1], values[2]
 
 
-def _local_header(path: Path, fd: int, name: str, raw: bytes, flags: int, offset: int) -> int:
+def _local_header(path: str, src: Source, name: str, raw: bytes, flags: int, offset: int) -> int:
     # Read with pread, not through the mapping: one small read per member keeps memory flat however
     # large the archive (a mapped page drags its cached neighbours into the process's resident set).
-    head = os.pread(fd, _LFH.size + len(raw), offset)
+    # A remote source has them already, fetched together (``_header_ranges``).
+    head = src.read(offset, _LFH.size + len(raw))
     if len(head) < _LFH.size:
         raise _refuse(path, f"zip entry '{name}': its local header offset {offset} lies past the end of the file")
     sig, _, local_flags, *_, name_len, extra_len = _LFH.unpack_from(head, 0)
     if sig != _SIG_LFH:
         raise _refuse(path, f"zip entry '{name}' has no local header at offset {offset} (bad signature)")
-    local_name = head[_LFH.size : _LFH.size + name_len] if name_len <= len(raw) else os.pread(fd, name_len, offset + _LFH.size)
+    local_name = head[_LFH.size : _LFH.size + name_len] if name_len <= len(raw) else src.read(offset + _LFH.size, name_len)
     if local_name != raw:
         # miniz never reads the local name; zipfile refuses a mismatch, other tools list the local one
         shown = bytes(local_name[:80]).decode("utf-8", "replace")
@@ -384,7 +423,7 @@ def _local_header(path: Path, fd: int, name: str, raw: bytes, flags: int, offset
     return offset + _LFH.size + name_len + extra_len
 
 
-def _check_layout(path: Path, entries: tuple[Entry, ...], cd_offset: int) -> None:
+def _check_layout(path: str, entries: tuple[Entry, ...], cd_offset: int) -> None:
     """Members may not share bytes with each other or the central directory, and the first starts the file:
     torch.load sends a file that does not open with a local header to its legacy reader."""
     spans = sorted(((e.header_offset, e.data_offset + e.compressed_size, e) for e in entries), key=lambda s: (s[0], s[1]))

@@ -53,6 +53,10 @@ def _checkpoint(console: Console, c: CheckpointReport, *, verbose: bool) -> None
             (f"  {c.format}", "dim"),
             f"  {len(tensors)} tensors · {human_count(sum(t.numel for t in unique))} elements"
             f" · {human_bytes(sum(t.nbytes for t in unique))}",
+            (
+                f"  ({human_bytes(c.inventory.bytes_read)} read)" if verbose and c.inventory and c.inventory.bytes_read is not None else "",
+                "dim",
+            ),
         )
     )
     if c.findings:

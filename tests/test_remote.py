@@ -1,0 +1,517 @@
+"""Remote checkpoints, against real servers started here: moto's S3 server (through s3fs, with AWS_ENDPOINT_URL as
+a user sets it) and a small HTTP server that honours ``Range``.
+
+What must hold: a remote scan's inventory is the local scan's of the same bytes; a 10 GB file costs under 1 MB
+of reads; a missing object, a server error, a timeout are one line each, exit 2 for that object, the others
+still reported; and no credential (an AWS secret key, a token or password in a URL) reaches any output.
+"""
+
+from __future__ import annotations
+
+import collections
+import http.server
+import io
+import json
+import pickle
+import re
+import shutil
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dtypeaudit.errors import CheckpointError
+from dtypeaudit.formats import read_checkpoint, source
+from dtypeaudit.render.json import report_dict
+from dtypeaudit.scan import expand, scan
+
+from .conftest import TinyCNN, TinyLM, write_sharded
+from .helpers import run_cli
+
+pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+ACCESS_KEY = "AKIADTYPEAUDITTEST42"
+SECRET_KEY = "dtypeaudit-secret-key-that-must-never-be-printed"
+URL_TOKEN = "tok-3a9f1c77e2b54d0c"
+URL_PASSWORD = "pw-never-shown-8d1e"
+TEN_GB = 10 << 30
+
+
+# -- checkpoints, written by the real writers ------------------------------------------------------
+
+
+def _sparse_zip(path: Path, members: list[tuple[str, bytes | int]]) -> None:
+    """A stored zip64 archive as torch.save lays one out; an int member is that many bytes left as a hole in a
+    sparse file, with CRC 0 (what torch.save writes with compute_crc32=False)."""
+    with path.open("wb") as f:
+        central = []
+        for name, data in members:
+            offset, raw = f.tell(), name.encode()
+            size = data if isinstance(data, int) else len(data)
+            crc = 0 if isinstance(data, int) else zlib.crc32(data)
+            extra = struct.pack("<HHQQ", 1, 16, size, size)
+            f.write(
+                struct.pack("<IHHHHHIIIHH", 0x04034B50, 45, 0, 0, 0, 0, crc, 0xFFFFFFFF, 0xFFFFFFFF, len(raw), len(extra)) + raw + extra
+            )
+            if isinstance(data, int):
+                f.seek(size, 1)
+            else:
+                f.write(data)
+            central.append((raw, crc, size, offset))
+        start = f.tell()
+        for raw, crc, size, offset in central:
+            extra = struct.pack("<HHQQQ", 1, 24, size, size, offset)
+            header = (0x02014B50, 45, 45, 0, 0, 0, 0, crc, 0xFFFFFFFF, 0xFFFFFFFF, len(raw), len(extra), 0, 0, 0, 0, 0xFFFFFFFF)
+            f.write(struct.pack("<IHHHHHHIIIHHHHHII", *header) + raw + extra)
+        end, n = f.tell(), len(central)
+        f.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, end - start, start))
+        f.write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
+        f.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, 0xFFFFFFFF, 0xFFFFFFFF, 0))
+
+
+class _Ref:
+    def __init__(self, key: str, numel: int) -> None:
+        self.key, self.numel = key, numel
+
+
+class _Tensor:
+    def __init__(self, ref: _Ref) -> None:
+        self.ref = ref
+
+    def __reduce__(self) -> Any:
+        return torch._utils._rebuild_tensor_v2, (self.ref, 0, (self.ref.numel,), (1,), False, collections.OrderedDict())
+
+
+class _TorchPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:  # torch.save's persistent ids for storages
+        return ("storage", torch.FloatStorage, obj.key, "cpu", obj.numel) if isinstance(obj, _Ref) else None
+
+
+def _ten_gb_zip(path: Path) -> Path:
+    """A torch.save archive holding one float32 tensor of 10 GiB (a hole on disk) and a small one."""
+    big = TEN_GB // 4
+    buf = io.BytesIO()
+    _TorchPickler(buf, protocol=2).dump({"big.weight": _Tensor(_Ref("0", big)), "small": _Tensor(_Ref("1", 3))})
+    records: list[tuple[str, bytes | int]] = [
+        ("archive/data.pkl", buf.getvalue()),
+        ("archive/.format_version", b"1"),
+        ("archive/.storage_alignment", b"64"),
+        ("archive/byteorder", b"little"),
+        ("archive/data/0", big * 4),
+        ("archive/data/1", struct.pack("<3f", 1, 2, 3)),
+        ("archive/version", b"3\n"),
+    ]
+    _sparse_zip(path, records)
+    return path
+
+
+def _ten_gb_safetensors(path: Path) -> Path:
+    header = json.dumps({"big.weight": {"dtype": "BF16", "shape": [TEN_GB // 2], "data_offsets": [0, TEN_GB]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + TEN_GB)
+    return path
+
+
+ZOO = ("all_dtypes_pt", "lightning_ckpt", "torchscript_pt", "training_pt", "tied_lm_pt", "hf_bin_dir", "dcp_dir")
+"""The session's checkpoints (tests/conftest.py), copied under their fixture's name."""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    root = tmp_path_factory.mktemp("remote")
+    for name in ZOO:
+        made = Path(request.getfixturevalue(name))
+        if made.is_dir():
+            shutil.copytree(made, root / name)
+        else:
+            shutil.copy(made, root / name)
+    torch.manual_seed(0)
+    cnn = TinyCNN().state_dict()
+    torch.save({"model": cnn, "step": 3}, root / "cnn.pt")
+    torch.save({k: v.half() for k, v in cnn.items()}, root / "legacy.pt", _use_new_zipfile_serialization=False)
+    save_file({k: v.contiguous() for k, v in cnn.items()}, str(root / "cnn.safetensors"), metadata={"format": "pt"})
+    lm = {k: v.clone() for k, v in TinyLM().state_dict().items() if k != "lm_head.weight"}
+    write_sharded(root / "hf-model", lm, 3)
+    shutil.copy(root / "cnn.pt", root / "hf-model" / "extra.pt")  # weights from_pretrained would not load
+    registry = root / "registry"
+    (registry / "run1").mkdir(parents=True)
+    shutil.copy(root / "cnn.pt", registry / "run1" / "last.ckpt")
+    shutil.copy(root / "legacy.pt", registry / "run1" / "weights")  # no suffix: found by content
+    (registry / "run1" / "notes.txt").write_text("not a checkpoint\n")
+    shutil.copytree(root / "hf-model", registry / "models" / "tiny-lm")
+    shutil.copy(root / "cnn.safetensors", registry / "models" / "loose.safetensors")
+    _ten_gb_safetensors(root / "big.safetensors")
+    _ten_gb_zip(root / "big.pt")
+    return root
+
+
+# -- a Range-honouring HTTP server ----------------------------------------------------------------
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """``/files/<name>`` as a static server with ranges; ``/error500/``, ``/flaky/`` (503 once per path),
+    ``/slow/`` (answers after 2 s) and ``/norange/`` (ignores Range) for the failures. Query strings are ignored."""
+
+    root: Path
+    served: collections.Counter[str]
+    requests: collections.Counter[str]
+    lock = threading.Lock()
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out in separate writes: no 40 ms wait for the ACK
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _answer(self, body: bool) -> None:
+        mode, _, name = self.path.split("?", 1)[0].lstrip("/").partition("/")
+        with self.lock:
+            self.requests[self.path.split("?", 1)[0]] += 1
+            first = self.requests[self.path.split("?", 1)[0]] == 1
+        if mode == "error500" or (mode == "flaky" and first):
+            self.send_response(500 if mode == "error500" else 503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if mode == "slow":
+            time.sleep(2)
+        path = self.root / name
+        if not path.is_file():
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        size = path.stat().st_size
+        start, end = 0, size - 1
+        m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        if m and mode != "norange":
+            start, end = int(m.group(1)), min(int(m.group(2)) if m.group(2) else size - 1, size - 1)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(end - start + 1))
+        self.send_header("Accept-Ranges", "bytes")
+        self.end_headers()
+        if body:
+            with path.open("rb") as f:
+                f.seek(start)
+                left = end - start + 1
+                while left > 0:
+                    chunk = f.read(min(left, 1 << 20))
+                    with self.lock:  # counted before it is sent, so a client that has it sees it counted
+                        self.served[name] += len(chunk)
+                    try:
+                        self.wfile.write(chunk)
+                    except (BrokenPipeError, ConnectionResetError):
+                        return
+                    left -= len(chunk)
+
+    def do_HEAD(self) -> None:
+        self._answer(False)
+
+    def do_GET(self) -> None:
+        self._answer(True)
+
+
+@pytest.fixture(scope="module")
+def web(files: Path) -> Iterator[tuple[str, type[_Handler]]]:
+    handler = type("Handler", (_Handler,), {"root": files, "served": collections.Counter(), "requests": collections.Counter()})
+    server_class = type("Server", (http.server.ThreadingHTTPServer,), {"request_queue_size": 128, "daemon_threads": True})
+    server = server_class(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# -- moto's S3 server ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3(files: Path) -> Iterator[dict[str, str]]:
+    """A bucket ``models`` on moto's S3 server holding the checkpoints; the environment a user would set for it."""
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+    }
+    mp = pytest.MonkeyPatch()
+    for k, v in env.items():
+        mp.setenv(k, v)
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"])
+    client.create_bucket(Bucket="models")
+    for p in sorted(files.rglob("*")):
+        if p.is_file() and not p.name.startswith("big."):
+            client.upload_file(str(p), "models", p.relative_to(files).as_posix())
+    try:
+        yield env
+    finally:
+        mp.undo()
+        source.forget()
+        server.stop()
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _doc(targets: list[str]) -> dict[str, Any]:
+    return report_dict(scan(targets, jobs=1))
+
+
+def _same(remote: dict[str, Any], local: dict[str, Any]) -> None:
+    """Equal inventories, findings and metadata: everything but where the bytes came from."""
+    drop = ("path", "bytes_read")
+    assert {k: v for k, v in remote.items() if k not in drop} == {k: v for k, v in local.items() if k not in drop}
+
+
+# -- S3 ------------------------------------------------------------------------------------------
+
+
+def test_s3_inventories_equal_the_local_scan(s3: dict[str, str], files: Path) -> None:
+    names = ["cnn.pt", "legacy.pt", "cnn.safetensors", "hf-model"]
+    remote = _doc([f"s3://models/{n}" for n in names])["checkpoints"]
+    local = _doc([str(files / n) for n in names])["checkpoints"]
+    assert [c["format"] for c in remote] == ["torch-zip", "torch-legacy", "safetensors", "hf-directory"]
+    for r, loc in zip(remote, local, strict=True):
+        assert r["error"] is None
+        _same(r, loc)
+    assert [c["path"] for c in remote] == [f"s3://models/{n}" for n in names]
+    # small files come whole in their first block; the directory's JSON files are read again when the
+    # directory is looked over for weights from_pretrained would not load
+    for c, name in zip(remote[:3], names, strict=False):
+        assert c["bytes_read"] == (files / name).stat().st_size
+    assert 0 < remote[3]["bytes_read"] < 2 * sum(p.stat().st_size for p in (files / "hf-model").iterdir())
+    assert [f["rule"] for f in remote[3]["findings"]] == ["unused-weights"]
+
+
+def test_s3_every_format_of_the_zoo(s3: dict[str, str], files: Path) -> None:
+    remote = _doc([f"s3://models/{n}" for n in ZOO])["checkpoints"]
+    local = _doc([str(files / n) for n in ZOO])["checkpoints"]
+    assert [c["format"] for c in remote] == ["torch-zip", "torch-zip", "torchscript", "torch-zip", "torch-zip", "hf-directory", "dcp"]
+    for r, loc in zip(remote, local, strict=True):
+        assert r["error"] is None, r["error"]
+        _same(r, loc)
+
+
+def test_s3_prefix_is_walked_by_content(s3: dict[str, str], files: Path) -> None:
+    remote = expand(["s3://models/registry"])
+    local = expand([str(files / "registry")])
+    assert [r.removeprefix("s3://models/registry/") for r in remote] == [Path(p).relative_to(files / "registry").as_posix() for p in local]
+    assert remote == [
+        "s3://models/registry/models/loose.safetensors",
+        "s3://models/registry/models/tiny-lm",
+        "s3://models/registry/run1/last.ckpt",
+        "s3://models/registry/run1/weights",
+    ]
+    for r, loc in zip(_doc(remote)["checkpoints"], _doc(local)["checkpoints"], strict=True):
+        _same(r, loc)
+
+
+def test_s3_missing_object_is_one_line_and_the_rest_is_reported(s3: dict[str, str]) -> None:
+    proc = run_cli("scan", "s3://models/cnn.pt", "s3://models/nope.pt", "s3://models/hf-model", "--format", "json", env=s3)
+    assert proc.returncode == 2, proc.stderr
+    doc = json.loads(proc.stdout)
+    errors = {c["path"]: c["error"] for c in doc["checkpoints"]}
+    assert errors["s3://models/cnn.pt"] is None and errors["s3://models/hf-model"] is None
+    assert errors["s3://models/nope.pt"] == "s3://models/nope.pt: no such file or directory"
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["dtypeaudit: error: s3://models/nope.pt: no such file or directory"]
+    assert SECRET_KEY not in proc.stdout + proc.stderr and ACCESS_KEY not in proc.stdout + proc.stderr
+
+
+def test_s3_prefix_named_with_a_slash(s3: dict[str, str], files: Path) -> None:
+    assert expand(["s3://models/hf-model/"]) == ["s3://models/hf-model"]  # as pathlib names a local "dir/"
+    (remote,) = _doc(["s3://models/hf-model/"])["checkpoints"]
+    _same(remote, _doc([str(files / "hf-model")])["checkpoints"][0])
+
+
+def test_s3_glob(s3: dict[str, str]) -> None:
+    assert expand(["s3://models/*.pt", "s3://models/hf-*"]) == ["s3://models/cnn.pt", "s3://models/legacy.pt", "s3://models/hf-model"]
+
+
+# -- HTTP ----------------------------------------------------------------------------------------
+
+
+def test_http_inventories_equal_the_local_scan(web: tuple[str, type[_Handler]], files: Path) -> None:
+    base, _ = web
+    names = ["cnn.pt", "legacy.pt", "cnn.safetensors"]
+    remote = _doc([f"{base}/files/{n}" for n in names])["checkpoints"]
+    local = _doc([str(files / n) for n in names])["checkpoints"]
+    for r, loc in zip(remote, local, strict=True):
+        assert r["error"] is None
+        _same(r, loc)
+
+
+@pytest.mark.parametrize("name", ["big.safetensors", "big.pt"])
+def test_a_10_gb_remote_file_reads_under_a_megabyte(web: tuple[str, type[_Handler]], files: Path, name: str) -> None:
+    base, handler = web
+    assert (files / name).stat().st_size > TEN_GB
+    handler.served.clear()
+    inv = read_checkpoint(f"{base}/files/{name}")
+    local = read_checkpoint(files / name)
+    assert inv.tensors == local.tensors and inv.findings == local.findings
+    assert sum(t.nbytes for t in inv.tensors) >= TEN_GB
+    assert inv.bytes_read is not None and inv.bytes_read < 1 << 20
+    assert handler.served[name] == inv.bytes_read  # what the server sent is what was counted
+    assert local.bytes_read is not None and local.bytes_read < 1 << 20
+
+
+def test_http_failures_are_one_line_each(web: tuple[str, type[_Handler]], monkeypatch: pytest.MonkeyPatch) -> None:
+    base, _ = web
+    monkeypatch.setenv("DTYPEAUDIT_REMOTE_RETRIES", "2")
+    doc = _doc([f"{base}/files/cnn.pt", f"{base}/files/missing.pt", f"{base}/error500/cnn.pt", f"{base}/files/cnn.safetensors"])
+    errors = [c["error"] for c in doc["checkpoints"]]
+    assert errors[0] is None and errors[3] is None
+    assert errors[1] == f"{base}/files/missing.pt: no such file or directory"
+    assert errors[2] == f"{base}/error500/cnn.pt: server error (HTTP 500) after 2 tries"
+
+
+def test_http_transient_errors_are_retried(web: tuple[str, type[_Handler]]) -> None:
+    base, handler = web
+    inv = read_checkpoint(f"{base}/flaky/cnn.safetensors")
+    assert inv.format == "safetensors" and handler.requests["/flaky/cnn.safetensors"] >= 2
+
+
+def test_http_timeout(web: tuple[str, type[_Handler]], monkeypatch: pytest.MonkeyPatch) -> None:
+    base, _ = web
+    monkeypatch.setenv("DTYPEAUDIT_REMOTE_TIMEOUT", "0.3")
+    monkeypatch.setenv("DTYPEAUDIT_REMOTE_RETRIES", "1")
+    with pytest.raises(CheckpointError) as err:
+        read_checkpoint(f"{base}/slow/cnn.pt?attempt=timeout")
+    assert err.value.one_line() == f"{base}/slow/cnn.pt?attempt=REDACTED: timed out (no answer within 0.3 s)"
+
+
+def test_a_server_that_ignores_ranges_is_refused_not_downloaded(web: tuple[str, type[_Handler]]) -> None:
+    base, handler = web
+    handler.served.clear()
+    # reads from the start take what they asked for from the full answer and stop
+    assert read_checkpoint(f"{base}/norange/big.safetensors").bytes_read == 64 << 10
+    # a zip is read from its end: refused rather than downloaded
+    with pytest.raises(CheckpointError) as err:
+        read_checkpoint(f"{base}/norange/big.pt")
+    assert err.value.one_line() == f"{base}/norange/big.pt: the server does not honour range requests; not downloading the whole file"
+    assert handler.served["big.safetensors"] + handler.served["big.pt"] < 64 << 20
+
+
+def test_no_credential_reaches_any_output(web: tuple[str, type[_Handler]], s3: dict[str, str]) -> None:
+    base, _ = web
+    host = base.removeprefix("http://")
+    targets = [
+        f"{base}/files/cnn.pt?X-Amz-Credential={ACCESS_KEY}&X-Amz-Signature={URL_TOKEN}",
+        f"http://user:{URL_PASSWORD}@{host}/files/cnn.safetensors",
+        f"{base}/files/missing.pt?token={URL_TOKEN}",
+        f"{base}/error500/cnn.pt?token={URL_TOKEN}",
+        f"http://user:{URL_PASSWORD}@{host}/files/nope.pt",
+        "s3://models/cnn.pt",
+        "s3://models/absent.pt",
+    ]
+    env = {**s3, "DTYPEAUDIT_REMOTE_RETRIES": "1"}
+    outputs = []
+    for fmt in ("json", "plain", "sarif", "github", "junit", "markdown"):
+        proc = run_cli("scan", *targets, "--format", fmt, "--verbose", env=env)
+        assert proc.returncode == 2, proc.stderr
+        outputs.append((proc.stdout, proc.stderr))
+    doc = json.loads(outputs[0][0])
+    assert [c["error"] is None for c in doc["checkpoints"]] == [True, True, False, False, False, True, False]
+    assert doc["checkpoints"][1]["path"] == f"http://REDACTED@{host}/files/cnn.safetensors"
+    for out, err in outputs:
+        assert len([line for line in err.splitlines() if line.startswith("dtypeaudit: error:")]) == 4
+        for secret in (SECRET_KEY, ACCESS_KEY, URL_TOKEN, URL_PASSWORD):
+            assert secret not in out and secret not in err
+
+
+def test_worker_processes_read_remote_targets(web: tuple[str, type[_Handler]], files: Path) -> None:
+    base, _ = web
+    targets = [f"{base}/files/cnn.safetensors?copy={i}" for i in range(17)]  # past fleet.SERIAL_BELOW: worker processes
+    proc = run_cli("scan", *targets, "--jobs", "2", "--format", "json")
+    assert proc.returncode in (0, 1), proc.stderr
+    local = _doc([str(files / "cnn.safetensors")])["checkpoints"][0]
+    checkpoints = json.loads(proc.stdout)["checkpoints"]
+    assert [c["path"] for c in checkpoints] == [f"{base}/files/cnn.safetensors?copy=REDACTED"] * 17
+    for c in checkpoints:
+        _same(c, local)
+
+
+def test_bytes_read_is_shown_with_verbose_only(web: tuple[str, type[_Handler]]) -> None:
+    base, _ = web
+    quiet = run_cli("scan", f"{base}/files/cnn.safetensors", "--format", "plain")
+    loud = run_cli("scan", f"{base}/files/cnn.safetensors", "--format", "plain", "--verbose")
+    assert " read)" not in quiet.stdout.splitlines()[0]
+    assert re.search(r"\(\d[\d.]* (B|KiB) read\)", loud.stdout.splitlines()[0])
+
+
+def test_local_scans_report_bytes_read_too(files: Path) -> None:
+    doc = _doc([str(files / "cnn.safetensors"), str(files / "hf-model")])
+    for c in doc["checkpoints"]:
+        assert c["bytes_read"] > 0
+
+
+def test_unknown_protocols_and_missing_backends_are_one_line() -> None:
+    proc = run_cli("scan", "nosuchproto://bucket/x.pt")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("dtypeaudit: error:")
+    assert "nosuchproto" in proc.stderr
+
+
+def test_module_imports_stay_light() -> None:
+    """A local scan imports neither fsspec nor a backend: remote support costs local users nothing."""
+    proc = run_cli(
+        "scan",
+        "sample_models/cnn_fp32.pt",
+        env={"PYTHONPROFILEIMPORTTIME": "1"},
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert proc.returncode in (0, 1)
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert not {"fsspec", "s3fs", "aiohttp", "huggingface_hub"} & imported
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("s3://bucket/key.pt", "s3://bucket/key.pt"),
+        ("https://u:p@host/m.pt", "https://REDACTED@host/m.pt"),
+        (
+            "https://b.s3.amazonaws.com/m.pt?X-Amz-Credential=AKIA/x&X-Amz-Signature=abc&versionId=7",
+            "https://b.s3.amazonaws.com/m.pt?X-Amz-Credential=REDACTED&X-Amz-Signature=REDACTED&versionId=7",
+        ),
+        ("https://h/m.pt?sig=1#access_token=2", "https://h/m.pt?sig=REDACTED#REDACTED"),
+        ("hf://org/name@main/model.safetensors", "hf://org/name@main/model.safetensors"),
+        ("https://h/m.pt?token=abc: not found (HTTP 404)", "https://h/m.pt?token=REDACTED: not found (HTTP 404)"),
+        ("fetching https://h/a?k=v, then http://h/b", "fetching https://h/a?k=REDACTED, then http://h/b"),
+    ],
+)
+def test_redact(text: str, shown: str) -> None:
+    from dtypeaudit.redact import redact
+
+    assert redact(text) == shown
+
+
+def test_credential_values_of_the_environment_are_masked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dtypeaudit.redact import redact
+
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnop")
+    assert redact("bad token hf_abcdefghijklmnop given") == "bad token REDACTED given"
+    assert CheckpointError("rejected hf_abcdefghijklmnop", path="x").one_line() == "x: rejected REDACTED"
