@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 from . import dtypes, structure
@@ -338,7 +339,8 @@ def checks_for(policy: Policy | None) -> list[Check]:
     """Every check to run: the policy-free ones, plus the policy's when there is one (and its hardware ``target``)."""
     checks: list[Check] = [module_consistency, config_dtype]
     if policy is not None:
-        checks += [lambda inv: policy_findings(inv, policy), lambda inv: tied_conflicts(inv, policy)]
+        # partials, not closures: checks travel to worker processes and Dask workers (fleet.py) by pickle
+        checks += [partial(policy_findings, policy=policy), partial(tied_conflicts, policy=policy)]
         if policy.target is not None:
             from .targets import check_for
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
 
 import typer
 
@@ -121,6 +122,15 @@ FailOnOpt = Annotated[
     ),
 ]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show Python tracebacks for errors.")]
+ClusterOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--cluster",
+        help="Run the per-checkpoint work as tasks on a Dask distributed cluster: a scheduler address (tcp://host:8786) "
+        "or 'local' (a LocalCluster of --jobs worker processes). Inputs must be readable by the workers under the names given "
+        "(a shared filesystem, or URLs). Needs the dask extra: pip install 'dtypeaudit[dask]'.",
+    ),
+]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="List every tensor and every detail.")]
 
 
@@ -184,7 +194,9 @@ def scan(
     targets: Annotated[
         list[str],
         typer.Argument(
-            help="Checkpoint files, model directories, globs, or a factory (path/to/file.py:func, package.module:func).",
+            help="Checkpoint files, model directories, globs, URLs (s3://, gs://, https://, hf://, any fsspec protocol), "
+            "Hugging Face hub ids (org/name, org/name@revision: the local cache first), "
+            "or a factory (path/to/file.py:func, package.module:func).",
             show_default=False,
             metavar="TARGET...",
         ),
@@ -222,7 +234,11 @@ def scan(
             "value findings are info, since convert leaves optimizer state as it is.",
         ),
     ] = False,
-    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Checkpoints read in parallel (default: one per core).")] = None,
+    jobs: Annotated[
+        Optional[int],
+        typer.Option("--jobs", "-j", help="Checkpoints read in parallel, in local processes (default: one per core; 1: no workers)."),
+    ] = None,
+    cluster: ClusterOpt = None,
     strict: Annotated[
         bool,
         typer.Option(
@@ -249,11 +265,15 @@ def scan(
       dtypeaudit scan model.pt --strict
       dtypeaudit scan model.safetensors --target v100
       dtypeaudit scan mymodels/net.py:build_model
+      dtypeaudit scan s3://models/llama-3-8b/ --format json
+      dtypeaudit scan meta-llama/Llama-3.1-8B
+      dtypeaudit scan /shared/registry/ --cluster tcp://scheduler:8786 --format json -o audit.json
     """
 
     def body() -> None:
         from .scan import scan as run_scan
 
+        _require_torch_for_factories(targets, model, "scan")
         pol = _policy(policy, preset)
         severity = _severity(fail_on or (pol.fail_on if pol else None) or "error")
         if explain is not None:
@@ -276,16 +296,32 @@ def scan(
             policy_name=pol.source if pol else None,
             policy=pol,
             jobs=jobs,
+            cluster=cluster,
             raise_errors=debug,
             progress=progress,
             strict=strict or (pol.strict if pol else False),
         )
         chosen = fmt or (OutputFormat.plain if output else default_format())
+        # The report lives until exit: the collector need not walk it again each time the renderer allocates
+        # (a tenth of a 10,000-checkpoint scan's time went to that).
+        gc.freeze()
         emit(renderer_for(chosen, width=_terminal_width(), verbose=verbose)(report), output)
         _log_unreadable(report)
         raise typer.Exit(exitcodes.for_report(report))
 
     run_guarded(body, debug)
+
+
+def _require_torch_for_factories(targets: list[str], model: Optional[str], command: str) -> None:
+    """A factory (a target, or --model) builds a torch model: without torch, the one line that names the extra."""
+    from .extras import require
+    from .formats.factory import looks_like_factory
+
+    if model:
+        require("torch", f"dtypeaudit {command} --model")
+    for t in targets:
+        if looks_like_factory(t):
+            require("torch", f"dtypeaudit {command} {t}")
 
 
 def _progress_callback():
@@ -296,9 +332,11 @@ def _progress_callback():
 
     console = Console(stderr=True)
 
+    from .redact import redact  # a URL target may carry credentials: never shown
+
     def update(done: int, total: int, path: str) -> None:
         if total >= 4:
-            console.print(f"[dim]scanned {done}/{total}: {path}[/dim]", end="\r" if done < total else "\n", highlight=False)
+            console.print(f"[dim]scanned {done}/{total}: {redact(path)}[/dim]", end="\r" if done < total else "\n", highlight=False)
 
     return update
 
@@ -306,6 +344,7 @@ def _progress_callback():
 def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:
     from . import structure
     from .formats import factory
+    from .redact import redact
     from .render import explain as explain_render
     from .scan import expand, read_target
 
@@ -325,7 +364,7 @@ def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:
         if t is None:
             continue
         found = True
-        sys.stdout.write(f"{path}\n" + explain_render.render(pol, t))
+        sys.stdout.write(f"{redact(path)}\n" + explain_render.render(pol, t))
         from .policy import decide
 
         if not decide(pol, t).ok:
@@ -359,6 +398,7 @@ def policy_init(
         from .baseline import render_baseline
         from .scan import read_target
 
+        _require_torch_for_factories([checkpoint], None, "policy init")
         emit(render_baseline(read_target(checkpoint)), output)
 
     run_guarded(body, debug)
@@ -476,6 +516,7 @@ def diff(
         from .render.diff import render_json, render_text
         from .scan import read_target
 
+        _require_torch_for_factories([a, b], None, "diff")
         if fmt not in ("text", "json"):
             raise UsageError(f"--format must be text or json, not '{fmt}'")
         if tolerance is not None and not (tolerance >= 0 and math.isfinite(tolerance)):
@@ -491,12 +532,13 @@ def diff(
 
 @app.command()
 def convert(
-    source: Annotated[
-        str,
+    sources: Annotated[
+        list[str],
         typer.Argument(
-            help="A torch.save file (.pt .pth .bin .ckpt), a safetensors file or a Hugging Face directory.",
+            help="A torch.save file (.pt .pth .bin .ckpt), a safetensors file or a Hugging Face directory; several are each "
+            "converted, beside themselves or into the directory -o names, in --jobs processes or on --cluster.",
             show_default=False,
-            metavar="SOURCE",
+            metavar="SOURCE...",
         ),
     ],
     to: Annotated[str, typer.Option("--to", "-t", help="Target dtype: fp16, bf16 or fp32.", show_default=False)],
@@ -505,7 +547,8 @@ def convert(
         typer.Option(
             "--output",
             "-o",
-            help="Where to write (default: beside the source, e.g. model.fp16.pt). A .safetensors name changes the format.",
+            help="Where to write (default: beside the source, e.g. model.fp16.pt). A .safetensors name changes the format. "
+            "With several SOURCEs, an existing directory that receives each output under its default name.",
         ),
     ] = None,
     policy: PolicyOpt = None,
@@ -543,6 +586,10 @@ def convert(
         ),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    jobs: Annotated[
+        Optional[int], typer.Option("--jobs", "-j", help="With several SOURCEs: conversions run at once, in local processes (default 1).")
+    ] = None,
+    cluster: ClusterOpt = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Replace the source itself (atomically).")] = False,
     fmt: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
     verbose: VerboseOpt = False,
@@ -567,18 +614,44 @@ def convert(
       dtypeaudit convert model.pt --to fp16 --preset fp16-mixed
       dtypeaudit convert model.pt --to fp16 --dry-run
       dtypeaudit convert model.pt --to bf16 --dry-run --target t4
+      dtypeaudit convert runs/*/final.pt --to bf16 --jobs 4
+      dtypeaudit convert /shared/ft-*/ --to bf16 --cluster tcp://scheduler:8786
     """
 
     def body() -> None:
         from .conversion import convert as run_convert
+        from .extras import require
         from .render.convert import refusal_lines, render_json, render_text
 
+        require("torch", "dtypeaudit convert")
         if fmt not in ("text", "json"):
             raise UsageError(f"--format must be text or json, not '{fmt}'")
         if in_place and output is not None:
             raise UsageError("give --in-place or --output, not both")
         if target is not None and not dry_run:
             raise UsageError("--target checks a plan: give --dry-run too")
+        if model:
+            require("torch", "dtypeaudit convert --model")
+        options: dict[str, Any] = {
+            "policy": _policy(policy, preset),
+            "keep": tuple(keep or ()),
+            "include_optimizer": include_optimizer,
+            "strip_optimizer": strip_optimizer,
+            "clamp": clamp,
+            "keep_unsafe": keep_unsafe,
+            "dry_run": dry_run,
+            "force": force,
+            "in_place": in_place,
+            "max_shard_size": max_shard_size,
+            "model": model,
+        }
+        if len(sources) > 1 or jobs is not None or cluster is not None:
+            if target is not None:
+                raise UsageError("--target checks one plan: give one SOURCE")
+            raise typer.Exit(
+                _convert_many(sources, to, output, options, jobs=jobs, cluster=cluster, as_json=fmt == "json", verbose=verbose, debug=debug)
+            )
+        (source,) = sources
         hardware = None
         if target is not None:
             from .targets import resolve
@@ -586,23 +659,7 @@ def convert(
             hardware = resolve(target)
         progress = _ByteProgress() if sys.stderr.isatty() else None
         try:
-            result = run_convert(
-                source,
-                to,
-                output=output,
-                policy=_policy(policy, preset),
-                keep=tuple(keep or ()),
-                include_optimizer=include_optimizer,
-                strip_optimizer=strip_optimizer,
-                clamp=clamp,
-                keep_unsafe=keep_unsafe,
-                dry_run=dry_run,
-                force=force,
-                in_place=in_place,
-                progress_factory=progress,
-                max_shard_size=max_shard_size,
-                model=model,
-            )
+            result = run_convert(source, to, output=output, progress_factory=progress, **options)
         finally:
             if progress is not None:
                 progress.close()
@@ -618,6 +675,76 @@ def convert(
         raise typer.Exit(exitcodes.FINDINGS if result.blocked or unfit else exitcodes.CLEAN)
 
     run_guarded(body, debug)
+
+
+def _convert_many(
+    sources: list[str],
+    to: str,
+    output: Optional[Path],
+    options: dict,
+    *,
+    jobs: Optional[int],
+    cluster: Optional[str],
+    as_json: bool,
+    verbose: bool,
+    debug: bool,
+) -> int:
+    """``convert SOURCE...``: each source converted as in a single run, in ``jobs`` processes or on ``cluster``;
+    the reports in the order given, one line on stderr per source that could not be converted. Exit code: the worst."""
+    import json
+
+    from . import fleet
+    from .conversion import make_plan
+    from .conversion.atomic import default_output
+    from .inventory import Inventory
+    from .render.convert import refusal_lines, render_json, render_text
+
+    unique = list(dict.fromkeys(sources))
+    several = len(unique) > 1
+    outputs: dict[str, str] = {}
+    if output is not None and not several:
+        outputs[unique[0]] = str(output)
+    elif output is not None:
+        if not output.is_dir():
+            raise UsageError("with several SOURCEs, -o names an existing directory to write each output into", path=str(output))
+        target = make_plan(Inventory("", "torch-zip", ()), to).target  # what --to means, said by the planner
+        for src in unique:
+            dest = str(output / default_output(Path(src), target).name)
+            if dest in outputs.values():
+                raise UsageError(f"two sources would be written to {dest}; convert them into different directories")
+            outputs[src] = dest
+    work = fleet.ConvertWork(to, options, outputs, raise_errors=debug)
+    done = fleet.run(
+        fleet.convert_one,
+        unique,
+        work,
+        jobs=jobs or (None if cluster else 1),
+        cluster=cluster,
+        lost=fleet.convert_lost,
+    )
+    texts = []
+    docs = []
+    code = exitcodes.CLEAN
+    for c in done:
+        if c.error is not None:
+            docs.append({"schema": "dtypeaudit.convert/1", "source": c.source, "error": c.error})
+            code = exitcodes.ERROR
+            continue
+        docs.append(json.loads(render_json(c.result)))
+        texts.append(render_text(c.result, verbose=verbose))
+        if c.result.blocked and code == exitcodes.CLEAN:
+            code = exitcodes.FINDINGS
+    if several:
+        emit(json.dumps(docs, indent=2) + "\n" if as_json else "\n".join(texts), None)
+    elif done[0].error is None:  # one source: the output of a plain `convert SOURCE`
+        emit(render_json(done[0].result) if as_json else texts[0], None)
+    for c in done:
+        if c.error is not None:
+            typer.echo(f"dtypeaudit: error: {c.error}", err=True)
+        else:
+            for line in refusal_lines(c.result):
+                typer.echo(f"dtypeaudit: {line}", err=True)
+    return code
 
 
 class _ByteProgress:
@@ -659,7 +786,7 @@ class _ByteProgress:
 
 @app.command("trace")
 def trace_command(
-    target: Annotated[
+    model: Annotated[
         str,
         typer.Argument(
             help="The model: a factory (path/to/file.py:func or package.module:func; it runs, it is your code), "
@@ -718,14 +845,30 @@ def trace_command(
         Optional[list[str]],
         typer.Option(
             "--allow-promotion",
-            help="Module paths whose implicit promotion is meant (globs as in policies: '*.norm', 're:^layers\\.\\d+\\.ln'). Repeatable.",
+            help="Module paths whose implicit promotion is meant (globs as in policies: '*.norm', 're:^layers\\.\\d+\\.ln'). Repeatable; "
+            "adds to the policy's trace: allow_promotion.",
+        ),
+    ] = None,
+    policy: PolicyOpt = None,
+    preset: PresetOpt = None,
+    hardware: Annotated[
+        Optional[str],
+        typer.Option(
+            "--target",
+            help="A hardware target (`dtypeaudit targets`: t4, v100, a100, h100, mi300, mps, cpu, sm_XY ...): each module whose "
+            "operations compute in a dtype it cannot compute is an error (unsupported-dtype), one it only emulates a warning "
+            "(emulated-dtype); parameters and buffers too. Default: the policy's `target`.",
         ),
     ] = None,
     fmt: FormatOpt = None,
     output: OutputOpt = None,
     fail_on: Annotated[
         Optional[str],
-        typer.Option("--fail-on", help="Lowest finding severity that makes the run exit 1: error, warning or info. Default: error."),
+        typer.Option(
+            "--fail-on",
+            help="Lowest finding severity that makes the run exit 1: error, warning or info. "
+            "Default: the policy's trace: fail_on, else its fail_on, else error.",
+        ),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every module and every operation.")] = False,
     debug: DebugOpt = False,
@@ -743,15 +886,19 @@ def trace_command(
       dtypeaudit trace mymodels/net.py:build_model --checkpoint ckpt.pt --input 8x3x224x224 --autocast bf16
       dtypeaudit trace transformers:gpt2 --input input_ids=1x128:int64 --backward --format json
       dtypeaudit trace ./Llama-3-8B/ --autocast fp16 --backward --fail-on warning
+      dtypeaudit trace ./Llama-3-8B/ --policy release.yaml --target t4
     """
 
     def body() -> None:
+        from .extras import require
+
+        require("torch", "dtypeaudit trace")
         from .render.trace import renderer_for as trace_renderer_for
         from .trace import trace as run_trace
 
-        severity = _severity(fail_on or "error")
+        severity = _severity(fail_on) if fail_on is not None else None
         report = run_trace(
-            target,
+            model,
             inputs=tuple(inputs or ()),
             input_factory=input_factory,
             checkpoint=checkpoint,
@@ -761,6 +908,8 @@ def trace_command(
             default_dtype=default_dtype,
             allow_promotion=tuple(allow_promotion or ()),
             fail_on=severity,
+            policy=_policy(policy, preset),
+            target=hardware,
         )
         chosen = fmt or (OutputFormat.plain if output else default_format())
         emit(trace_renderer_for(chosen, width=_terminal_width(), verbose=verbose)(report), output)

@@ -9,26 +9,34 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import structure
-from .check import Check, strict_findings
-from .errors import DtypeAuditError, UsageError
-from .formats import directory, read_checkpoint
+from . import fleet
+from .check import Check
+from .errors import CheckpointError, LimitExceeded, UsageError
+from .formats import directory, hub, read_checkpoint, source
 from .formats import factory as factory_mod
 from .formats.sniff import is_candidate
+from .formats.source import AnyPath, RemotePath
 from .inventory import CheckpointReport, Inventory, Report, Severity
+from .redact import redact
 
 if TYPE_CHECKING:
     from .policy import Policy
 
-PARALLEL_THRESHOLD = 4
-
 
 def expand(targets: Iterable[str]) -> list[str]:
-    """Files, checkpoint directories, plain directories (searched for checkpoints) and globs, in order, once each."""
+    """Files, checkpoint directories, plain directories (searched for checkpoints) and globs, in order, once each.
+
+    URLs (``s3://``, ``gs://``, ``https://``, ``hf://``, any fsspec protocol) and hub ids (``org/name[@rev]``, where
+    no local path of that name exists) are expanded the same way: a prefix or repository that is no checkpoint
+    directory is walked, its objects looked at by content.
+    """
     out: list[str] = []
     for target in targets:
         if factory_mod.looks_like_factory(target):
             out.append(target)
+            continue
+        if source.is_url(target) or hub.is_hub_id(target):
+            out.extend(_expand_remote(target))
             continue
         matches = sorted(glob.glob(target, recursive=True)) if glob.has_magic(target) else [target]
         if not matches:
@@ -37,40 +45,74 @@ def expand(targets: Iterable[str]) -> list[str]:
             out.extend(_expand_one(Path(m)))
     unique: dict[str, str] = {}
     for p in out:
-        unique.setdefault(os.path.realpath(p) if os.path.exists(p) else p, p)
+        unique.setdefault(os.path.realpath(p) if not source.is_url(p) and os.path.exists(p) else p, p)
     return list(unique.values())
 
 
-def _is_checkpoint_dir(path: Path) -> bool:
+def _is_checkpoint_dir(path: AnyPath) -> bool:
     return (path / ".metadata").is_file() or directory.is_model_directory(path)
 
 
-def _expand_one(path: Path) -> list[str]:
+def _expand_one(path: AnyPath) -> list[str]:
     """A file or checkpoint directory as named; a plain directory is walked, and every regular file in it
     is looked at by content (not by suffix), skipping what is clearly not a checkpoint."""
     if not path.is_dir() or _is_checkpoint_dir(path):
-        return [str(path)]
-    found = [str(p) for p in directory.walk_files(path, stop_at=_is_checkpoint_dir) if p.is_dir() or is_candidate(p)]
+        return [source.target_string(path)]
+    walked = list(directory.walk_files(path, stop_at=_is_checkpoint_dir))
+
+    def wanted(p: AnyPath) -> bool:
+        return p.is_dir() or is_candidate(p)
+
+    keep = source.concurrent_map(wanted, walked) if isinstance(path, RemotePath) else [wanted(p) for p in walked]
+    found = [source.target_string(p) for p, k in zip(walked, keep, strict=True) if k]
     if not found:
         raise UsageError(f"no checkpoints found under directory '{path}'")
     return found
 
 
+_REMOTE_MAGIC = ("*", "[")
+"""Glob characters in a URL's path (not ``?``, which starts a query string)."""
+
+
+def _expand_remote(target: str) -> list[str]:
+    """A URL or hub id: a glob matched on the store, a folder that is no checkpoint walked, else the target as named.
+
+    Where the store cannot be asked (a missing object, a server error), the target stays as named: its read then
+    fails with one line for it alone, and the others are still reported.
+    """
+    try:
+        if hub.is_hub_id(target) or target.lower().startswith("hf://"):
+            found = hub.locate(target if source.is_url(target) else f"hf://{target}")
+            loc = found.location
+            if not loc.is_dir() or _is_checkpoint_dir(loc):
+                return [target]
+            return _expand_one(loc)
+        scheme, _, rest = target.partition("://")
+        if any(c in rest for c in _REMOTE_MAGIC) and scheme.lower() not in ("http", "https"):
+            fs, pattern = source.filesystem(target)
+            rfs = source.remote_fs(fs)
+            matches = sorted(source.remote_call(lambda: fs.glob(pattern), redact(target)))
+            if not matches:
+                raise UsageError(f"nothing matches '{redact(target)}'")
+            return [x for m in matches for x in _expand_one(RemotePath(rfs, m))]
+        return _expand_one(RemotePath.from_url(target))
+    except CheckpointError:
+        return [target]
+
+
 def read_target(target: str) -> Inventory:
+    """The inventory of one expanded target: a factory, a hub id, a URL or a local path."""
     if factory_mod.looks_like_factory(target):
         return factory_mod.inventory(target)
+    if hub.is_hub_id(target):
+        try:
+            return read_checkpoint(f"hf://{target}", label=target)
+        except CheckpointError as exc:
+            if exc.path in (target, f"hf://{target}") and not isinstance(exc, LimitExceeded):
+                exc.path = target
+                exc.message = f"no such local path; as a Hugging Face hub id: {exc.message}"
+            raise
     return read_checkpoint(target)
-
-
-def _read_safely(target: str) -> Inventory | str:
-    try:
-        return read_target(target)
-    except DtypeAuditError as exc:
-        return exc.one_line()
-
-
-def _read_raising(target: str) -> Inventory | str:
-    return read_target(target)
 
 
 def scan(
@@ -81,6 +123,7 @@ def scan(
     fail_on: Severity = "error",
     policy_name: str | None = None,
     jobs: int | None = None,
+    cluster: str | None = None,
     raise_errors: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
     strict: bool = False,
@@ -92,41 +135,19 @@ def scan(
     raises every finding a loader might read differently to an error (see ``check.strict_findings``).
     ``policy`` adds what only the whole run can tell: its rules that no checkpoint used (``unused-rule``,
     once per run, on the first checkpoint read); its per-checkpoint checks come in ``checks``.
+    ``jobs`` and ``cluster`` say where each checkpoint's reading and checking runs (see ``fleet.run``):
+    local worker processes, or tasks on a Dask cluster; the report is the same, in input order.
     """
-    reader = _read_raising if raise_errors else _read_safely
     paths = expand(targets)
     model_inv = factory_mod.inventory(model) if model else None
-    results: list[Inventory | str]
-    if len(paths) >= PARALLEL_THRESHOLD and (jobs or os.cpu_count() or 1) > 1 and jobs != 1:
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(max_workers=jobs or min(len(paths), os.cpu_count() or 1)) as pool:
-            results = []
-            for i, result in enumerate(pool.map(reader, paths)):
-                results.append(result)
-                if progress:
-                    progress(i + 1, len(paths), paths[i])
-    else:
-        results = []
-        for i, p in enumerate(paths):
-            results.append(reader(p))
-            if progress:
-                progress(i + 1, len(paths), p)
-    reports = []
-    for path, result in zip(paths, results, strict=True):
-        if isinstance(result, str):
-            reports.append(CheckpointReport(path=path, format=None, error=result, inventory=None))
-            continue
-        inv = factory_mod.attach(result, model_inv) if model_inv and result.format != "factory" else result
-        inv = structure.annotate(inv)  # the module types policies and checks see, guessed where --model gives none
-        findings = list(inv.findings)
-        for check in checks:
-            findings.extend(check(inv))
-        if strict:
-            findings = strict_findings(findings)
-        reports.append(CheckpointReport(path=path, format=inv.format, error=None, inventory=inv, findings=tuple(findings)))
+    work = fleet.Work(read=read_target, checks=tuple(checks), model=model_inv, strict=strict, raise_errors=raise_errors)
+    reports = fleet.run(fleet.audit_one, paths, work, jobs=jobs, cluster=cluster, progress=progress, lost=_lost)
     read = [i for i, r in enumerate(reports) if r.inventory is not None]
     if policy is not None and read:
         unused = policy.unused_rules(r.inventory for r in reports if r.inventory is not None)
         reports[read[0]] = replace(reports[read[0]], findings=reports[read[0]].findings + tuple(unused))
     return Report(tuple(reports), fail_on=fail_on, policy=policy_name or (policy.source if policy else None), strict=strict)
+
+
+def _lost(path: str, reason: str) -> CheckpointReport:
+    return CheckpointReport(path=path, format=None, error=f"{path}: {reason}", inventory=None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 from . import dtypes
@@ -352,13 +353,8 @@ def target_findings(inv: Inventory, target: Target | str) -> list[Finding]:
 
 def check_for(target: Target | str) -> Callable[[Inventory], list[Finding]]:
     """A check (Inventory -> findings) for ``target``, to append to ``checks_for``'s list."""
-    t = resolve(target) if isinstance(target, str) else target
-
-    def check(inv: Inventory) -> list[Finding]:
-        return target_findings(inv, t)
-
-    check.__name__ = f"target_{t.name}"
-    return check
+    # a partial, not a closure: checks travel to worker processes and Dask workers (fleet.py) by pickle
+    return partial(target_findings, target=resolve(target) if isinstance(target, str) else target)
 
 
 # -- rendering the table -------------------------------------------------------------------------------------------

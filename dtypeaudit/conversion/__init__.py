@@ -106,6 +106,10 @@ def convert(
     the output with the same policy must pass), and unsafe values (``Result.unsafe``). None of these
     raises: the Result says why. ``model`` (a factory, as ``scan --model``) gives tensors their module types.
     """
+    if isinstance(source, str) and "://" in source:
+        from ..redact import redact
+
+        raise UsageError(f"{redact(source)}: convert reads local files only (remote conversion is not built yet); download it first")
     src_path = Path(source)
     inv = read_checkpoint(src_path)
     if include_optimizer and strip_optimizer:

@@ -18,6 +18,7 @@ from ..values import (
     ValueStats,
     count_nonfinite,
     finish_value_checks,
+    measures_errors,
     start_value_checks,
 )
 from .plan import CASTABLE, Plan, TensorPlan, make_plan, unit_of
@@ -196,7 +197,6 @@ def value_findings(inv: Inventory, *, include_optimizer: bool = False) -> list[F
     by_name = inv.by_name()
     model_units = {unit_of(t) for t in inv.tensors if t.region == "model"}
     optimizer_units = {unit_of(t) for t in inv.tensors if t.region == "optimizer"} - model_units
-    casts = bool(plan.counts().get("cast"))
     out: list[Finding] = []
 
     def add(rule: str, severity: Severity, message: str, name: str, optimizer: bool) -> None:
@@ -207,6 +207,12 @@ def value_findings(inv: Inventory, *, include_optimizer: bool = False) -> list[F
 
     with ExitStack() as stack:
         sources = {label: Source(path, sub, stack) for label, (path, sub) in source_files(Path(inv.path), inv).items()}
+        # numpy measures float32's cast errors from the bits; only a float64 cast's need torch's own cast
+        casts = any(not measures_errors(dtype, target) for _, dtype, _, _, target in units_to_cast(plan, sources).values())
+        if casts:
+            from ..extras import require
+
+            require("torch", "dtypeaudit scan --values on float64 tensors")
         checked = check_values(plan, sources, meanwhile=load_torch if casts else None)
         if casts:
             measure_errors(plan, sources)

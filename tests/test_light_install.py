@@ -1,0 +1,279 @@
+"""The light install (`pip install dtypeaudit`, no torch): scan, policies, reports and diff work; convert, trace,
+--model and factories exit 2 with the one line naming the extra; nothing a scan does imports torch.
+
+The light environment is a fresh venv that sees dtypeaudit's source and exactly the distributions its core
+dependencies pull in (resolved from pyproject.toml through the installed packages' own metadata, linked
+from this environment): the set `pip install dtypeaudit` installs, built offline in a second. Checkpoints
+are written beforehand by this process, with torch. With DTYPEAUDIT_SLOW=1 a real `pip install -e .` into
+a fresh venv is tested too (it needs the package index).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from .helpers import ROOT, json_report
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+packaging_requirements = pytest.importorskip("packaging.requirements")
+
+SLOW = os.environ.get("DTYPEAUDIT_SLOW") == "1"
+EXTRA_LINE = re.compile(r"^dtypeaudit: error: dtypeaudit (\S+).* needs torch: pip install 'dtypeaudit\[torch\]'$")
+
+
+def _light_distributions() -> dict[str, object]:
+    """The distributions `pip install dtypeaudit` installs: the core dependencies and theirs, no extras."""
+    from importlib import metadata
+
+    Requirement = packaging_requirements.Requirement
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    todo = [Requirement(r) for r in pyproject["project"]["dependencies"]]
+    found: dict[str, object] = {}
+    while todo:
+        req = todo.pop()
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        if name in found:
+            continue
+        dist = metadata.distribution(req.name)
+        found[name] = dist
+        todo.extend(Requirement(r) for r in dist.requires or ())
+    return found
+
+
+def _top_level(dist) -> set[str]:
+    """The names a distribution puts in site-packages (packages, modules, extension modules, its .dist-info)."""
+    names = set()
+    for f in dist.files or ():
+        first = f.parts[0]
+        if first in ("..", "__pycache__") or first.endswith(".pth") or first.startswith("__editable__"):
+            continue
+        names.add(first)
+    return names
+
+
+@pytest.fixture(scope="module")
+def light(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A venv's python that sees dtypeaudit and its light dependencies, and no torch."""
+    home = tmp_path_factory.mktemp("light")
+    env_dir = home / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    deps = home / "site"
+    deps.mkdir()
+    dists = _light_distributions()
+    assert "torch" not in dists and "dask" not in dists and "distributed" not in dists, sorted(dists)
+    for dist in dists.values():
+        base = Path(dist.locate_file(""))
+        for name in _top_level(dist):
+            if (base / name).exists() and not (deps / name).exists():
+                (deps / name).symlink_to(base / name)
+    python = env_dir / "bin" / "python"
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True)
+    Path(purelib.stdout.strip(), "light.pth").write_text(f"{ROOT}\n{deps}\n")
+    check = subprocess.run(
+        [python, "-c", "import importlib.util as u; print(u.find_spec('torch'), u.find_spec('dask'))"], capture_output=True
+    )
+    assert check.stdout.decode().split() == ["None", "None"], check
+    return python
+
+
+def _run(python: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(NO_COLOR="1", COLUMNS="160")
+    return subprocess.run([python, "-m", "dtypeaudit", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.norm = nn.LayerNorm(3)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Checkpoints and a policy, written here with torch, for the light environment to read."""
+    d = tmp_path_factory.mktemp("light_files")
+    torch.manual_seed(0)
+    net = Net()
+    out = {"fp32": d / "net.pt", "fp16": d / "net.fp16.pt", "legacy": d / "legacy.pt", "st": d / "net.safetensors"}
+    torch.save(net.state_dict(), out["fp32"])
+    torch.save({k: v.half() if k.startswith("fc.") else v for k, v in net.state_dict().items()}, out["fp16"])  # fp16-mixed
+    torch.save(net.state_dict(), out["legacy"], _use_new_zipfile_serialization=False)
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, out["st"])
+    out["policy"] = d / "policy.yaml"
+    out["policy"].write_text("version: 1\nextends: fp16-mixed\n")
+    out["factory"] = d / "build.py"
+    out["factory"].write_text("from torch import nn\n\ndef build():\n    return nn.Linear(4, 3)\n")
+    return out
+
+
+def test_light_env_has_no_torch_but_the_core(light: Path) -> None:
+    dists = _light_distributions()
+    assert {"typer", "rich", "pyyaml", "numpy"} <= set(dists)
+
+
+def test_scan_json_report_equals_full_install(light: Path, files: dict[str, Path]) -> None:
+    targets = [str(files[k]) for k in ("fp32", "fp16", "legacy", "st")]
+    proc = _run(light, "scan", *targets, "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    code, full, _ = json_report("scan", *targets)
+    assert code == 0
+    assert json.loads(proc.stdout) == full
+    assert [c["format"] for c in full["checkpoints"]] == ["torch-zip", "torch-zip", "torch-legacy", "safetensors"]
+
+
+def test_policy_reports_and_values_without_torch(light: Path, files: dict[str, Path]) -> None:
+    valid = _run(light, "policy", "validate", str(files["policy"]), "fp16-mixed")
+    assert valid.returncode == 0, valid.stderr
+    assert f"{files['policy']}: valid" in valid.stdout
+    # fp32 weights against an fp16 policy: findings, exit 1, every report format renders
+    for fmt in ("json", "sarif", "markdown", "github", "junit", "plain"):
+        proc = _run(light, "scan", str(files["fp32"]), "--policy", str(files["policy"]), "--format", fmt)
+        assert proc.returncode == 1, (fmt, proc.stderr)
+        assert proc.stdout.strip(), fmt
+    assert _run(light, "scan", str(files["fp16"]), "--preset", "fp16-mixed").returncode == 0
+    # scan --values on float32 and float16 tensors reads values with numpy alone
+    values = _run(light, "scan", str(files["fp32"]), str(files["fp16"]), "--values", "--format", "json")
+    assert values.returncode == 0, values.stderr
+    baseline = _run(light, "policy", "init", str(files["fp16"]))
+    assert baseline.returncode == 0, baseline.stderr
+    assert "float16" in baseline.stdout
+
+
+def test_diff_without_torch(light: Path, files: dict[str, Path]) -> None:
+    same = _run(light, "diff", str(files["fp32"]), str(files["legacy"]))
+    assert same.returncode == 0, same.stdout + same.stderr
+    changed = _run(light, "diff", str(files["fp32"]), str(files["fp16"]), "--format", "json")
+    assert changed.returncode == 1, changed.stderr
+    doc = json.loads(changed.stdout)
+    assert doc == json.loads(_run_full("diff", str(files["fp32"]), str(files["fp16"]), "--format", "json").stdout)
+    tolerant = _run(light, "diff", str(files["fp32"]), str(files["st"]), "--tolerance", "0")
+    assert tolerant.returncode == 0, tolerant.stdout + tolerant.stderr
+
+
+def _run_full(*args: str) -> subprocess.CompletedProcess[str]:
+    from .helpers import run_cli
+
+    return run_cli(*args)
+
+
+@pytest.mark.parametrize(
+    ("args", "command"),
+    [
+        (["convert", "{fp32}", "--to", "fp16"], "convert"),
+        (["convert", "{fp32}", "{st}", "--to", "bf16", "--jobs", "2"], "convert"),
+        (["convert", "{fp32}", "--to", "fp16", "--dry-run"], "convert"),
+        (["trace", "{factory}:build"], "trace"),
+        (["scan", "{fp32}", "--model", "{factory}:build"], "scan"),
+        (["scan", "{factory}:build"], "scan"),
+        (["policy", "init", "{factory}:build"], "policy"),
+    ],
+)
+def test_torch_commands_name_the_extra(light: Path, files: dict[str, Path], args: list[str], command: str) -> None:
+    proc = _run(light, *(a.format(**{k: str(v) for k, v in files.items()}) for a in args))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    match = EXTRA_LINE.match(lines[0])
+    assert match and match.group(1) == command, lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_cluster_names_the_dask_extra(light: Path, files: dict[str, Path]) -> None:
+    proc = _run(light, "scan", str(files["fp32"]), "--cluster", "local")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "dtypeaudit: error: --cluster needs dask.distributed: pip install 'dtypeaudit[dask]'"
+
+
+# Run in the light venv: every import torch (or numpy, for a plain scan) is recorded, even one a caller catches.
+_WATCH = """
+import sys
+attempts = []
+class Watch:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.partition(".")[0] in WATCHED:
+            attempts.append(name)
+        return None
+sys.meta_path.insert(0, Watch)
+import dtypeaudit
+from dtypeaudit.cli import main
+sys.argv = ["dtypeaudit", *ARGS]
+try:
+    main()
+except SystemExit as done:
+    code = done.code
+print("RESULT", code, sorted(set(attempts)), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "watched"),
+    [
+        (["scan", "{fp32}", "{legacy}", "{st}", "--format", "json"], ("torch", "numpy", "safetensors", "dask", "distributed")),
+        (["scan", "{fp32}", "--preset", "fp16-mixed", "--format", "sarif"], ("torch", "numpy", "safetensors", "dask", "distributed")),
+        (["scan", "{fp32}", "--values", "--format", "json"], ("torch", "dask", "distributed")),
+        (["diff", "{fp32}", "{fp16}"], ("torch", "dask", "distributed")),
+    ],
+)
+def test_import_and_scan_never_import_torch(light: Path, files: dict[str, Path], args: list[str], watched: tuple[str, ...]) -> None:
+    argv = [a.format(**{k: str(v) for k, v in files.items()}) for a in args]
+    code = _WATCH.replace("WATCHED", repr(watched)).replace("ARGS", repr(argv))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    proc = subprocess.run([light, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    result = proc.stderr.strip().splitlines()[-1]
+    assert result.startswith("RESULT "), proc.stderr
+    assert result.split(" ", 2)[2] == "[]", result
+
+
+@pytest.mark.skipif(not SLOW, reason="a real pip install from the package index; set DTYPEAUDIT_SLOW=1")
+def test_real_pip_install_is_light(tmp_path: Path) -> None:
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    pip = [str(env_dir / "bin" / "python"), "-m", "pip"]
+    subprocess.run([*pip, "install", "--quiet", "-e", str(ROOT)], check=True, timeout=600)
+    listed = subprocess.run([*pip, "list", "--format", "json"], capture_output=True, text=True, check=True)
+    names = {p["name"].lower() for p in json.loads(listed.stdout)}
+    assert "torch" not in names and "dtypeaudit" in names
+    proc = subprocess.run(
+        [env_dir / "bin" / "dtypeaudit", "scan", str(ROOT / "sample_models"), "--format", "json"], capture_output=True, text=True
+    )
+    assert proc.returncode == 1, proc.stderr  # the half-converted sample's module-dtype-mix error
+    assert len(json.loads(proc.stdout)["checkpoints"]) == 3
+
+
+def test_full_install_command_is_unchanged() -> None:
+    """The README's two one-command flows install torch explicitly, and the test extra pulls it (and dask) in."""
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install torch==2.13.0 -e . && .venv/bin/dtypeaudit scan sample_models/" in readme
+    assert "pip install torch==2.13.0 -e '.[test]' && .venv/bin/python -m pytest -q" in readme
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(r.startswith("torch>=2.10,<3") for r in extras["torch"])
+    assert any(r.startswith("dtypeaudit[") and "torch" in r and "dask" in r for r in extras["test"])
+    assert sys.modules.get("torch") is torch
+
+
+def test_hook_and_action_use_the_light_install() -> None:
+    import yaml
+
+    (hook,) = yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())
+    assert hook["language"] == "python" and not any("torch" in d for d in hook.get("additional_dependencies", ()))
+    action = yaml.safe_load((ROOT / "action.yml").read_text())
+    assert action["inputs"]["version"]["default"] == "dtypeaudit"
+    install = action["runs"]["steps"][0]
+    assert "pip install" in install["run"] and "torch" not in install["run"]
