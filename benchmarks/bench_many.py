@@ -12,6 +12,11 @@ itself. Target (issue 12): under 10 s for 10,000 files, memory flat.
 
     python benchmarks/bench_many.py                 # 10,000 files and 1,000 files
     python benchmarks/bench_many.py --files 2000    # a smaller tree
+    python benchmarks/bench_many.py --s3-only       # only the 1,000 objects on moto's S3 server
+
+Then the same scan of 1,000 of them as objects on moto's S3 server, started by the script on 127.0.0.1
+(``scan s3://bench/many/``, through s3fs and AWS_ENDPOINT_URL as against AWS): target under 20 s, with
+peak RSS.
 """
 
 from __future__ import annotations
@@ -73,10 +78,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", type=int, default=10_000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--s3-objects", type=int, default=1_000, help="objects on the local S3 server (0: skip that part)")
+    parser.add_argument("--s3-only", action="store_true", help="only the S3 part")
     parser.add_argument("--make", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.make is not None:
         _write_tree(args.make, args.files)
+        return
+    if args.s3_only:
+        bench_s3(args.s3_objects, args.repeat)
         return
     small_n = max(1, args.files // 10)
     big = make_tree(WORK / "many" / str(args.files), args.files)
@@ -108,9 +118,52 @@ def main() -> None:
     print(f"target: < 10 s for 10,000 files -> {'met' if runs['big'].wall_s < 10 else 'MISSED'}")
     per = (runs["big"].peak_rss_mb - runs["small"].peak_rss_mb) / (args.files - small_n) * 1000
     print(f"memory: {runs['big'].peak_rss_mb / runs['small'].peak_rss_mb:.1f}x for 10x the files, {per:.0f} KB more per checkpoint")
-    # TODO(remote): 1,000 objects on the local S3 test server (moto) in under 20 s, once `scan s3://...` exists:
-    # start `moto_server` on 127.0.0.1, upload the 1,000-file tree with s3fs, then time
-    # `dtypeaudit scan s3://bucket/many/ --format json -o FILE` as above (AWS_ENDPOINT_URL pointing at it).
+    if args.s3_objects:
+        bench_s3(args.s3_objects, args.repeat)
+
+
+def bench_s3(objects: int, repeat: int) -> None:
+    """``dtypeaudit scan s3://bench/many/`` over ``objects`` checkpoints on moto's S3 server, started here on
+    127.0.0.1 and reached through AWS_ENDPOINT_URL as a user reaches AWS. Target (issue 12): under 20 s for 1,000."""
+    import logging
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    tree = make_tree(WORK / "many" / str(objects), objects)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update(
+        {
+            "AWS_ACCESS_KEY_ID": "AKIABENCHMARK0000000",
+            "AWS_SECRET_ACCESS_KEY": "bench-secret",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        }
+    )
+    try:
+        client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+        client.create_bucket(Bucket="bench")
+        started = time.perf_counter()
+        files = sorted(p for p in tree.rglob("*") if p.is_file() and not p.name.startswith("."))
+        for p in files:
+            client.upload_file(str(p), "bench", f"many/{p.relative_to(tree).as_posix()}")
+        uploaded = time.perf_counter() - started
+        out = WORK / "many_s3.json"
+        cmd = [python(), "-m", "dtypeaudit", "scan", "s3://bench/many/", "--format", "json", "-o", str(out)]
+        m = measure_all({"s3": (cmd, out)}, repeat=repeat)["s3"]
+        read, failed = _count(out)
+    finally:
+        server.stop()
+    print(f"\n{len(files)} objects on moto's S3 server (uploaded in {uploaded:.0f} s); median of {repeat} runs")
+    print(f"{'':34}{'wall s':>10}{'objects/s':>10}{'peak RSS MB':>14}{'peak anon MB':>14}{'report MB':>12}")
+    row = f"{m.wall_s:10.2f}{objects / m.wall_s:10.0f}{m.peak_rss_mb:14.0f}{m.peak_anon_mb:14.0f}{m.output_bytes / 1e6:12.1f}"
+    print(f"{'scan s3://bench/many/':34}{row}")
+    if read != objects or failed:
+        raise SystemExit(f"the report lists {read} checkpoints ({failed} unreadable), expected {objects} readable")
+    print(f"target: < 20 s for 1,000 objects -> {'met' if m.wall_s < 20 else 'MISSED'}")
 
 
 if __name__ == "__main__":

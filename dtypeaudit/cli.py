@@ -543,11 +543,12 @@ def convert(
     ],
     to: Annotated[str, typer.Option("--to", "-t", help="Target dtype: fp16, bf16 or fp32.", show_default=False)],
     output: Annotated[
-        Optional[Path],
+        Optional[str],
         typer.Option(
             "--output",
             "-o",
-            help="Where to write (default: beside the source, e.g. model.fp16.pt). A .safetensors name changes the format. "
+            help="Where to write (default: beside the source, e.g. model.fp16.pt; a URL for a remote source). "
+            "A .safetensors name changes the format. "
             "With several SOURCEs, an existing directory that receives each output under its default name.",
         ),
     ] = None,
@@ -680,7 +681,7 @@ def convert(
 def _convert_many(
     sources: list[str],
     to: str,
-    output: Optional[Path],
+    output: Optional[str],
     options: dict,
     *,
     jobs: Optional[int],
@@ -705,11 +706,12 @@ def _convert_many(
     if output is not None and not several:
         outputs[unique[0]] = str(output)
     elif output is not None:
-        if not output.is_dir():
+        out_dir = Path(output)
+        if not out_dir.is_dir():
             raise UsageError("with several SOURCEs, -o names an existing directory to write each output into", path=str(output))
         target = make_plan(Inventory("", "torch-zip", ()), to).target  # what --to means, said by the planner
         for src in unique:
-            dest = str(output / default_output(Path(src), target).name)
+            dest = str(out_dir / default_output(Path(src), target).name)
             if dest in outputs.values():
                 raise UsageError(f"two sources would be written to {dest}; convert them into different directories")
             outputs[src] = dest

@@ -16,6 +16,7 @@ from typing import Any
 from .. import structure
 from ..errors import UsageError
 from ..formats import read_checkpoint
+from ..formats.source import is_url
 from ..inventory import Finding, Inventory
 from ..policy import Policy
 from ..torchcast import load_torch
@@ -32,8 +33,8 @@ from .write import parse_size, strip_keys, strip_notes, write_directory, write_f
 class Result:
     plan: Plan
     """What happens to each tensor; empty when the conversion was ``refused``."""
-    output: Path | None
-    """What was written, or None (a dry run, unsafe values, a refusal)."""
+    output: Path | str | None
+    """What was written (a remote output: its URL, credentials redacted), or None (a dry run, unsafe values, a refusal)."""
     unsafe: list[ValueStats]
     """Tensors whose values block the conversion; nothing was written."""
     dry_run: bool = False
@@ -106,10 +107,33 @@ def convert(
     the output with the same policy must pass), and unsafe values (``Result.unsafe``). None of these
     raises: the Result says why. ``model`` (a factory, as ``scan --model``) gives tensors their module types.
     """
-    if isinstance(source, str) and "://" in source:
+    if isinstance(source, str) and is_url(source) and not source.lower().startswith("file://"):
+        from .remote import convert_remote
+
+        return convert_remote(
+            source,
+            to,
+            convert,
+            output=output,
+            policy=policy,
+            force=force,
+            dry_run=dry_run,
+            in_place=in_place,
+            max_shard_size=max_shard_size,
+            model=model,
+            options={
+                "keep": keep,
+                "include_optimizer": include_optimizer,
+                "strip_optimizer": strip_optimizer,
+                "clamp": clamp,
+                "keep_unsafe": keep_unsafe,
+                "progress_factory": progress_factory,
+            },
+        )
+    if isinstance(output, str) and is_url(output) and not output.lower().startswith("file://"):
         from ..redact import redact
 
-        raise UsageError(f"{redact(source)}: convert reads local files only (remote conversion is not built yet); download it first")
+        raise UsageError(f"{redact(output)}: a remote output needs a remote source; write it locally and upload it")
     src_path = Path(source)
     inv = read_checkpoint(src_path)
     if include_optimizer and strip_optimizer:

@@ -607,6 +607,16 @@ class RemoteFS:
         self._listing: dict[str, tuple[float, dict[str, dict[str, Any]]]] = {}
         self._small: OrderedDict[str, bytes] = OrderedDict()
 
+    def forget(self) -> None:
+        """Drop what was learnt (details, listings, small files): after this process wrote objects itself."""
+        with self._lock:
+            self._info.clear()
+            self._listing.clear()
+            self._small.clear()
+        invalidate = getattr(self.fs, "invalidate_cache", None)
+        if invalidate is not None:
+            invalidate()
+
     def url(self, path: str) -> str:
         """The URL of ``path``, credentials included: what a reader passes on, never what a report shows."""
         if "://" in path:
