@@ -14,7 +14,8 @@ class DuplicateKey(ValueError):
         self.key = key
 
 
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An ``object_pairs_hook`` that refuses a key written twice (readers disagree on which one counts)."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
@@ -25,4 +26,4 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def loads_unique(text: str) -> Any:
     """``json.loads`` that raises DuplicateKey instead of keeping the last of two equal keys."""
-    return json.loads(text, object_pairs_hook=_unique_pairs)
+    return json.loads(text, object_pairs_hook=unique_pairs)

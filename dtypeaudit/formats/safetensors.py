@@ -20,7 +20,7 @@ from .. import dtypes
 from ..errors import CheckpointError, LimitExceeded
 from ..inventory import Inventory, Layout, TensorRecord
 from . import source
-from .jsonfile import DuplicateKey
+from .jsonfile import DuplicateKey, unique_pairs
 from .source import AnyPath, RemoteError, Source
 
 MAX_HEADER_BYTES = 100_000_000
@@ -91,17 +91,6 @@ def _parse_constant(text: str) -> Any:
     raise _Refused(f"the header holds {text}, which is not JSON")
 
 
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            # The crate keeps the last of two equal tensor names (and refuses two __metadata__ or two
-            # fields of one entry); other JSON readers keep the first, so no reading is safe.
-            raise DuplicateKey(key)
-        out[key] = value
-    return out
-
-
 def _depth(value: Any) -> int:
     """Nesting depth of arrays and objects (a scalar is 0), without recursion."""
     deepest, stack = 0, [(value, 1)]
@@ -135,7 +124,8 @@ def _has_surrogate(value: Any) -> bool:
 
 def _loads(text: str) -> Any:
     """JSON as serde_json accepts it: no NaN, no number beyond f64, no lone surrogate escape."""
-    value = json.loads(text, object_pairs_hook=_unique, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+    # The crate keeps the last of two equal tensor names; other JSON readers keep the first: refused.
+    value = json.loads(text, object_pairs_hook=unique_pairs, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
     # Python decodes a lone surrogate escape (\ud800) to a lone code point; serde_json refuses it.
     if _ESCAPED_SURROGATE.search(text) and _has_surrogate(value):
         raise _Refused("the header holds a lone UTF-16 surrogate escape, which the safetensors crate refuses")
