@@ -28,18 +28,17 @@ import torch
 from safetensors.torch import save_file
 
 from dtypeaudit.errors import CheckpointError
-from dtypeaudit.formats import read_checkpoint, source
+from dtypeaudit.formats import read_checkpoint
 from dtypeaudit.render.json import report_dict
 from dtypeaudit.scan import expand, scan
 
 from .conftest import TinyCNN, TinyLM, write_sharded
 from .helpers import run_cli
+from .s3server import ACCESS_KEY, SECRET_KEY, moto_s3
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
-ACCESS_KEY = "AKIADTYPEAUDITTEST42"
-SECRET_KEY = "dtypeaudit-secret-key-that-must-never-be-printed"
 URL_TOKEN = "tok-3a9f1c77e2b54d0c"
 URL_PASSWORD = "pw-never-shown-8d1e"
 TEN_GB = 10 << 30
@@ -243,34 +242,8 @@ def web(files: Path) -> Iterator[tuple[str, type[_Handler]]]:
 @pytest.fixture(scope="module")
 def s3(files: Path) -> Iterator[dict[str, str]]:
     """A bucket ``models`` on moto's S3 server holding the checkpoints; the environment a user would set for it."""
-    import logging
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-    }
-    mp = pytest.MonkeyPatch()
-    for k, v in env.items():
-        mp.setenv(k, v)
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"])
-    client.create_bucket(Bucket="models")
-    for p in sorted(files.rglob("*")):
-        if p.is_file() and not p.name.startswith("big."):
-            client.upload_file(str(p), "models", p.relative_to(files).as_posix())
-    try:
+    with moto_s3("models", files, keep=lambda p: not p.name.startswith("big.")) as (env, _):
         yield env
-    finally:
-        mp.undo()
-        source.forget()
-        server.stop()
 
 
 # -- helpers -------------------------------------------------------------------------------------

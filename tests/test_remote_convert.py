@@ -17,17 +17,14 @@ from safetensors.torch import load_file
 
 from dtypeaudit.conversion import convert
 from dtypeaudit.errors import ConversionError, UsageError
-from dtypeaudit.formats import source
 
 from .conftest import TinyLM, write_sharded
 from .helpers import run_cli
 from .hostile import reduce_pickle, with_data_pkl
+from .s3server import ACCESS_KEY, SECRET_KEY, moto_s3
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
-
-ACCESS_KEY = "AKIADTYPEAUDITCONV42"
-SECRET_KEY = "dtypeaudit-convert-secret-that-must-never-be-printed"
+pytest.importorskip("moto.server")
 
 
 @pytest.fixture(scope="module")
@@ -48,41 +45,8 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def s3(local: Path) -> Iterator[dict[str, Any]]:
-    import logging
-
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()  # fsspec keeps filesystems, with the endpoint of another module's server
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-    }
-    mp = pytest.MonkeyPatch()
-    for k, v in env.items():
-        mp.setenv(k, v)
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"])
-    client.create_bucket(Bucket="convert-test")
-    for p in sorted(local.rglob("*")):
-        if p.is_file() and p.name != "canary":
-            client.upload_file(str(p), "convert-test", p.relative_to(local).as_posix())
-    try:
+    with moto_s3("convert-test", local, keep=lambda p: p.name != "canary") as (env, client):
         yield {"env": env, "client": client}
-    finally:
-        for key in _objects(client):  # moto's server keeps its buckets in the process, for the next module's server too
-            client.delete_object(Bucket="convert-test", Key=key)
-        client.delete_bucket(Bucket="convert-test")
-        mp.undo()
-        source.forget()
-        s3fs.S3FileSystem.clear_instance_cache()
-        server.stop()
 
 
 def _objects(client: Any, prefix: str = "") -> dict[str, Any]:
