@@ -493,15 +493,14 @@ class AuditFailed(DtypeAuditError):
 
 def render_findings(findings: Iterable[Finding], *, title: str, fail_on: Severity = "error", width: int = 120) -> str:
     """The findings as the text report's findings table (plain, no colour), with a one-line verdict."""
-    from rich.console import Console
     from rich.text import Text
 
     from .inventory import CheckpointReport
-    from .render.text import _findings
+    from .render.text import _findings, console_for
 
     items = tuple(findings)
     buffer = io.StringIO()
-    console = Console(file=buffer, width=width, force_terminal=False, color_system=None, no_color=True, highlight=False, emoji=False)
+    console = console_for(buffer, color=False, width=width)
     console.print(Text(title, style="bold"))
     if items:
         _findings(console, CheckpointReport(title, LIVE_FORMAT, None, None, items), verbose=False)

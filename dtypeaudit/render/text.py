@@ -18,9 +18,9 @@ FULL_LISTING_LIMIT = 60
 """Up to this many tensors every one is listed; above it, layers that repeat are folded into one row."""
 
 
-def render(report: Report, *, color: bool = True, width: int = 120, verbose: bool = False) -> str:
-    buffer = io.StringIO()
-    console = Console(
+def console_for(buffer: io.StringIO, *, color: bool, width: int) -> Console:
+    """A Rich console that writes a report into ``buffer``: colour only when asked, no markup guessing."""
+    return Console(
         file=buffer,
         width=width,
         force_terminal=color,
@@ -29,6 +29,11 @@ def render(report: Report, *, color: bool = True, width: int = 120, verbose: boo
         highlight=False,
         emoji=False,
     )
+
+
+def render(report: Report, *, color: bool = True, width: int = 120, verbose: bool = False) -> str:
+    buffer = io.StringIO()
+    console = console_for(buffer, color=color, width=width)
     for i, checkpoint in enumerate(report.checkpoints):
         if i:
             console.print()

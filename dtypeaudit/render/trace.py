@@ -77,22 +77,13 @@ def _section(d: dict[str, object], indent: str) -> str:
 
 def render_text(report: Report, *, color: bool = True, width: int = 120, verbose: bool = False) -> str:
     from rich import box
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
     from . import text
 
     buffer = io.StringIO()
-    console = Console(
-        file=buffer,
-        width=width,
-        force_terminal=color,
-        color_system="standard" if color else None,
-        no_color=not color,
-        highlight=False,
-        emoji=False,
-    )
+    console = text.console_for(buffer, color=color, width=width)
 
     def table(title: str) -> Table:
         return Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
