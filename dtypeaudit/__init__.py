@@ -20,16 +20,25 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from ._version import __version__
 
-from .check import check, checks_for, strict_findings  # noqa: E402
-from .errors import CheckpointError, ConversionError, DtypeAuditError, PolicyError  # noqa: E402
-from .formats import read_checkpoint as read  # noqa: E402
-from .inventory import CheckpointReport, Finding, Inventory, Report, TensorRecord  # noqa: E402
-from .scan import scan  # noqa: E402
-
-# Loaded on first use, so that a plain scan does not pay for YAML, the policy language or conversion.
+# Everything is loaded on first use: `import dtypeaudit` (and `dtypeaudit --version`) pays for nothing, and a plain
+# scan does not pay for YAML, the policy language or conversion.
 _LAZY = {
+    "check": ("checks", "check"),
+    "checks_for": ("checks", "checks_for"),
+    "strict_findings": ("checks", "strict_findings"),
+    "CheckpointError": ("errors", "CheckpointError"),
+    "ConversionError": ("errors", "ConversionError"),
+    "DtypeAuditError": ("errors", "DtypeAuditError"),
+    "PolicyError": ("errors", "PolicyError"),
+    "read": ("formats", "read_checkpoint"),
+    "CheckpointReport": ("inventory", "CheckpointReport"),
+    "Finding": ("inventory", "Finding"),
+    "Inventory": ("inventory", "Inventory"),
+    "Report": ("inventory", "Report"),
+    "TensorRecord": ("inventory", "TensorRecord"),
+    "scan": ("pipeline", "scan"),
     "load_policy": ("policy", "load_policy"),
     "Policy": ("policy", "Policy"),
     "convert": ("conversion", "convert"),
@@ -43,7 +52,9 @@ def __getattr__(name: str) -> Any:
         from importlib import import_module
 
         module, attr = _LAZY[name]
-        return getattr(import_module(f"{__name__}.{module}"), attr)
+        value = getattr(import_module(f"{__name__}.{module}"), attr)
+        globals()[name] = value  # later look-ups skip this hook (and see the function, not a submodule of that name)
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
 
 import typer
 
-from . import __version__, exitcodes
+from . import exitcodes
+from ._version import __version__
 from .errors import DtypeAuditError, UsageError
 from .inventory import Report, Severity
 
@@ -24,7 +25,8 @@ app = typer.Typer(
     name="dtypeaudit",
     help=(
         "Audit the dtypes of PyTorch checkpoints without running their code, and convert them safely.\n\n"
-        "Exit codes: 0 clean, 1 findings at or above --fail-on, 2 unreadable input or misuse, 130 interrupted."
+        + "Exit codes: 0 clean, 1 findings at or above --fail-on, 2 unreadable input or misuse, "
+        + "3 internal error (a bug: please report it), 130 interrupted."
     ),
     no_args_is_help=True,
     add_completion=True,
@@ -104,10 +106,16 @@ def run_guarded(fn, debug: bool) -> None:
         if debug:
             raise
         _fail(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
-    except Exception as exc:  # a bug of ours: say so in one line, keep the traceback for --debug
+    except Exception as exc:  # a bug of ours: exit 3 (not an input verdict), with what a bug report needs
         if debug:
             raise
-        _fail(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback, and please report it)")
+        typer.echo(
+            f"dtypeaudit: internal error: {type(exc).__name__}: {exc}\n"
+            f"dtypeaudit {__version__}, Python {sys.version.split()[0]}: this is a bug in dtypeaudit, not in your input; "
+            "please report it with the output of the same command run with --debug",
+            err=True,
+        )
+        raise typer.Exit(exitcodes.INTERNAL) from None
 
 
 FormatOpt = Annotated[
@@ -178,7 +186,7 @@ def _checks(pol: Policy | None, target: Optional[str]) -> list:
     """``checks_for(pol)``, with ``--target`` in place of the policy's own ``target``."""
     from dataclasses import replace
 
-    from .check import checks_for
+    from .checks import checks_for
 
     if target is None:
         return checks_for(pol)
@@ -271,7 +279,7 @@ def scan(
     """
 
     def body() -> None:
-        from .scan import scan as run_scan
+        from .pipeline import scan as run_scan
 
         _require_torch_for_factories(targets, model, "scan")
         pol = _policy(policy, preset)
@@ -344,9 +352,9 @@ def _progress_callback():
 def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:
     from . import structure
     from .formats import factory
+    from .pipeline import expand, read_target
     from .redact import redact
     from .render import explain as explain_render
-    from .scan import expand, read_target
 
     if pol is None:
         raise UsageError("--explain needs --policy or --preset")
@@ -396,7 +404,7 @@ def policy_init(
 
     def body() -> None:
         from .baseline import render_baseline
-        from .scan import read_target
+        from .pipeline import read_target
 
         _require_torch_for_factories([checkpoint], None, "policy init")
         emit(render_baseline(read_target(checkpoint)), output)
@@ -513,8 +521,8 @@ def diff(
         import math
 
         from .diff import diff as run_diff
+        from .pipeline import read_target
         from .render.diff import render_json, render_text
-        from .scan import read_target
 
         _require_torch_for_factories([a, b], None, "diff")
         if fmt not in ("text", "json"):

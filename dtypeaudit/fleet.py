@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from . import structure
-from .check import Check, strict_findings
+from .checks import Check, strict_findings
 from .errors import DtypeAuditError, UsageError
 from .extras import require
 from .inventory import CheckpointReport, Inventory
@@ -52,7 +52,7 @@ class Work:
     model: Inventory | None = None
     """``--model``'s inventory, built once by the caller, attached to every checkpoint."""
     strict: bool = False
-    """Raise every finding a loader might read differently to an error (``check.strict_findings``)."""
+    """Raise every finding a loader might read differently to an error (``checks.strict_findings``)."""
     raise_errors: bool = False
     """Raise a reader's error instead of reporting it (``--debug``)."""
 

@@ -183,6 +183,16 @@ class Report:
     def findings(self) -> list[Finding]:
         return [f for c in self.checkpoints for f in c.findings]
 
+    def failing(self, fail_on: Severity | None = None) -> list[Finding]:
+        """The findings that fail the run: at or above ``fail_on`` (the report's own threshold by default)."""
+        return failing(self.findings, fail_on or self.fail_on)
+
+
+def failing(findings: Iterable[Finding], fail_on: Severity) -> list[Finding]:
+    """The findings at or above ``fail_on``: the one test of whether a finding fails a run, a plan or a live audit."""
+    threshold = severity_rank(fail_on)
+    return [f for f in findings if severity_rank(f.severity) >= threshold]
+
 
 @dataclass(frozen=True)
 class DtypeTotals:

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from .check import check, policy_findings
+from .checks import check, policy_findings
 from .errors import DtypeAuditError
 from .inventory import Finding, Inventory, Severity, TensorRecord, link_shared_storage, severity_rank
 
@@ -479,8 +479,11 @@ class Auditor:
 # -- failing and telling --------------------------------------------------------------------------------------------
 
 
-class AuditFailed(DtypeAuditError):
-    """Findings at or above the failing severity; ``str()`` is the findings table."""
+class AuditFailed(AssertionError):
+    """Findings at or above the failing severity; ``str()`` is the findings table.
+
+    A verdict, not a bad input: it is no ``DtypeAuditError``. An ``AssertionError``, so pytest shows it as a failed
+    check and training loops stop on it."""
 
     def __init__(self, findings: Iterable[Finding], *, title: str, fail_on: Severity = "error") -> None:
         self.findings = list(findings)

@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from dtypeaudit.baseline import baseline, render_baseline
-from dtypeaudit.check import check
+from dtypeaudit.checks import check
 from dtypeaudit.diff import diff
 from dtypeaudit.formats import read_checkpoint
 from dtypeaudit.policy import load_policy

@@ -5,7 +5,7 @@ the model loads it (``load_state_dict(assign=True)``, so the file's dtypes are w
 pass on CPU with an input of the dtype its first layer holds. Where convert refuses, nothing is written and
 the reason is given. No cell may write an output whose forward pass fails: convert refuses to make what scan
 would only warn of (``dtype-outlier`` without ``--model``), so a ``warned`` verdict fails the matrix.
-The full cross product runs with DTYPEAUDIT_SLOW=1.
+The full cross product runs with ``pytest -m slow``.
 """
 
 from __future__ import annotations
@@ -26,16 +26,15 @@ import torch
 from torch import nn
 
 from dtypeaudit import exitcodes
-from dtypeaudit.check import checks_for
+from dtypeaudit.checks import checks_for
 from dtypeaudit.conversion import Result, convert
 from dtypeaudit.inventory import severity_rank
+from dtypeaudit.pipeline import scan
 from dtypeaudit.policy import Policy, load_policy, preset_names
-from dtypeaudit.scan import scan
 
 from . import consistency_models as cm
 from .helpers import run_cli
 
-SLOW = os.environ.get("DTYPEAUDIT_SLOW") == "1"
 MODELS_PY = Path(cm.__file__).resolve()
 # What PyTorch says when two dtypes meet in one op on CPU (torch 2.13).
 DTYPE_ERROR = re.compile(r"same dtype|expected scalar type|mixed dtype|should be the same|Input type .* and (weight|bias) type")
@@ -512,7 +511,7 @@ def expected(subject: str, spec: str | None, variant: str, target: str) -> str:
     return "runs"
 
 
-def cells(slow: bool) -> list[Any]:
+def cells() -> list[Any]:
     presets: list[str | None] = [None, *preset_names(), "custom-fixable", "custom-head-fp32"]
     out = []
     for s in ALL_SUBJECTS:
@@ -521,12 +520,12 @@ def cells(slow: bool) -> list[Any]:
                 if variant in TRAINING_ONLY and s not in ("tutorial", "lightning"):
                     continue
                 core = variant == "plain" or (spec in (None, "fp16-weights-fp32-norms", "custom-fixable") and variant != "clamp")
-                marks = [] if core else [pytest.mark.skipif(not slow, reason="the full sweep runs with DTYPEAUDIT_SLOW=1")]
+                marks = [] if core else [pytest.mark.slow]
                 out.append(pytest.param(s, spec, variant, id=f"{s}-{spec or 'no-policy'}-{variant}", marks=marks))
     return out
 
 
-@pytest.mark.parametrize(("subject", "spec", "variant"), cells(SLOW), indirect=["subject"])
+@pytest.mark.parametrize(("subject", "spec", "variant"), cells(), indirect=["subject"])
 def test_matrix(subject: Subject, spec: str | None, variant: str, work: Path) -> None:
     got = outcome(subject, spec, variant, work)
     target = got.result.plan.target

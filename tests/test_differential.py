@@ -5,14 +5,13 @@ The reference is ``torch.load(weights_only=True)``, or where that refuses, torch
 unpickler behind an allowlist (``diff_oracle.SAFE``); ``.safetensors`` paths go through torch.load's own
 routing to safetensors. Benign files must MATCH; mutated ones must never be DIFFERENTIAL or CRASH.
 Mutated files run in a memory-capped worker process (``diff_oracle.Runner``), so a hang fails a test
-instead of stalling it. ``DTYPEAUDIT_SLOW=1`` runs the larger versions; ``fuzz/fuzz_differential.py``
+instead of stalling it. ``pytest -m slow`` runs the larger versions; ``fuzz/fuzz_differential.py``
 runs millions. A failure prints the case key: ``python fuzz/fuzz_differential.py --replay KEY`` shows both views.
 """
 
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import random
 import sys
@@ -27,8 +26,7 @@ from hypothesis import strategies as st
 from . import diff_oracle as d
 from .helpers import json_report
 
-SLOW = os.environ.get("DTYPEAUDIT_SLOW") == "1"
-slow = pytest.mark.skipif(not SLOW, reason="a long differential run; set DTYPEAUDIT_SLOW=1")
+slow = pytest.mark.slow
 A = d.Asm
 
 
@@ -114,12 +112,13 @@ def test_generators_name_optimizer_state_as_dtypeaudit_does() -> None:
 # -- benign files torch writes: every protocol, both formats -----------------------------------------------
 
 
+@pytest.mark.parametrize("cases", [12, pytest.param(200, marks=slow)])
 @pytest.mark.parametrize("container", ["zip", "legacy"])
 @pytest.mark.parametrize("protocol", [1, 2, 3, 4, 5])
-def test_torch_written_checkpoints_match(tmp_path: Path, container: str, protocol: int) -> None:
+def test_torch_written_checkpoints_match(tmp_path: Path, container: str, protocol: int, cases: int) -> None:
     rng = random.Random(f"benign:{container}:{protocol}")
     failures = []
-    for k in range(12 if not SLOW else 200):
+    for k in range(cases):
         generator = d.BENIGN_GENERATORS[k % len(d.BENIGN_GENERATORS)]
         data, _ = d.torch_case(rng, legacy=container == "legacy", protocol=protocol, generator=generator)
         v = verdict_of(tmp_path, data)
@@ -137,25 +136,34 @@ def test_protocol_0_files_torch_cannot_load_are_refused(tmp_path: Path) -> None:
         assert v.outcome == d.BOTH_REFUSE, explain(v, f"legacy={legacy}")
 
 
-@settings(
-    max_examples=40 if not SLOW else 1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-)
-@given(
-    rng=st.randoms(use_true_random=False),
-    legacy=st.booleans(),
-    protocol=st.integers(min_value=1, max_value=5),
-    generator=st.sampled_from(d.BENIGN_GENERATORS),
-)
-def test_random_checkpoints_match_torch(tmp_path: Path, rng: random.Random, legacy: bool, protocol: int, generator: str) -> None:
+def _random_checkpoint_matches_torch(tmp_path: Path, rng: random.Random, legacy: bool, protocol: int, generator: str) -> None:
     data, _ = d.torch_case(rng, legacy=legacy, protocol=protocol, generator=generator)
     v = verdict_of(tmp_path, data)
     assert v.outcome == d.MATCH, explain(v, f"{generator}, legacy={legacy}, protocol {protocol}")
 
 
-def test_safetensors_files_match(tmp_path: Path) -> None:
+def _random_checkpoints_property(examples: int):
+    return settings(
+        max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+    )(
+        given(
+            rng=st.randoms(use_true_random=False),
+            legacy=st.booleans(),
+            protocol=st.integers(min_value=1, max_value=5),
+            generator=st.sampled_from(d.BENIGN_GENERATORS),
+        )(_random_checkpoint_matches_torch)
+    )
+
+
+test_random_checkpoints_match_torch = _random_checkpoints_property(40)
+test_random_checkpoints_match_torch_many = slow(_random_checkpoints_property(1000))
+
+
+@pytest.mark.parametrize("cases", [30, pytest.param(500, marks=slow)])
+def test_safetensors_files_match(tmp_path: Path, cases: int) -> None:
     rng = random.Random("safetensors")
     failures = []
-    for k in range(30 if not SLOW else 500):
+    for k in range(cases):
         v = verdict_of(tmp_path, d.safetensors_bytes(rng), ".safetensors")
         if v.outcome != d.MATCH:
             failures.append(explain(v, f"#{k}"))

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from dtypeaudit import fleet
-from dtypeaudit.check import checks_for
+from dtypeaudit.checks import checks_for
 from dtypeaudit.errors import UsageError
+from dtypeaudit.pipeline import read_target, scan
 from dtypeaudit.policy import load_policy
-from dtypeaudit.scan import read_target, scan
 
 from .helpers import run_cli
 
@@ -255,7 +255,7 @@ def test_no_dask_at_import() -> None:
     import subprocess
     import sys
 
-    code = "import sys, dtypeaudit.cli, dtypeaudit.fleet, dtypeaudit.scan\nprint(sorted({'dask', 'distributed'} & set(sys.modules)))"
+    code = "import sys, dtypeaudit.cli, dtypeaudit.fleet, dtypeaudit.pipeline\nprint(sorted({'dask', 'distributed'} & set(sys.modules)))"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.strip() == "[]"
 

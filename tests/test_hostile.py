@@ -28,9 +28,8 @@ from .hostile import call, dict_pickle, global_op, reduce_pickle, rewrite_zip, s
 def rejected(path: Path, code: int, *keywords: str, args: tuple[str, ...] = ()) -> str:
     """Scan ``path`` as a user would; assert the exit code, one line naming the file, the keywords, no traceback."""
     before = path.read_bytes() if path.is_file() else None
-    start = time.monotonic()
+    # A hostile file that made the reader hang would hit run_cli's timeout; speed itself is measured in benchmarks/.
     proc = run_cli("scan", str(path), *args)
-    assert time.monotonic() - start < 60, "took too long"
     assert proc.returncode == code, (proc.returncode, proc.stdout[-2000:], proc.stderr)
     assert "Traceback" not in proc.stderr
     if code == 2:
@@ -315,9 +314,8 @@ def test_safetensors_many_tiny_entries(tmp_path: Path) -> None:
     header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(n)}
     path = tmp_path / "many.safetensors"
     path.write_bytes(safetensors_bytes(header))
-    start = time.monotonic()
-    proc = run_cli("scan", str(path), "-f", "json")
-    assert proc.returncode == 0 and time.monotonic() - start < 60
+    proc = run_cli("scan", str(path), "-f", "json")  # benchmarks/ time it; run_cli's timeout catches a hang
+    assert proc.returncode == 0
     assert len(json.loads(proc.stdout)["checkpoints"][0]["tensors"]) == n
 
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dtypeaudit.pipeline import expand, scan
 from dtypeaudit.render.json import report_dict
-from dtypeaudit.scan import expand, scan
 
 from .conftest import TinyLM, write_sharded
 from .helpers import run_cli

@@ -4,7 +4,7 @@
 The light environment is a fresh venv that sees dtypeaudit's source and exactly the distributions its core
 dependencies pull in (resolved from pyproject.toml through the installed packages' own metadata, linked
 from this environment): the set `pip install dtypeaudit` installs, built offline in a second. Checkpoints
-are written beforehand by this process, with torch. With DTYPEAUDIT_SLOW=1 a real `pip install -e .` into
+are written beforehand by this process, with torch. With ``pytest -m slow`` a real `pip install -e .` into
 a fresh venv is tested too (it needs the package index).
 """
 
@@ -27,7 +27,6 @@ from .helpers import ROOT, json_report
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 packaging_requirements = pytest.importorskip("packaging.requirements")
 
-SLOW = os.environ.get("DTYPEAUDIT_SLOW") == "1"
 EXTRA_LINE = re.compile(r"^dtypeaudit: error: dtypeaudit (\S+).* needs torch: pip install 'dtypeaudit\[torch\]'$")
 
 
@@ -241,7 +240,7 @@ def test_import_and_scan_never_import_torch(light: Path, files: dict[str, Path],
     assert result.split(" ", 2)[2] == "[]", result
 
 
-@pytest.mark.skipif(not SLOW, reason="a real pip install from the package index; set DTYPEAUDIT_SLOW=1")
+@pytest.mark.slow  # a real pip install from the package index
 def test_real_pip_install_is_light(tmp_path: Path) -> None:
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)

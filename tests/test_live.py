@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtypeaudit
 from dtypeaudit import live
-from dtypeaudit.check import check
+from dtypeaudit.checks import check
 from dtypeaudit.formats import factory
 
 from .conftest import TinyCNN, TinyLM

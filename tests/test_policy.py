@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
-from dtypeaudit.check import check, policy_findings
+from dtypeaudit.checks import check, policy_findings
 from dtypeaudit.errors import PolicyError
 from dtypeaudit.formats import factory, read_checkpoint
 from dtypeaudit.inventory import Inventory, TensorRecord
@@ -159,10 +158,9 @@ def test_empty_and_huge_and_billion_laughs(tmp_path: Path) -> None:
     laughs = (
         'a: &a ["lol","lol"]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\nd: [*c,*c,*c,*c,*c,*c,*c,*c,*c]\n'
     )
-    start = time.monotonic()
+    # Refused at the first alias, before anything is expanded: no timing needed to know it cannot blow up.
     with pytest.raises(PolicyError, match="aliases are not allowed"):
         load_policy(str(write(tmp_path, laughs, "laughs.yaml")))
-    assert time.monotonic() - start < 5
 
 
 def test_cyclic_extends(tmp_path: Path) -> None:
@@ -176,7 +174,8 @@ def test_presets_all_load() -> None:
     assert set(preset_names()) >= {"fp32", "fp16", "fp16-mixed", "bf16", "bf16-mixed"}
     for name in preset_names():
         assert load_policy(name).default is not None
-        assert load_policy(f"configs/{name}.yaml").rules == load_policy(name).rules or True
+        # configs/ holds copies of the packaged presets for users to start from: they must not drift apart
+        assert load_policy(f"configs/{name}.yaml").rules == load_policy(name).rules
 
 
 def _rules(findings: list) -> set[tuple[str, str | None]]:  # type: ignore[type-arg]

@@ -20,12 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from dtypeaudit.check import check, checks_for
+from dtypeaudit.checks import check, checks_for
 from dtypeaudit.formats import factory, read_checkpoint
 from dtypeaudit.inventory import Finding, Report, TensorRecord
+from dtypeaudit.pipeline import scan
 from dtypeaudit.policy import Policy, compile_matcher, decide, load_policy, presets
 from dtypeaudit.render import explain as explain_render
-from dtypeaudit.scan import scan
 
 from .helpers import ROOT, run_cli
 

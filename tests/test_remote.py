@@ -29,8 +29,8 @@ from safetensors.torch import save_file
 
 from dtypeaudit.errors import CheckpointError
 from dtypeaudit.formats import read_checkpoint
+from dtypeaudit.pipeline import expand, scan
 from dtypeaudit.render.json import report_dict
-from dtypeaudit.scan import expand, scan
 
 from .conftest import TinyCNN, TinyLM, write_sharded
 from .helpers import run_cli

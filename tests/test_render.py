@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from dtypeaudit import __version__
-from dtypeaudit.check import checks_for
+from dtypeaudit.checks import checks_for
 from dtypeaudit.cli import default_format
 from dtypeaudit.inventory import Report
+from dtypeaudit.pipeline import scan
 from dtypeaudit.policy import load_policy
 from dtypeaudit.render import OutputFormat, renderer_for
-from dtypeaudit.scan import scan
 
 from .helpers import ROOT
 

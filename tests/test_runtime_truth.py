@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from dtypeaudit import check, read
-from dtypeaudit.check import certain, forward_dtype, module_dtype_mix, semantics
+from dtypeaudit.checks import certain, forward_dtype, module_dtype_mix, semantics
 from dtypeaudit.formats import factory
 from dtypeaudit.inventory import Finding, Inventory, TensorRecord
 from dtypeaudit.structure import infer_modules

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import dtypeaudit
-from dtypeaudit.check import STRICT_MARKER, STRICT_RULES, check, strict_findings
+from dtypeaudit.checks import STRICT_MARKER, STRICT_RULES, check, strict_findings
 from dtypeaudit.inventory import Finding, Inventory, TensorRecord
 
 from .helpers import json_report, run_cli

@@ -232,7 +232,7 @@ def test_plan_report_fails_a_plan_the_target_cannot_run() -> None:
 
 def test_policy_target_holds_every_checkpoint_to_the_device(tmp_path: Path) -> None:
     from dtypeaudit import load_policy
-    from dtypeaudit.check import check
+    from dtypeaudit.checks import check
     from dtypeaudit.errors import PolicyError
 
     deploy = tmp_path / "deploy.yaml"

@@ -11,14 +11,13 @@ layers half-converted.
 
 No expected dtype is written down here: every one is computed by running the model.
 
-``DTYPEAUDIT_SLOW=1`` runs every combination; by default each model runs every mix once, with autocast and
+``pytest -m slow`` runs every combination; by default each model runs every mix once, with autocast and
 forward-only variants spread over the mixes, in about half a minute.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,6 @@ from dtypeaudit.trace.result import TraceSummary
 
 from . import trace_zoo as zoo
 
-SLOW = os.environ.get("DTYPEAUDIT_SLOW") == "1"
 AUTOCASTS = (None, "bfloat16", "float16")
 
 
@@ -76,18 +74,18 @@ def _cases() -> list[Any]:
             for j, autocast in enumerate(AUTOCASTS):
                 for backward in (True, False):
                     # By default: every mix once, autocast modes and forward-only runs rotated over the mixes.
-                    chosen = SLOW or (j == i % len(AUTOCASTS) and backward != (i % 4 == 3))
-                    if chosen:
-                        cases.append(
-                            pytest.param(
-                                fam,
-                                mix,
-                                dtype,
-                                autocast,
-                                backward,
-                                id=f"{fam.name}-{mix}-{autocast or 'noautocast'}-{'fb' if backward else 'f'}",
-                            )
+                    chosen = j == i % len(AUTOCASTS) and backward != (i % 4 == 3)
+                    cases.append(
+                        pytest.param(
+                            fam,
+                            mix,
+                            dtype,
+                            autocast,
+                            backward,
+                            id=f"{fam.name}-{mix}-{autocast or 'noautocast'}-{'fb' if backward else 'f'}",
+                            marks=() if chosen else (pytest.mark.slow,),
                         )
+                    )
     return cases
 
 
@@ -250,9 +248,7 @@ def _cast(mod: nn.Module, how: str) -> None:
                 b.data = b.data.half()
 
 
-@settings(max_examples=300 if SLOW else 30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=not SLOW)
-@given(_scenario())
-def test_random_half_conversions_prediction_equals_reality(
+def _half_conversion_prediction_equals_reality(
     scenario: tuple[Callable[[], nn.Module], tuple[int, ...], str, str | None, bool],
 ) -> None:
     build, shape, input_dtype, autocast, backward = scenario
@@ -265,3 +261,13 @@ def test_random_half_conversions_prediction_equals_reality(
     fake = fake_run(meta_model, f"{'x'.join(map(str, shape))}:{input_dtype}", autocast, backward, "factory")
     assert_same(real, fake)
     event("fails" if any(o.error for o in real.ops) or real.stopped else "runs")
+
+
+def _half_conversions_property(examples: int, derandomize: bool):
+    return settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=derandomize)(
+        given(_scenario())(_half_conversion_prediction_equals_reality)
+    )
+
+
+test_random_half_conversions_prediction_equals_reality = _half_conversions_property(30, derandomize=True)
+test_random_half_conversions_prediction_equals_reality_many = pytest.mark.slow(_half_conversions_property(300, derandomize=False))

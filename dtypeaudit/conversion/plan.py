@@ -362,7 +362,7 @@ def plan_config_dtype(plan: Plan) -> str | None:
     declared = plan.source.metadata.get("config_dtype")
     if plan.source.format != "hf-directory" or declared == "auto":
         return None
-    from ..check import check
+    from ..checks import check
 
     out = plan.output_inventory(config_dtype="float32")
     candidates = [weights_dtype(out)]
@@ -388,7 +388,7 @@ def plan_findings(plan: Plan, policy: Policy | None) -> list[Finding]:
     plan holds in a castable dtype becomes an error. Scan warns of such a module in a checkpoint it is given;
     convert would be making it, so it refuses instead, naming what holds the module.
     """
-    from ..check import check
+    from ..checks import check
 
     plan.config_dtype = plan_config_dtype(plan)
     found = check(plan.output_inventory(), policy, strict=bool(policy and policy.strict))

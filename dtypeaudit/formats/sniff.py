@@ -116,8 +116,10 @@ def _tar(src: Source, size: int) -> str | None:
         return "tar"  # a header claiming a megabyte of long name: a tar to tarfile, and refused as one
     except RemoteError:
         raise  # a remote read failed: say so, rather than guess
-    except Exception:
-        return "tar"  # torch.load would raise this same error out of tarfile: the file is unreadable to it
+    except (ValueError, EOFError, OverflowError, struct.error):
+        # tarfile's own parse failures past its first check: torch.load raises the same out of tarfile, so the
+        # file is unreadable to it. Anything else is a bug of ours and propagates (exit 3), never a verdict.
+        return "tar"
 
 
 def _tar_block(head: bytes) -> bool:
@@ -254,8 +256,8 @@ def _zip_may_hold_pickles(src: Source) -> bool:
     try:
         with zipfile.ZipFile(SourceFile(src)) as zf:
             return any(name.lower().endswith(".pkl") for name in zf.namelist())
-    except Exception:
-        return True
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, NotImplementedError, OverflowError, struct.error):
+        return True  # zipfile cannot list it cleanly: it may hide a pickle from it
 
 
 def is_candidate(path: AnyPath) -> bool:

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from ..inventory import CheckpointReport, Finding, Report, TensorRecord, dtype_summary, unique_tensors
 
 SCHEMA = "dtypeaudit.report/1"

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from ..inventory import Report
 from ..rules import rule
 

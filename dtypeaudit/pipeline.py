@@ -1,4 +1,4 @@
-"""Scanning: expand what the user named into checkpoints, read each, and gather one report."""
+"""The scan pipeline: expand what the user named into checkpoints, read each, and gather one report."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import fleet
-from .check import Check
+from .checks import Check
 from .errors import CheckpointError, LimitExceeded, UsageError
 from .formats import directory, hub, read_checkpoint, source
 from .formats import factory as factory_mod
@@ -132,7 +132,7 @@ def scan(
     """Read every target, attach the model's kinds if given, run the checks, and report.
 
     An unreadable checkpoint becomes an entry with ``error`` set, unless ``raise_errors``. ``strict``
-    raises every finding a loader might read differently to an error (see ``check.strict_findings``).
+    raises every finding a loader might read differently to an error (see ``checks.strict_findings``).
     ``policy`` adds what only the whole run can tell: its rules that no checkpoint used (``unused-rule``,
     once per run, on the first checkpoint read); its per-checkpoint checks come in ``checks``.
     ``jobs`` and ``cluster`` say where each checkpoint's reading and checking runs (see ``fleet.run``):

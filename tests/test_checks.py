@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtypeaudit.check import check, checks_for, config_dtype, dtype_outliers, module_consistency, module_dtype_mix, tied_conflicts
+from dtypeaudit.checks import check, checks_for, config_dtype, dtype_outliers, module_consistency, module_dtype_mix, tied_conflicts
 from dtypeaudit.formats import read_checkpoint
 from dtypeaudit.inventory import Inventory, TensorRecord
 from dtypeaudit.policy import load_policy
