@@ -360,14 +360,20 @@ def strict_findings(findings: Iterable[Finding]) -> list[Finding]:
     ]
 
 
-def check(inv: Inventory, policy: Policy | None = None, *, strict: bool = False) -> list[Finding]:
-    """All findings for one inventory: the reader's own, then each check's; promoted by ``strict``.
+def run_checks(inv: Inventory, checks: Iterable[Check], *, strict: bool = False) -> tuple[Inventory, list[Finding]]:
+    """The one path from an inventory to its findings, for scan, convert's plans and live audits alike.
 
-    The inventory is annotated with the structure's module guesses first (``structure.annotate``), as ``scan``
-    does, so that policy ``module:`` rules see the same types here as there.
+    The inventory is annotated with the structure's module guesses first (``structure.annotate``), so policy
+    ``module:`` rules see the same types everywhere; then the reader's own findings, each check's, and ``strict``
+    promotes what a loader might read differently. Returns the annotated inventory and the findings.
     """
     inv = structure.annotate(inv)
     out = list(inv.findings)
-    for c in checks_for(policy):
+    for c in checks:
         out.extend(c(inv))
-    return strict_findings(out) if strict else out
+    return inv, strict_findings(out) if strict else out
+
+
+def check(inv: Inventory, policy: Policy | None = None, *, strict: bool = False) -> list[Finding]:
+    """All findings for one inventory under ``policy`` (see ``run_checks``)."""
+    return run_checks(inv, checks_for(policy), strict=strict)[1]

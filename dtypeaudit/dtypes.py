@@ -147,6 +147,34 @@ def safetensors_bits(code: str) -> int:
     return 8 * DTYPES[SAFETENSORS_CODES[code]].itemsize
 
 
+CASTABLE: frozenset[str] = frozenset({"float64", "float32", "float16", "bfloat16"})
+"""The floating dtypes convert casts between, and that torch's CPU kernels compute: the one castable set."""
+
+CONVERSION_TARGETS: dict[str, str] = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+"""What ``convert --to`` accepts (short name -> torch name); torch names and aliases of these three work too."""
+
+
+def is_floating(name: str) -> bool:
+    """Whether a dtype name is a floating type (float8 and float4 included); False for names torch does not know."""
+    d = DTYPES.get(name)
+    return d is not None and d.is_floating
+
+
+def conversion_target(spelling: str) -> str:
+    """The torch name ``convert --to`` means (``fp16``, ``half``, ``torch.bfloat16`` ...); the one parser of ``--to``."""
+    from .errors import UsageError
+
+    target = CONVERSION_TARGETS.get(spelling.strip().lower()) or canonical(spelling)
+    if target is None or target not in CONVERSION_TARGETS.values():
+        raise UsageError(f"--to must be fp16, bf16 or fp32, not '{spelling}'")
+    return target
+
+
+def short_name(target: str) -> str:
+    """``fp16`` for ``float16``: the name output files are given after."""
+    return {v: k for k, v in CONVERSION_TARGETS.items()}[target]
+
+
 def get(name: str) -> DType:
     """The DType for a torch name; KeyError for anything else."""
     return DTYPES[name]

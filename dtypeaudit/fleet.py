@@ -23,8 +23,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from . import structure
-from .checks import Check, strict_findings
+from .checks import Check, run_checks
 from .errors import DtypeAuditError, UsageError
 from .extras import require
 from .inventory import CheckpointReport, Inventory
@@ -69,12 +68,7 @@ def audit_one(target: str, work: Work) -> CheckpointReport:
         from .formats import factory
 
         inv = factory.attach(inv, work.model)
-    inv = structure.annotate(inv)  # the module types policies and checks see, guessed where --model gives none
-    findings = list(inv.findings)
-    for check in work.checks:
-        findings.extend(check(inv))
-    if work.strict:
-        findings = strict_findings(findings)
+    inv, findings = run_checks(inv, work.checks, strict=work.strict)
     return CheckpointReport(path=target, format=inv.format, error=None, inventory=inv, findings=tuple(findings))
 
 

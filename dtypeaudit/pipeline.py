@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 from . import fleet
 from .checks import Check
 from .errors import CheckpointError, LimitExceeded, UsageError
-from .formats import directory, hub, read_checkpoint, source
+from .formats import directory, hub, locate, read_checkpoint, remote
 from .formats import factory as factory_mod
+from .formats.locate import AnyPath
+from .formats.remote import RemotePath
 from .formats.sniff import is_candidate
-from .formats.source import AnyPath, RemotePath
 from .inventory import CheckpointReport, Inventory, Report, Severity
 from .redact import redact
 
@@ -35,7 +36,7 @@ def expand(targets: Iterable[str]) -> list[str]:
         if factory_mod.looks_like_factory(target):
             out.append(target)
             continue
-        if source.is_url(target) or hub.is_hub_id(target):
+        if locate.is_url(target) or hub.is_hub_id(target):
             out.extend(_expand_remote(target))
             continue
         matches = sorted(glob.glob(target, recursive=True)) if glob.has_magic(target) else [target]
@@ -45,7 +46,7 @@ def expand(targets: Iterable[str]) -> list[str]:
             out.extend(_expand_one(Path(m)))
     unique: dict[str, str] = {}
     for p in out:
-        unique.setdefault(os.path.realpath(p) if not source.is_url(p) and os.path.exists(p) else p, p)
+        unique.setdefault(os.path.realpath(p) if not locate.is_url(p) and os.path.exists(p) else p, p)
     return list(unique.values())
 
 
@@ -57,14 +58,14 @@ def _expand_one(path: AnyPath) -> list[str]:
     """A file or checkpoint directory as named; a plain directory is walked, and every regular file in it
     is looked at by content (not by suffix), skipping what is clearly not a checkpoint."""
     if not path.is_dir() or _is_checkpoint_dir(path):
-        return [source.target_string(path)]
+        return [locate.target_string(path)]
     walked = list(directory.walk_files(path, stop_at=_is_checkpoint_dir))
 
     def wanted(p: AnyPath) -> bool:
         return p.is_dir() or is_candidate(p)
 
-    keep = source.concurrent_map(wanted, walked) if isinstance(path, RemotePath) else [wanted(p) for p in walked]
-    found = [source.target_string(p) for p, k in zip(walked, keep, strict=True) if k]
+    keep = remote.concurrent_map(wanted, walked) if isinstance(path, RemotePath) else [wanted(p) for p in walked]
+    found = [locate.target_string(p) for p, k in zip(walked, keep, strict=True) if k]
     if not found:
         raise UsageError(f"no checkpoints found under directory '{path}'")
     return found
@@ -82,16 +83,16 @@ def _expand_remote(target: str) -> list[str]:
     """
     try:
         if hub.is_hub_id(target) or target.lower().startswith("hf://"):
-            found = hub.locate(target if source.is_url(target) else f"hf://{target}")
+            found = hub.locate(target if locate.is_url(target) else f"hf://{target}")
             loc = found.location
             if not loc.is_dir() or _is_checkpoint_dir(loc):
                 return [target]
             return _expand_one(loc)
         scheme, _, rest = target.partition("://")
         if any(c in rest for c in _REMOTE_MAGIC) and scheme.lower() not in ("http", "https"):
-            fs, pattern = source.filesystem(target)
-            rfs = source.remote_fs(fs)
-            matches = sorted(source.remote_call(lambda: fs.glob(pattern), redact(target)))
+            fs, pattern = remote.filesystem(target)
+            rfs = remote.remote_fs(fs)
+            matches = sorted(remote.remote_call(lambda: fs.glob(pattern), redact(target)))
             if not matches:
                 raise UsageError(f"nothing matches '{redact(target)}'")
             return [x for m in matches for x in _expand_one(RemotePath(rfs, m))]

@@ -91,7 +91,14 @@ def training_pt(ckpt_dir: Path) -> Path:
 
 
 def _attribute_dict_class() -> type:
-    """Lightning's AttributeDict, under the module path Lightning pickles it from (lightning itself is not needed)."""
+    """Lightning's AttributeDict, under the module path Lightning pickles it from: the real one where lightning is
+    installed (a stand-in in sys.modules would hide the real package from every test after this one)."""
+    try:
+        import lightning.fabric.utilities.data as real
+
+        return real.AttributeDict  # type: ignore[no-any-return]
+    except ImportError:
+        pass
     mod = sys.modules.get("lightning.fabric.utilities.data")
     if mod is None:
         for name in ("lightning", "lightning.fabric", "lightning.fabric.utilities", "lightning.fabric.utilities.data"):

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,39 @@ def sharing(inv: Inventory) -> set[frozenset[str]]:
     return {g for g in groups if len(g) > 1}
 
 
-def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m dtypeaudit`` as a separate process, exactly as a CI step would."""
-    full_env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "160", **(env or {})}
-    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "dtypeaudit", *args], capture_output=True, text=True, cwd=cwd, env=full_env, timeout=300)
+def run_cli(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, process: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """The CLI as a user runs it: exit status, stdout (the report) and stderr (logs) apart.
+
+    By default in this process, through Typer's CliRunner: the same app the console script runs, without a
+    second of interpreter and import start-up per call. ``process=True`` runs ``python -m dtypeaudit`` as a
+    separate process, for the tests where the process is the point (signals, what gets imported, a hard exit).
+    """
+    if process:
+        full_env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "160", **(env or {})}
+        full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+        command = [sys.executable, "-m", "dtypeaudit", *args]
+        return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=300)
+    from typer.testing import CliRunner
+
+    from dtypeaudit import cli
+    from dtypeaudit.formats import remote
+
+    remote.forget()  # a fresh process would know no remote listing yet
+    here = os.getcwd()
+    if cwd is not None:
+        os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(cli.app, list(args), env={"NO_COLOR": "1", "COLUMNS": "160", **(env or {})}, prog_name="dtypeaudit")
+    finally:
+        os.chdir(here)
+    stderr, code = result.stderr, result.exit_code
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        # What the interpreter would print and return for an exception that escaped the command.
+        stderr += "".join(traceback.format_exception(result.exception))
+        code = 1
+    return subprocess.CompletedProcess(["dtypeaudit", *args], code, result.stdout, stderr)
 
 
 def json_report(*args: str, **kw: Any) -> tuple[int, dict[str, Any], str]:

@@ -23,7 +23,7 @@ def moto_s3(bucket: str, files: Path, keep: Callable[[Path], bool] = lambda p: T
     import s3fs
     from moto import server as moto_server
 
-    from dtypeaudit.formats import source
+    from dtypeaudit.formats import remote
 
     s3fs.S3FileSystem.clear_instance_cache()  # fsspec keeps filesystems, with another server's endpoint
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
@@ -52,6 +52,6 @@ def moto_s3(bucket: str, files: Path, keep: Callable[[Path], bool] = lambda p: T
                 client.delete_object(Bucket=bucket, Key=o["Key"])
         client.delete_bucket(Bucket=bucket)
         mp.undo()
-        source.forget()
+        remote.forget()
         s3fs.S3FileSystem.clear_instance_cache()
         server.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from dtypeaudit import dtypes
@@ -59,3 +60,30 @@ def test_safetensors_codes_are_the_crates(tmp_path: Path) -> None:
     assert listed == set(dtypes.SAFETENSORS_CODES) | dtypes.SAFETENSORS_TORCHLESS
     for code in listed - dtypes.SAFETENSORS_TORCHLESS:
         assert dtypes.safetensors_bits(code) in (4, 8, 16, 32, 64), code
+
+
+def test_one_parser_for_convert_to() -> None:
+    from dtypeaudit.errors import UsageError
+
+    for spelling, name in [
+        ("fp16", "float16"),
+        ("half", "float16"),
+        ("torch.bfloat16", "bfloat16"),
+        ("BF16", "bfloat16"),
+        ("float", "float32"),
+    ]:
+        assert dtypes.conversion_target(spelling) == name
+    for bad in ("int8", "fp8", "float64", ""):
+        with pytest.raises(UsageError, match="--to must be fp16, bf16 or fp32"):
+            dtypes.conversion_target(bad)
+    assert [dtypes.short_name(t) for t in ("float16", "bfloat16", "float32")] == ["fp16", "bf16", "fp32"]
+
+
+def test_is_floating_agrees_with_torch() -> None:
+
+    for name in dtypes.DTYPES:
+        dt = getattr(torch, name, None)
+        if isinstance(dt, torch.dtype):
+            assert dtypes.is_floating(name) == dt.is_floating_point, name
+    assert not dtypes.is_floating("no-such-dtype")
+    assert dtypes.CASTABLE == {n for n in dtypes.DTYPES if dtypes.is_floating(n) and dtypes.get(n).itemsize >= 2}

@@ -16,7 +16,7 @@ from typing import Any
 from .. import structure
 from ..errors import UsageError
 from ..formats import read_checkpoint
-from ..formats.source import is_url
+from ..formats.locate import is_url
 from ..inventory import Finding, Inventory
 from ..policy import Policy
 from ..torchcast import load_torch

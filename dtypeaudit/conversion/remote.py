@@ -26,7 +26,8 @@ from .. import structure
 from ..errors import ConversionError, UsageError
 from ..formats import directory as hfdir
 from ..formats import read_checkpoint
-from ..formats.source import RemotePath, filesystem, is_url, locate, remote_call, remote_fs
+from ..formats.locate import is_url, locate
+from ..formats.remote import RemotePath, filesystem, remote_call, remote_fs
 from ..inventory import Inventory
 from ..policy import Policy
 from ..redact import redact

@@ -14,14 +14,15 @@ from pathlib import Path
 from ..errors import CheckpointError, DtypeAuditError
 from ..inventory import Inventory
 from ..redact import redact
-from . import dcp, directory, safetensors, source, torchzip
+from . import dcp, directory, locate, safetensors, source, torchzip
+from .locate import AnyPath
 from .sniff import sniff
-from .source import AnyPath, Source
+from .source import Source
 
 
 def read_file(path: AnyPath | Source) -> Inventory:
     """One file's inventory, its format decided by content; the source is opened once for sniffing and reading."""
-    with source.opened(path) as src:
+    with locate.opened(path) as src:
         kind = sniff(src)
         if kind == "zip":
             return torchzip.read_zip(src)
@@ -38,10 +39,10 @@ def read_checkpoint(path: str | AnyPath, *, label: str | None = None) -> Invento
 
     ``label`` names it in the inventory instead of the path (a hub id read from a cache snapshot).
     """
-    shown = label or (redact(path) if isinstance(path, str) and source.is_url(path) else None)
+    shown = label or (redact(path) if isinstance(path, str) and locate.is_url(path) else None)
     hub_meta: dict[str, object] = {}
     with source.metered() as meter:
-        p: AnyPath = Path(path) if isinstance(path, str) and not source.is_url(path) else Path()
+        p: AnyPath = Path(path) if isinstance(path, str) and not locate.is_url(path) else Path()
         try:
             if isinstance(path, str) and path.lower().startswith("hf://"):
                 from . import hub
@@ -50,7 +51,7 @@ def read_checkpoint(path: str | AnyPath, *, label: str | None = None) -> Invento
                 p = found.location
                 hub_meta = {"hub": {"read_from": found.source, "revision": found.revision}}
             else:
-                p = source.locate(path)
+                p = locate.locate(path)
             shown = shown or str(p)
             inv = _read(p, shown)
         except DtypeAuditError as exc:

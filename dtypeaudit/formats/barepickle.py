@@ -10,16 +10,17 @@ from typing import Any
 
 from ..errors import CheckpointError, LimitExceeded
 from ..inventory import Finding, Inventory
-from . import source
+from . import locate
+from .locate import AnyPath
 from .picklevm import Opaque
-from .source import AnyPath, Source
+from .source import Source
 from .torchpickle import global_findings, module_findings, tensor_records, torch_vm, trailing_findings, walk
 
 MAX_PICKLE_BYTES = 1 << 30
 
 
 def read_pickle(where: AnyPath | Source) -> Inventory:
-    with source.opened(where) as src:
+    with locate.opened(where) as src:
         path = src.name
         if src.size > MAX_PICKLE_BYTES:
             raise LimitExceeded("bare pickle is over the 1 GiB cap", path=path)

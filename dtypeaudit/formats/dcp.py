@@ -8,8 +8,8 @@ from typing import Any
 from .. import dtypes
 from ..errors import CheckpointError, LimitExceeded
 from ..inventory import Inventory, TensorRecord
+from .locate import AnyPath, read_small
 from .picklevm import Global, Opaque
-from .source import AnyPath, read_small
 from .torchpickle import global_findings, torch_vm
 
 MAX_METADATA_BYTES = 1 << 30

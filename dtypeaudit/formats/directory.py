@@ -10,7 +10,7 @@ Names that come from a file the user downloaded (an index's shards, ``transforme
 confined to the directory before they are opened. Where the index and the shards disagree, the
 report says so tensor by tensor.
 
-The directory may be remote (an S3 prefix, a repository on the hub): ``source.RemotePath`` answers the
+The directory may be remote (an S3 prefix, a repository on the hub): ``remote.RemotePath`` answers the
 same questions from one listing per folder, and the shards are then read concurrently.
 """
 
@@ -26,9 +26,11 @@ from typing import Any, overload
 
 from ..errors import CheckpointError, DtypeAuditError, LimitExceeded
 from ..inventory import Finding, Inventory, TensorRecord, link_shared_storage
-from . import source
+from . import locate, remote
 from .jsonfile import DuplicateKey, loads_unique
-from .source import AnyPath, RemoteError, RemotePath
+from .locate import AnyPath
+from .remote import RemoteError, RemotePath
+from .source import SKIPPED_DIRS
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -36,7 +38,6 @@ WEIGHTS_NAME = "pytorch_model.bin"
 WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 INDEX_NAMES = (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME)
 MAX_JSON_BYTES = 64 << 20
-SKIPPED_DIRS = frozenset({".git", ".hg", ".svn"})
 
 # transformers.distributed.checkpoint.is_sharded_checkpoint: one such name and from_pretrained reads every
 # *.safetensors file in the folder through torch.distributed.checkpoint instead.
@@ -52,7 +53,7 @@ def _load_json(path: AnyPath) -> Any:
         raise LimitExceeded("JSON file is over the 64 MiB cap", path=str(path))
 
     try:
-        return loads_unique(source.read_small(path, MAX_JSON_BYTES).decode("utf-8"))
+        return loads_unique(locate.read_small(path, MAX_JSON_BYTES).decode("utf-8"))
     except DuplicateKey as exc:
         raise CheckpointError(f"'{exc.key}' is listed twice", path=str(path)) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -166,7 +167,7 @@ def _sharded(path: AnyPath, index_name: str, chosen: str) -> Resolution:
 
 def resolve(path: AnyPath) -> Resolution | None:
     """The files ``from_pretrained(path)`` loads, or None where it finds none of its names."""
-    names = sorted(source.listdir(path))
+    names = sorted(locate.listdir(path))
     if any(_DISTRIBUTED_SHARD.match(n) for n in names):
         # _get_resolved_distributed_checkpoint_files: every name ending .safetensors, sorted.
         files = tuple(n for n in names if n.endswith(".safetensors") and (path / n).is_file())
@@ -310,7 +311,7 @@ def _unused(path: AnyPath, res: Resolution, read_file: Callable[[Any], Inventory
         except (DtypeAuditError, OSError, RecursionError, MemoryError):
             return True  # unreadable: it may hold weights, and it is not looked at with the rest
 
-    holding = source.concurrent_map(holds_weights, others) if isinstance(path, RemotePath) else [holds_weights(p) for p in others]
+    holding = remote.concurrent_map(holds_weights, others) if isinstance(path, RemotePath) else [holds_weights(p) for p in others]
     out = []
     for p, holds in zip(others, holding, strict=True):
         label = _relative(p, path)
@@ -333,7 +334,7 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory]) -> Inventory:
     holder: dict[str, str] = {}
     shards = [path / label for label in res.files]
     # Remote shards are read at once (their headers are a round trip each); the first failure in file order is raised.
-    invs = source.concurrent_map(read_file, shards) if isinstance(path, RemotePath) else None
+    invs = remote.concurrent_map(read_file, shards) if isinstance(path, RemotePath) else None
     for i, label in enumerate(res.files):
         inv = invs[i] if invs is not None else read_file(shards[i])
         findings.extend(f if f.file else Finding(**{**f.__dict__, "file": label}) for f in inv.findings)

@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import quote, unquote
 
 from ..errors import CheckpointError
-from .source import AnyPath, RemotePath
+from .remote import RemotePath, remote_fs
 
 _TRUE = {"1", "ON", "YES", "TRUE"}
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -54,7 +54,7 @@ class HubRef:
 class Located:
     """Where a hub reference was found."""
 
-    location: AnyPath
+    location: Path | RemotePath
     """A snapshot in the local cache, or the repository on the hub."""
     source: str
     """``cache`` or ``hub``."""
@@ -140,7 +140,6 @@ def locate(target: str) -> Located:
             path=target,
             hint="pip install 'dtypeaudit[remote]'",
         ) from None
-    from .source import remote_fs
 
     prefix = "" if ref.repo_type == "model" else f"{ref.repo_type}s/"
     rev = f"@{quote(ref.revision, safe='')}" if ref.revision else ""

@@ -16,9 +16,10 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..inventory import Finding, Inventory, Layout
-from . import source
+from . import locate
+from .locate import AnyPath
 from .picklevm import Opaque, PickleVM, Trace
-from .source import AnyPath, Source
+from .source import Source
 from .torchpickle import StorageRef, global_findings, module_findings, tensor_records, torch_vm, walk
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -61,7 +62,7 @@ def legacy_storage_keys(buf: Any, pos: int, path: Path | str) -> tuple[list[str]
 
 
 def read_legacy(where: AnyPath | Source) -> Inventory:
-    with source.opened(where) as src:
+    with locate.opened(where) as src:
         try:
             mm = src.view()
         except (OSError, ValueError) as exc:

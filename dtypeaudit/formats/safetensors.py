@@ -19,9 +19,11 @@ from typing import Any
 from .. import dtypes
 from ..errors import CheckpointError, LimitExceeded
 from ..inventory import Inventory, Layout, TensorRecord
-from . import source
+from . import locate
 from .jsonfile import DuplicateKey, unique_pairs
-from .source import AnyPath, RemoteError, Source
+from .locate import AnyPath
+from .remote import RemoteError
+from .source import Source
 
 MAX_HEADER_BYTES = 100_000_000
 """The crate's ``MAX_HEADER_SIZE``: a longer header is refused."""
@@ -137,7 +139,7 @@ def _loads(text: str) -> Any:
 
 def read_header(path: AnyPath | Source) -> tuple[dict[str, Any], int]:
     """The parsed header and the offset where the data area starts: 8 bytes, then the header, nothing else."""
-    with source.opened(path) as src:
+    with locate.opened(path) as src:
         return _read_header(src)
 
 
@@ -242,7 +244,7 @@ def _check_size(entry: Entry, path: str) -> None:
 
 def parse(path: AnyPath | Source) -> Header:
     """The header, checked as the crate checks it; CheckpointError where the crate would refuse the file."""
-    with source.opened(path) as src:
+    with locate.opened(path) as src:
         return _parse(src)
 
 
@@ -311,7 +313,7 @@ def _record(entry: Entry, path: str) -> TensorRecord:
 
 
 def read(path: AnyPath | Source, *, file_label: str = "") -> Inventory:
-    with source.opened(path) as src:
+    with locate.opened(path) as src:
         header = _parse(src)
         name = src.name
     tensors = [_record(e, name) for e in header.entries]

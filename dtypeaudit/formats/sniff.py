@@ -13,9 +13,11 @@ import struct
 from typing import IO, Any
 
 from ..errors import CheckpointError, LimitExceeded
-from . import safetensors, source
+from . import locate, safetensors
 from .legacy import LEGACY_MAGIC, is_legacy_magic
-from .source import AnyPath, RemoteError, Source, SourceFile
+from .locate import AnyPath
+from .remote import RemoteError
+from .source import Source, SourceFile
 
 HEAD_BYTES = 64 << 10
 """Bytes read to name a format; a first pickle that runs past them is interpreted over the whole file."""
@@ -69,7 +71,7 @@ def _head(src: Source, n: int) -> tuple[bytes, int]:
 
 def _open(path: AnyPath) -> Source:
     try:
-        return source.open_source(path)
+        return locate.open_source(path)
     except IsADirectoryError:
         raise CheckpointError("is a directory", path=str(path)) from None
 

@@ -14,11 +14,12 @@ import re
 
 from ..errors import CheckpointError
 from ..inventory import Finding, Inventory, Layout
-from . import source
+from . import locate
 from .barepickle import read_pickle
 from .legacy import read_legacy
+from .locate import AnyPath
 from .picklevm import Global, Opaque, PickleVM
-from .source import AnyPath, Source
+from .source import Source
 from .torchpickle import Found, StorageRef, global_findings, module_findings, tensor_records, torch_vm, trailing_findings, walk
 from .ziparchive import Entry, ZipArchive
 
@@ -116,7 +117,7 @@ def _other_pickles(za: ZipArchive, main: Entry, path: str, *, torchscript: bool)
 
 
 def read_zip(where: AnyPath | Source) -> Inventory:
-    with source.opened(where) as src, ZipArchive.open(src) as za:
+    with locate.opened(where) as src, ZipArchive.open(src) as za:
         path = src.name
         first = za.entries[0].name if za.entries else ""
         main = za.find(first[: first.index("/") + 1] + "data.pkl") if "/" in first else None
