@@ -14,8 +14,9 @@ Conventions, for whoever writes a page:
 * An example that cannot run here (S3, the hub, a GPU, an install without torch) carries
   ``<!-- not-run: REASON -->`` just above it; it is listed as skipped with that reason.
 
-``DTYPEAUDIT_UPDATE_DOCS=1 pytest tests/test_docs_examples.py`` rewrites the output of every shell example that no
-longer matches, in place, with what the command prints now (elisions in those blocks are lost: trim them again).
+``DTYPEAUDIT_UPDATE_DOCS=1 pytest tests/test_docs_examples.py`` rewrites the shown output of every example that no
+longer matches, in place, with what it prints now (a shell block's elisions are lost: trim them again), and skips
+it with "output rewritten"; review the diff.
 """
 
 from __future__ import annotations
@@ -233,12 +234,15 @@ def matches(shown: str, actual: str) -> bool:
 
 
 def _rewrite(example: Example, runs: list[tuple[str, str, str]]) -> None:
+    _replace_block(example, "".join(f"$ {cmd}\n" + (f"{actual}\n" if actual else "") for cmd, _, actual in runs))
+
+
+def _replace_block(example: Example, body: str) -> None:
     text = example.page.read_text(encoding="utf-8")
     # an earlier example of the page may have been rewritten in this run: the block is where its text is now
     found = [m.start() for m in re.finditer(re.escape(example.body), text)]
     assert found, f"{example.id} changed while the examples ran; run the update again"
     start = min(found, key=lambda at: abs(at - example.start))
-    body = "".join(f"$ {cmd}\n" + (f"{actual}\n" if actual else "") for cmd, _, actual in runs)
     example.page.write_text(text[:start] + body + text[start + len(example.body) :], encoding="utf-8")
 
 
@@ -269,11 +273,34 @@ def test_shell_example(example: Example, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("example", PYTHON, ids=[e.id for e in PYTHON])
+class _Recorder(doctest.DocTestRunner):
+    """A doctest runner that also keeps what each failing example printed, for the update."""
+
+    def __init__(self) -> None:
+        super().__init__(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        self.got: list[tuple[doctest.Example, str]] = []
+
+    def report_failure(self, out: typing.Any, test: doctest.DocTest, example: doctest.Example, got: str) -> None:
+        self.got.append((example, got))
+        super().report_failure(out, test, example, got)
+
+
+def updated_doctest(body: str, got: list[tuple[doctest.Example, str]]) -> str:
+    """The block with each failing example's shown output replaced by what it printed."""
+    lines = body.splitlines(keepends=True)
+    for example, output in sorted(got, key=lambda pair: -pair[0].lineno):
+        start = example.lineno + example.source.count("\n")
+        shown = [" " * example.indent + line + "\n" for line in output.splitlines()]
+        lines[start : start + example.want.count("\n")] = shown
+    return "".join(lines)
+
+
+@pytest.mark.parametrize("example", PYTHON, ids=[e.id for e in PYTHON])
 def test_python_example(example: Example, tmp_path: Path) -> None:
     _skip_not_run(example)
     cwd = _workdir(tmp_path, example)
     test = doctest.DocTestParser().get_doctest(example.body, {}, example.id, str(example.page), example.line)
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    runner = _Recorder()
     old = Path.cwd()
     os.chdir(cwd)
     report: list[str] = []
@@ -281,6 +308,9 @@ def test_python_example(example: Example, tmp_path: Path) -> None:
         runner.run(test, out=report.append)
     finally:
         os.chdir(old)
+    if runner.got and UPDATE:
+        _replace_block(example, updated_doctest(example.body, runner.got))
+        pytest.skip(f"{example.id}: output rewritten; review the diff")
     assert runner.failures == 0 and test.examples, "".join(report)
 
 
@@ -342,3 +372,26 @@ def test_the_report_schema_and_python_api_pages_are_generated() -> None:
     for name in dtypeaudit.__all__:
         if callable(getattr(dtypeaudit, name)):
             assert f"### `{name}`" in api_page
+
+
+def test_the_update_rewrites_only_what_changed(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Intro.\n\n```\n$ dtypeaudit policy presets | head -1\nstale\n```\n\n"
+        "```pycon\n>>> 1 + 1\n3\n>>> print('kept')\nkept\n```\n\nEnd.\n",
+        encoding="utf-8",
+    )
+    shell, python = examples(page)
+    output, code = run_command("dtypeaudit policy presets | head -1", tmp_path, 0)
+    assert code == 0 and output.startswith("amp-training ")
+    _rewrite(shell, [("dtypeaudit policy presets | head -1", "stale", normalise(output, tmp_path))])
+    python = next(e for e in examples(page) if e.is_python)
+    runner = _Recorder()
+    runner.run(doctest.DocTestParser().get_doctest(python.body, {}, "x", "page.md", 0), out=lambda _: None)
+    assert [got for _, got in runner.got] == ["2\n"]
+    _replace_block(python, updated_doctest(python.body, runner.got))
+    assert page.read_text(encoding="utf-8") == (
+        f"Intro.\n\n```\n$ dtypeaudit policy presets | head -1\n{normalise(output, tmp_path)}\n```\n\n"
+        "```pycon\n>>> 1 + 1\n2\n>>> print('kept')\nkept\n```\n\nEnd.\n"
+    )
+    assert all(matches(*pair) for pair in [("a ... c", "a b\nb c"), ("...", "")]) and not matches("...", "x")
