@@ -164,8 +164,8 @@ def test_suggestions_point_to_a_native_dtype() -> None:
 
 
 def test_readme_shows_the_table() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert targets.render_markdown() in readme
+    page = (ROOT / "docs" / "targets.md").read_text(encoding="utf-8")
+    assert targets.render_markdown() in page
 
 
 # -- the command line -----------------------------------------------------------------------------------------------
