@@ -148,7 +148,7 @@ def _severity(value: str) -> Severity:
     return value  # type: ignore[return-value]
 
 
-PolicyOpt = Annotated[Optional[str], typer.Option("--policy", "-p", help="A YAML policy file (see README: Policies).")]
+PolicyOpt = Annotated[Optional[str], typer.Option("--policy", "-p", help="A YAML policy file (the language: docs/policies.md).")]
 PresetOpt = Annotated[
     Optional[str],
     typer.Option(

@@ -373,7 +373,7 @@ def render_text(targets: Iterable[Target] = TARGETS) -> str:
 
 
 def render_markdown(targets: Iterable[Target] = TARGETS) -> str:
-    """The table in Markdown, as the README shows it."""
+    """The table in Markdown, as docs/targets.md shows it."""
     head = ["target", *(label for label, _ in COLUMNS), "device"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for t in targets:
