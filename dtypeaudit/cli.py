@@ -616,6 +616,15 @@ def convert(
             help="A factory (file.py:func or module:func) whose module types the plan and its checks use, as scan --model.",
         ),
     ] = None,
+    materialize_ties: Annotated[
+        bool,
+        typer.Option(
+            "--materialize-ties",
+            help="With a .safetensors output: write a tied tensor (GPT-2's lm_head.weight and wte) under each of its names, "
+            "so that load_state_dict(load_file(PATH)) is complete. By default it is written once and the tie kept as a "
+            "metadata alias, which safetensors.torch.load_model (or strict=False plus tie_weights()) restores.",
+        ),
+    ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show the plan and the value checks; write nothing.")] = False,
     target: Annotated[
         Optional[str],
@@ -684,6 +693,7 @@ def convert(
             "in_place": in_place,
             "max_shard_size": max_shard_size,
             "model": model,
+            "materialize_ties": materialize_ties,
         }
         if len(sources) > 1 or jobs is not None or cluster is not None:
             if target is not None:
