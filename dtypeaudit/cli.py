@@ -101,13 +101,13 @@ PEOPLE_FORMATS = (OutputFormat.table, OutputFormat.plain, OutputFormat.markdown,
 
 
 def _log_unreadable(report: Report, fmt: OutputFormat, output: Optional[Path]) -> None:
-    """One line on stderr per input that could not be read, where the report does not already tell the reader.
+    """One line on stderr per input that could not be read, unless the report already told the person reading.
 
-    The report names every unreadable input. A report on stdout that people read (text, markdown, GitHub
-    annotations) says it there, once; a machine format or a report written to ``-o FILE`` leaves the reader
-    with nothing on the terminal, so the log on stderr says it.
+    The report names every unreadable input, with the reason. A report for people (text, markdown, GitHub
+    annotations) on a terminal says it there, once; when the report goes to a pipe, a file or a machine format,
+    the terminal (and a CI log that greps stderr) gets the one-line log instead.
     """
-    if output is None and fmt in PEOPLE_FORMATS:
+    if output is None and fmt in PEOPLE_FORMATS and getattr(sys.stdout, "isatty", lambda: False)():
         return
     for c in report.checkpoints:
         if c.error:
