@@ -62,8 +62,7 @@ def test_hostile_file_exits_1_and_never_runs(tmp_path: Path, canary: Path) -> No
 def test_not_a_checkpoint_is_one_line_exit_2(tmp_path: Path, content: bytes, keywords: str) -> None:
     path = tmp_path / "model.pt"
     path.write_bytes(b"\x00" * 8 + content[8:] if keywords == "not a checkpoint" else content)
-    # A machine format: the one line on stderr is all the terminal shows (a text report says it on stdout instead).
-    proc = run_cli("scan", str(path), "-f", "json")
+    proc = run_cli("scan", str(path))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and str(path) in lines[0] and keywords in lines[0]
