@@ -26,7 +26,13 @@ def _literal(name: str) -> str:
 
 
 def _candidates(name: str) -> Iterator[str]:
-    """Patterns for ``name``, broadest first."""
+    """Patterns for ``name``, broadest first.
+
+    The name itself comes before its anchored form: a glob also matches the name under any prefix, so the
+    policy written from a bare state_dict holds the same model inside a wrapper (Lightning's
+    ``state_dict.net.``, DDP's ``module.``). ``baseline`` anchors it only where the bare glob would claim a
+    tensor of another dtype in this checkpoint.
+    """
     parts = name.split(".")
     if len(parts) > 1:
         yield "*." + parts[-1]
@@ -35,6 +41,8 @@ def _candidates(name: str) -> Iterator[str]:
     starred = _DIGITS.sub("*", name)
     if starred != name:
         yield starred
+    if not any(c in name for c in "*?[]^") and not name.startswith("re:"):
+        yield name
     yield _literal(name)
 
 
@@ -69,10 +77,24 @@ def baseline(inv: Inventory) -> dict[str, object]:
     if default is not None:
         policy["default"] = default
     policy["check_integers"] = True
-    policy["rules"] = [
+    rules: list[dict[str, object]] = [
         {"name": f"baseline-{dtype}", "match": pats if len(pats) > 1 else pats[0], "dtype": dtype} for dtype, pats in patterns.items()
     ]
+    if not any(t.region == "optimizer" for t in inv.tensors):
+        # Nothing here says what an optimizer's state should be: the same model in a training checkpoint
+        # (Adam moments in each parameter's dtype, float32 steps) must not fail on state this file never had.
+        rules.insert(0, OPTIMIZER_UNBASELINED)
+    policy["rules"] = rules
     return policy
+
+
+OPTIMIZER_UNBASELINED: dict[str, object] = {
+    "name": "optimizer-not-baselined",
+    "region": "optimizer",
+    "dtype": "any",
+    "optional": True,
+    "reason": "the baselined checkpoint holds no optimizer state",
+}
 
 
 def render_baseline(inv: Inventory) -> str:

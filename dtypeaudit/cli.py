@@ -31,6 +31,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
+    # Click's own help: paragraphs rewrapped to the terminal, \b blocks kept as written, brackets such as
+    # 'dtypeaudit[dask]' shown as typed (Rich markup took them for tags), no box drawing for a cp1252 console.
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -55,13 +58,24 @@ def _fail(message: str, code: int = exitcodes.ERROR) -> NoReturn:
     raise typer.Exit(code)
 
 
+def _colorless() -> bool:
+    """NO_COLOR (https://no-color.org) or a dumb terminal: no ANSI, whatever format was asked for."""
+    return bool(os.environ.get("NO_COLOR")) or os.environ.get("TERM") == "dumb"
+
+
 def default_format(stream: object = None) -> OutputFormat:
     """Rich on a terminal; plain text when piped, when NO_COLOR is set or TERM is dumb."""
     stream = stream or sys.stdout
     isatty = getattr(stream, "isatty", lambda: False)()
-    if not isatty or os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+    if not isatty or _colorless():
         return OutputFormat.plain
     return OutputFormat.table
+
+
+def chosen_format(fmt: Optional[OutputFormat], output: Optional[Path]) -> OutputFormat:
+    """``--format``, else the default for where the report goes; ``table`` is ``plain`` under NO_COLOR."""
+    chosen = fmt or (OutputFormat.plain if output else default_format())
+    return OutputFormat.plain if chosen is OutputFormat.table and _colorless() else chosen
 
 
 def _terminal_width() -> int:
@@ -72,7 +86,10 @@ def _terminal_width() -> int:
 def emit(text: str, output: Optional[Path]) -> None:
     """Write the report to ``-o FILE`` or stdout; stdout carries nothing else."""
     if output is None:
-        sys.stdout.write(text)
+        from .render.humanize import for_encoding
+
+        # A console that cannot show the report's symbols (cp1252, ascii) gets them in ASCII, not a crash.
+        sys.stdout.write(for_encoding(text, getattr(sys.stdout, "encoding", None)))
         sys.stdout.flush()
         return
     try:
@@ -82,8 +99,18 @@ def emit(text: str, output: Optional[Path]) -> None:
     typer.echo(f"dtypeaudit: report written to {output}", err=True)
 
 
-def _log_unreadable(report: Report) -> None:
-    """One line on stderr per input that could not be read, whatever format stdout carries."""
+PEOPLE_FORMATS = (OutputFormat.table, OutputFormat.plain, OutputFormat.markdown, OutputFormat.github)
+
+
+def _log_unreadable(report: Report, fmt: OutputFormat, output: Optional[Path]) -> None:
+    """One line on stderr per input that could not be read, unless the report already told the person reading.
+
+    The report names every unreadable input, with the reason. A report for people (text, markdown, GitHub
+    annotations) on a terminal says it there, once; when the report goes to a pipe, a file or a machine format,
+    the terminal (and a CI log that greps stderr) gets the one-line log instead.
+    """
+    if output is None and fmt in PEOPLE_FORMATS and getattr(sys.stdout, "isatty", lambda: False)():
+        return
     for c in report.checkpoints:
         if c.error:
             typer.echo(f"dtypeaudit: error: {c.error}", err=True)
@@ -140,6 +167,15 @@ ClusterOpt = Annotated[
     ),
 ]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="List every tensor and every detail.")]
+QuietOpt = Annotated[
+    bool,
+    typer.Option(
+        "--quiet",
+        "-q",
+        help="Findings only: no tensor or dtype tables, and no section for a checkpoint without findings (text and markdown; "
+        "the pre-commit hook's default). Findings that share a rule and a cause are one row either way.",
+    ),
+]
 
 
 def _severity(value: str) -> Severity:
@@ -258,6 +294,7 @@ def scan(
     ] = False,
     target: TargetOpt = None,
     verbose: VerboseOpt = False,
+    quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """List every tensor's dtype, shape and kind, reading only metadata, and check it against a policy.
@@ -309,12 +346,14 @@ def scan(
             progress=progress,
             strict=strict or (pol.strict if pol else False),
         )
-        chosen = fmt or (OutputFormat.plain if output else default_format())
+        if quiet and verbose:
+            raise UsageError("give --quiet or --verbose, not both")
+        chosen = chosen_format(fmt, output)
         # The report lives until exit: the collector need not walk it again each time the renderer allocates
         # (a tenth of a 10,000-checkpoint scan's time went to that).
         gc.freeze()
-        emit(renderer_for(chosen, width=_terminal_width(), verbose=verbose)(report), output)
-        _log_unreadable(report)
+        emit(renderer_for(chosen, width=_terminal_width(), verbose=verbose, quiet=quiet)(report), output)
+        _log_unreadable(report, chosen, output)
         raise typer.Exit(exitcodes.for_report(report))
 
     run_guarded(body, debug)
@@ -382,7 +421,7 @@ def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:
     raise typer.Exit(code)
 
 
-policy_app = typer.Typer(help="Write, check and list dtype policies.", no_args_is_help=True)
+policy_app = typer.Typer(help="Write, check and list dtype policies.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(policy_app, name="policy")
 
 
@@ -585,6 +624,15 @@ def convert(
             help="A factory (file.py:func or module:func) whose module types the plan and its checks use, as scan --model.",
         ),
     ] = None,
+    materialize_ties: Annotated[
+        bool,
+        typer.Option(
+            "--materialize-ties",
+            help="With a .safetensors output: write a tied tensor (GPT-2's lm_head.weight and wte) under each of its names, "
+            "so that load_state_dict(load_file(PATH)) is complete. By default it is written once and the tie kept as a "
+            "metadata alias, which safetensors.torch.load_model (or strict=False plus tie_weights()) restores.",
+        ),
+    ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show the plan and the value checks; write nothing.")] = False,
     target: Annotated[
         Optional[str],
@@ -653,6 +701,7 @@ def convert(
             "in_place": in_place,
             "max_shard_size": max_shard_size,
             "model": model,
+            "materialize_ties": materialize_ties,
         }
         if len(sources) > 1 or jobs is not None or cluster is not None:
             if target is not None:
@@ -921,7 +970,7 @@ def trace_command(
             policy=_policy(policy, preset),
             target=hardware,
         )
-        chosen = fmt or (OutputFormat.plain if output else default_format())
+        chosen = chosen_format(fmt, output)
         emit(trace_renderer_for(chosen, width=_terminal_width(), verbose=verbose)(report), output)
         raise typer.Exit(exitcodes.for_report(report))
 

@@ -145,22 +145,36 @@ def _strip(names: Sequence[str], prefix: str) -> dict[str, str] | None:
     return out
 
 
+def prefix_pairs(a: Inventory, b: Inventory, tried: int = 4) -> list[tuple[str, str]]:
+    """Prefix pairs to take off A's and B's names: wrapper chains on each side, and the rewrites ``scan --model``
+    accepts between the two (``formats.factory.match_names``), such as a LightningModule's ``state_dict.net.``
+    against a bare state_dict, tried both ways round."""
+    from .formats.factory import match_names as model_match
+
+    pairs = [
+        (pa, pb)
+        for pa in wrapper_chain(t.name for t in a.tensors if t.region == "model")
+        for pb in wrapper_chain(t.name for t in b.tensors if t.region == "model")
+    ]
+    model_a = Inventory(a.path, a.format, tuple(t for t in a.tensors if t.region == "model"))
+    model_b = Inventory(b.path, b.format, tuple(t for t in b.tensors if t.region == "model"))
+    pairs += [(p, q) for p, q, _, same in model_match(model_a, model_b).prefixes[:tried] if same]
+    pairs += [(q, p) for p, q, _, same in model_match(model_b, model_a).prefixes[:tried] if same]
+    return list(dict.fromkeys(pairs))
+
+
 def match_names(a: Inventory, b: Inventory) -> tuple[str, str, dict[str, str], dict[str, str]]:
-    """The wrapper prefixes to take off A's and B's names (the pair that matches the most names, the least
-    stripped on a tie) and, for each side, matched name -> original name."""
+    """The prefixes to take off A's and B's names (the pair that matches the most names, the least stripped
+    on a tie) and, for each side, matched name -> original name. Names without the prefix keep theirs."""
     a_names, b_names = [t.name for t in a.tensors], [t.name for t in b.tensors]
     best: tuple[int, int, str, str, dict[str, str], dict[str, str]] | None = None
-    for pa in wrapper_chain(t.name for t in a.tensors if t.region == "model"):
-        ka = _strip(a_names, pa)
-        if ka is None:
+    for pa, pb in prefix_pairs(a, b):
+        ka, kb = _strip(a_names, pa), _strip(b_names, pb)
+        if ka is None or kb is None:
             continue
-        for pb in wrapper_chain(t.name for t in b.tensors if t.region == "model"):
-            kb = _strip(b_names, pb)
-            if kb is None:
-                continue
-            score = (len(ka.keys() & kb.keys()), -(pa.count(".") + pb.count(".")))
-            if best is None or score > best[:2]:
-                best = (*score, pa, pb, ka, kb)
+        score = (len(ka.keys() & kb.keys()), -(pa.count(".") + pb.count(".")))
+        if best is None or score > best[:2]:
+            best = (*score, pa, pb, ka, kb)
     if best is None:  # only when a name collides with itself stripped, which no "" prefix does
         raise AssertionError("no prefix pair")
     return best[2], best[3], best[4], best[5]

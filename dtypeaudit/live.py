@@ -34,6 +34,7 @@ from .inventory import Finding, Inventory, Severity, TensorRecord, link_shared_s
 
 if TYPE_CHECKING:
     from .policy import Policy
+    from .render.humanize import FindingGroup
     from .targets import Target
 
 LIVE_FORMAT = "live"
@@ -425,17 +426,38 @@ def findings_for(live: LiveInventory, policy: Policy | None = None, target: Targ
     return list(dict.fromkeys(out))  # a check that runs twice (the policy's own target) reports once
 
 
-def audit(obj: Any, policy: Policy | str | None = None, *, target: Target | str | None = None) -> list[Finding]:
+class Findings(list[Finding]):
+    """What ``audit`` returns: every finding, a list as before; ``groups``, ``str()`` and the repr put the findings
+    that share a rule and a cause together (six ``emulated-dtype`` warnings about one cause are one line)."""
+
+    @property
+    def groups(self) -> list[FindingGroup]:
+        from .render.humanize import group_findings
+
+        return group_findings(self)
+
+    def __str__(self) -> str:
+        return render_findings(self, title="dtypeaudit.audit")
+
+    def __repr__(self) -> str:
+        if not self:
+            return "Findings([])"
+        rows = [f"{g.severity} {g.rule} ×{g.count} ({g.places()}): {g.message()}" for g in self.groups]
+        return f"Findings({len(self)} findings, {len(rows)} cause{'s' if len(rows) != 1 else ''}: " + "; ".join(rows) + ")"
+
+
+def audit(obj: Any, policy: Policy | str | None = None, *, target: Target | str | None = None) -> Findings:
     """Audit a live ``nn.Module``, optimizer, ``GradScaler``, batch, or a dict of them; see the module's docstring.
 
     ``policy`` is a ``Policy``, a preset name or a YAML file; ``target`` a hardware target (``v100``, ``mps``;
     ``dtypeaudit targets`` lists them), else the policy's ``target:``. Returns the same ``Finding`` objects as
-    ``check``. Reads metadata only: auditing a 7B model on the meta device takes milliseconds and no memory
+    ``check``, in a ``Findings`` list whose ``groups`` (and printout) put those sharing a rule and a cause
+    together. Reads metadata only: auditing a 7B model on the meta device takes milliseconds and no memory
     proportional to the model.
     """
     pol = as_policy(policy)
     live = collect(obj)
-    return findings_for(live, pol, _resolve_target(target, pol))
+    return Findings(findings_for(live, pol, _resolve_target(target, pol)))
 
 
 class Auditor:
@@ -514,7 +536,7 @@ def render_findings(findings: Iterable[Finding], *, title: str, fail_on: Severit
     )
     verdict = f"✗ {summary} (failing at {fail_on})" if failing else f"✓ {summary}, none at or above {fail_on}"
     console.print(verdict)
-    return buffer.getvalue()
+    return "\n".join(line.rstrip() for line in buffer.getvalue().split("\n"))
 
 
 # -- training loops: the part the Lightning and transformers callbacks share ---------------------------------------

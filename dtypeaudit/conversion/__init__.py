@@ -99,6 +99,7 @@ def convert(
     progress_factory: Callable[[str, int], Progress] | None = None,
     max_shard_size: str | None = None,
     model: str | None = None,
+    materialize_ties: bool = False,
 ) -> Result:
     """Plan, check the planned output, check values, write atomically and verify.
 
@@ -106,6 +107,8 @@ def convert(
     so is a plan whose output would fail the policy or a built-in check (``Result.failed``: ``scan`` of
     the output with the same policy must pass), and unsafe values (``Result.unsafe``). None of these
     raises: the Result says why. ``model`` (a factory, as ``scan --model``) gives tensors their module types.
+    ``materialize_ties``: a safetensors output holds a copy of a tied tensor under each of its names, so that a
+    plain ``load_file`` gives every key back (by default it is written once, the tie kept as a metadata alias).
     """
     if isinstance(source, str) and is_url(source) and not source.lower().startswith("file://"):
         from .remote import convert_remote
@@ -128,6 +131,7 @@ def convert(
                 "clamp": clamp,
                 "keep_unsafe": keep_unsafe,
                 "progress_factory": progress_factory,
+                "materialize_ties": materialize_ties,
             },
         )
     if isinstance(output, str) and is_url(output) and not output.lower().startswith("file://"):
@@ -168,6 +172,8 @@ def convert(
             dest = default_output(src_path, plan.target, "safetensors")
         if max_shard_size and out_format != "hf-directory":
             raise UsageError("--max-shard-size applies to Hugging Face directories")
+        if materialize_ties and out_format != "safetensors":
+            raise UsageError("--materialize-ties applies to a .safetensors output (a torch.save output keeps ties as ties)")
         if strip_optimizer:
             plan.notes.extend(strip_notes(stripped, sources))
             if out_format != "torch-zip":
@@ -202,7 +208,9 @@ def convert(
         else:
             ((label, src),) = sources.items()
             with atomic_output(dest, mode_from=src_path) as tmp:
-                written = write_file(plan, src, tmp, out_format, strip=plan.stripped.get(label, ()), progress=progress)
+                written = write_file(
+                    plan, src, tmp, out_format, strip=plan.stripped.get(label, ()), progress=progress, materialize_ties=materialize_ties
+                )
                 with flushing(tmp):
                     verify(plan, tmp, written)
     return Result(plan, dest, [])

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import ConversionError
+from ..temporaries import remove_stale, temporary_path
 from .plan import TARGETS
 
 
@@ -42,8 +43,12 @@ def check_destination(source: Path, dest: Path, *, force: bool, in_place: bool) 
 
 @contextmanager
 def atomic_output(dest: Path, *, mode_from: Path, is_dir: bool = False) -> Iterator[Path]:
-    """Yield a temporary path beside ``dest``; on success fsync it and rename it into place, else remove it."""
-    tmp = dest.parent / f".{dest.name}.dtypeaudit-{os.getpid()}.tmp"
+    """Yield a temporary path beside ``dest``; on success fsync it and rename it into place, else remove it.
+
+    The name carries this host and process (see ``temporaries``): what a killed run left here is removed first.
+    """
+    remove_stale(dest.parent)
+    tmp = temporary_path(dest)
     if is_dir:
         tmp.mkdir()
     try:
@@ -54,7 +59,7 @@ def atomic_output(dest: Path, *, mode_from: Path, is_dir: bool = False) -> Itera
                     os.fsync(fh.fileno())
         os.chmod(tmp, stat.S_IMODE(mode_from.stat().st_mode))  # a directory's files got theirs as they were written
         if is_dir and dest.exists():
-            backup = dest.parent / f".{dest.name}.dtypeaudit-{os.getpid()}.old"
+            backup = temporary_path(dest, "old")
             os.replace(dest, backup)
             os.replace(tmp, dest)
             shutil.rmtree(backup, ignore_errors=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import dtypes
 from ..formats.storage import Span
-from ..inventory import Finding, Inventory, Severity, unique_tensors
+from ..inventory import Finding, Inventory, Severity, TensorRecord, unique_tensors
 from ..torchcast import Caster, chunks, load_torch
 from ..values import (
     CHILD_MIN_BYTES,
@@ -23,6 +23,17 @@ from ..values import (
 )
 from .plan import CASTABLE, Plan, TensorPlan, make_plan, unit_of
 from .source import Progress, Source, source_files
+
+# Top-level keys under which training code keeps its own state beside the weights: Lightning's ``callbacks``
+# (ModelCheckpoint's ``kth_value`` and ``best_model_score`` start as inf), ``loops`` and ``lr_schedulers``; a
+# GradScaler's ``scaler`` (its scale, 65536 by default, is beyond float16's range by design). The model never
+# reads these: their values are not the weights' business, so no value check may refuse a conversion on them.
+TRAINING_STATE_KEYS = frozenset({"callbacks", "loops", "lr_schedulers", "lr_scheduler", "scheduler", "scaler", "grad_scaler"})
+
+
+def is_training_state(t: TensorRecord) -> bool:
+    """Whether ``t`` is training state kept beside the weights (see TRAINING_STATE_KEYS), not a weight or buffer."""
+    return t.region == "model" and t.name.partition(".")[0] in TRAINING_STATE_KEYS
 
 
 def check_values(
@@ -44,7 +55,7 @@ def check_values(
     """
     results: dict[str, ValueStats] = {}
     jobs: dict[str, tuple[Source, ValueJob]] = {}
-    for unit, (src, dtype, span, names, target) in units_to_cast(plan, sources).items():
+    for unit, (src, dtype, span, names, target) in units_to_cast(plan, sources, weights_only=True).items():
         results[unit] = ValueStats(", ".join(names), dtype, target)
         jobs[unit] = (src, ValueJob(unit, str(src.path), dtype, target, span.offset, span.length))
     plan.values = results
@@ -87,7 +98,9 @@ def units_held(plan: Plan, sources: dict[str, Source]) -> dict[str, tuple[Source
     for p in plan.tensors:
         t = p.tensor
         unit = unit_of(t)
-        if p.action not in ("leave", "keep") or t.region != "model" or t.dtype not in CASTABLE or t.layout != "strided" or unit in cast:
+        if p.action not in ("leave", "keep") or t.region != "model" or is_training_state(t):
+            continue
+        if t.dtype not in CASTABLE or t.layout != "strided" or unit in cast:
             continue
         if unit in units:
             units[unit][3].append(t.name)
@@ -109,10 +122,13 @@ def measure_errors(plan: Plan, sources: dict[str, Source]) -> None:
             cast(x)
 
 
-def units_to_cast(plan: Plan, sources: dict[str, Source]) -> dict[str, tuple[Source, str, Span, list[str], str]]:
+def units_to_cast(
+    plan: Plan, sources: dict[str, Source], *, weights_only: bool = False
+) -> dict[str, tuple[Source, str, Span, list[str], str]]:
+    """The storage units the plan casts; ``weights_only`` leaves out training state (see ``is_training_state``)."""
     units: dict[str, tuple[Source, str, Span, list[str], str]] = {}
     for p in plan.tensors:
-        if p.action != "cast":
+        if p.action != "cast" or (weights_only and is_training_state(p.tensor)):
             continue
         t = p.tensor
         src = sources[t.file]
@@ -197,10 +213,14 @@ def value_findings(inv: Inventory, *, include_optimizer: bool = False) -> list[F
     by_name = inv.by_name()
     model_units = {unit_of(t) for t in inv.tensors if t.region == "model"}
     optimizer_units = {unit_of(t) for t in inv.tensors if t.region == "optimizer"} - model_units
+    training_names = {t.name for t in inv.tensors if is_training_state(t)}
     out: list[Finding] = []
 
     def add(rule: str, severity: Severity, message: str, name: str, optimizer: bool) -> None:
-        if optimizer and not include_optimizer:
+        if name in training_names:
+            severity = "info"
+            message += "; training state (callbacks, loops, schedulers, scaler) that the model never reads"
+        elif optimizer and not include_optimizer:
             severity = "info"
             message += "; optimizer state, which convert leaves as it is (scan --include-optimizer holds it to the same bar)"
         out.append(Finding(rule, severity, message, tensor=name))

@@ -46,6 +46,8 @@ class Written:
 
     origins: dict[str, Origin] = field(default_factory=dict)
     crcs: dict[str, int] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    """safetensors: a tied name -> the name its tensor was written under (kept in the metadata, not as a tensor)."""
 
 
 def verify(plan: Plan, out: Path, written: Written) -> None:

@@ -252,16 +252,42 @@ def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip: tuple[tuple[st
     return written
 
 
-def write_safetensors(plan: Plan, src: Source, out: Path, *, progress: Progress | None) -> Written:
-    """Tensors only; a tensor under several names (tied weights) is written once, the aliases kept in metadata."""
+TIES_NOTE = (
+    "{aliases} stored once, under {targets} (safetensors holds no shared tensors; the tie is kept in the metadata "
+    "as dtypeaudit.aliases): a strict load_state_dict(load_file(PATH)) misses {them}. Load with "
+    "safetensors.torch.load_model(model, PATH), or load_state_dict(load_file(PATH), strict=False) then model.tie_weights(); "
+    "or convert with --materialize-ties to write every name"
+)
+
+
+def write_safetensors(plan: Plan, src: Source, out: Path, *, progress: Progress | None, materialize_ties: bool = False) -> Written:
+    """Tensors only; a tensor under several names (tied weights) is written once, the aliases kept in metadata
+    and said in a note with the load that restores them, unless ``materialize_ties`` writes a copy per name."""
     if src.inv.format in ("torch-zip", "torch-legacy"):
         _refuse_non_tensor_content(src)
     meta = dict(src.inv.metadata.get("safetensors_metadata") or {"format": "pt"})  # type: ignore[call-overload]
-    return _write_safetensors_file([(p, src) for p in plan.tensors], out, meta, plan, progress=progress)
+    items = [(p, src) for p in plan.tensors]
+    written = _write_safetensors_file(items, out, meta, plan, progress=progress, materialize_ties=materialize_ties)
+    if written.aliases:
+        names = sorted(written.aliases)
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        targets = ", ".join(sorted(set(written.aliases.values()))[:3])
+        plan.notes.append(
+            TIES_NOTE.format(
+                aliases=shown + (" is" if len(names) == 1 else " are"), targets=targets, them="it" if len(names) == 1 else "them"
+            )
+        )
+    return written
 
 
 def _write_safetensors_file(
-    items: list[tuple[TensorPlan, Source]], out: Path, meta: dict[str, str], plan: Plan, *, progress: Progress | None
+    items: list[tuple[TensorPlan, Source]],
+    out: Path,
+    meta: dict[str, str],
+    plan: Plan,
+    *,
+    progress: Progress | None,
+    materialize_ties: bool = False,
 ) -> Written:
     entries: list[tuple[TensorPlan, Source, Span | None]] = []
     aliases: dict[str, str] = {}
@@ -274,7 +300,7 @@ def _write_safetensors_file(
             raise ConversionError(f"tensor '{t.name}' is {t.layout}; safetensors holds dense tensors only", path=str(src.path))
         if t.dtype not in dtypes.SAFETENSORS_CODE_OF or p.target not in dtypes.SAFETENSORS_CODE_OF:
             raise ConversionError(f"tensor '{t.name}' is {t.dtype}, which safetensors cannot store", path=str(src.path))
-        tie = (str(src.path), t.storage, t.offset, t.shape, t.stride) if t.storage is not None else None
+        tie = (str(src.path), t.storage, t.offset, t.shape, t.stride) if t.storage is not None and not materialize_ties else None
         if tie is not None and tie in first_of:
             aliases[t.name] = first_of[tie]
             continue
@@ -296,7 +322,7 @@ def _write_safetensors_file(
         meta["dtypeaudit.aliases"] = json.dumps(aliases, sort_keys=True)
     text = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
     text += b" " * ((-len(text)) % 8)
-    written = Written()
+    written = Written(aliases=aliases)
     with out.open("wb") as fh, Writeback(fh) as writeback:
         fh.write(struct.pack("<Q", len(text)) + text)
         for p, src, span in entries:
@@ -334,10 +360,17 @@ def _refuse_non_tensor_content(src: Source) -> None:
 
 
 def write_file(
-    plan: Plan, src: Source, out: Path, out_format: str, *, strip: tuple[tuple[str, ...], ...] = (), progress: Progress | None
+    plan: Plan,
+    src: Source,
+    out: Path,
+    out_format: str,
+    *,
+    strip: tuple[tuple[str, ...], ...] = (),
+    progress: Progress | None,
+    materialize_ties: bool = False,
 ) -> Written:
     if out_format == "safetensors":
-        return write_safetensors(plan, src, out, progress=progress)
+        return write_safetensors(plan, src, out, progress=progress, materialize_ties=materialize_ties)
     return write_torch_zip(plan, src, out, strip=strip, progress=progress)
 
 

@@ -265,7 +265,15 @@ def _zip_may_hold_pickles(src: Source) -> bool:
 def is_candidate(path: AnyPath) -> bool:
     """Whether a file found by walking a directory should be scanned: its content may be a checkpoint
     (or its name says it should be one). Reads a few hundred bytes; only pickles without a protocol
-    header (protocols 0 and 1) are interpreted further."""
+    header (protocols 0 and 1) are interpreted further. A temporary that ``convert`` writes (or a killed
+    one left) is half a file: passed over, with a note on stderr."""
+    from .. import temporaries
+
+    temp = temporaries.parse(path.name)
+    if temp is not None:
+        state = "left by a run that has ended" if temporaries.is_stale(temp) else "being written by a conversion"
+        temporaries.log.warning("dtypeaudit: skipping %s: a temporary %s (process %d)", path, state, temp.pid)
+        return False
     if path.suffix.lower() in _CHECKPOINT_SUFFIXES:
         return True
     try:

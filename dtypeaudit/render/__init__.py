@@ -24,8 +24,11 @@ class OutputFormat(str, Enum):
 Renderer = Callable[[Report], str]
 
 
-def renderer_for(fmt: OutputFormat, *, width: int = 120, verbose: bool = False) -> Renderer:
+def renderer_for(fmt: OutputFormat, *, width: int = 120, verbose: bool = False, quiet: bool = False) -> Renderer:
     """The renderer for a format; every OutputFormat has one (a test holds this exhaustive).
+
+    ``quiet``: findings only (the text and markdown reports leave out clean checkpoints and tensor tables);
+    machine formats carry everything whatever it says.
 
     Each renderer module is imported only when chosen: a JSON run never loads Rich.
     """
@@ -33,10 +36,10 @@ def renderer_for(fmt: OutputFormat, *, width: int = 120, verbose: bool = False) 
         from . import text
 
         color = fmt is OutputFormat.table
-        return lambda r: text.render(r, color=color, width=width, verbose=verbose)
+        return lambda r: text.render(r, color=color, width=width, verbose=verbose, quiet=quiet)
     if fmt is OutputFormat.markdown:
         from . import markdown
 
-        return lambda r: markdown.render(r, verbose=verbose)
+        return lambda r: markdown.render(r, verbose=verbose, quiet=quiet)
     module = import_module(f"{__name__}.{fmt.value}")
     return module.render

@@ -1,8 +1,9 @@
-"""GitHub Actions workflow commands: each finding becomes an annotation on the run."""
+"""GitHub Actions workflow commands: an annotation on the run per rule and cause, with its count and first names."""
 
 from __future__ import annotations
 
 from ..inventory import Report
+from .humanize import group_findings
 
 _COMMAND = {"error": "error", "warning": "warning", "info": "notice"}
 
@@ -20,10 +21,12 @@ def render(report: Report) -> str:
     for c in report.checkpoints:
         if c.error:
             lines.append(f"::error file={_prop(c.path)},title={_prop('dtypeaudit unreadable')}::{_data(c.error)}")
-        for f in c.findings:
-            title = _prop(f"dtypeaudit {f.rule}")
-            text = f"{f.tensor}: {f.message}" if f.tensor else f.message
-            lines.append(f"::{_COMMAND[f.severity]} file={_prop(c.path)},title={title}::{_data(text)}")
+        # GitHub shows ten annotations of a kind per step: one per cause keeps every cause visible.
+        for g in group_findings(c.findings):
+            title = _prop(f"dtypeaudit {g.rule}" + (f" ({g.count})" if g.count > 1 else ""))
+            places = g.places()
+            text = f"{places}: {g.message()}" if places else g.message()
+            lines.append(f"::{_COMMAND[g.severity]} file={_prop(c.path)},title={title}::{_data(text)}")
     readable = [c for c in report.checkpoints if not c.error]
     lines.append(f"dtypeaudit: {len(report.checkpoints)} checkpoint(s), {len(readable)} readable, {len(report.findings)} finding(s)")
     return "\n".join(lines) + "\n"

@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..inventory import TensorRecord
+from ..inventory import Finding, TensorRecord
 
 
 def human_bytes(n: int) -> str:
@@ -86,3 +86,192 @@ def group_tensors(tensors: Iterable[TensorRecord]) -> list[TensorGroup]:
             )
         )
     return groups
+
+
+# -- names in narrow columns ------------------------------------------------------------------------------------
+
+_BREAK_AFTER = re.compile(r"(?<=[^.]\.)(?=[^.])|(?<=[\s,/])")  # after a lone dot: never inside a folded {0..31}
+
+
+def name_parts(name: str) -> list[str]:
+    """The pieces ``wrap_name`` never splits: dotted components with their dot (words, for a key with spaces)."""
+    return [p for p in _BREAK_AFTER.split(name) if p]
+
+
+def wrap_name(name: str, width: int) -> str:
+    """``name`` in lines of at most ``width`` characters, broken after a dot (else a space, comma or slash),
+    so that no dotted component is split; a component longer than the width alone is folded."""
+    if width < 1 or len(name) <= width:
+        return name
+    lines: list[str] = []
+    line = ""
+    for piece in _BREAK_AFTER.split(name):
+        while len(piece) > width:  # one component wider than the column: fold it, nothing else fits
+            if line:
+                lines.append(line)
+                line = ""
+            lines.append(piece[:width])
+            piece = piece[width:]
+        if len(line) + len(piece) > width and line:
+            lines.append(line)
+            line = ""
+        line += piece
+    if line:
+        lines.append(line)
+    return "\n".join(s.rstrip() or s for s in lines)
+
+
+# -- text for consoles that cannot show everything -------------------------------------------------------------
+
+_ASCII = str.maketrans(
+    {
+        "✓": "OK",
+        "✗": "FAIL",
+        "·": "-",
+        "×": "x",
+        "…": "...",
+        "→": "->",
+        "←": "<-",
+        "—": "-",
+        "–": "-",
+        "≤": "<=",
+        "≥": ">=",
+        "─": "-",
+        "━": "-",
+        "═": "=",
+        "│": "|",
+        "┃": "|",
+        "‘": "'",
+        "’": "'",
+        "“": '"',
+        "”": '"',
+    }
+)
+
+
+def for_encoding(text: str, encoding: str | None) -> str:
+    """``text`` as a stream in ``encoding`` can write it: unchanged where it can, else the report's symbols and
+    rules in ASCII (``✓`` -> ``OK``, box lines -> ``-``) and anything else left over as ``?``."""
+    if not encoding:
+        return text
+    try:
+        text.encode(encoding)
+        return text
+    except UnicodeEncodeError:
+        pass
+    except LookupError:
+        encoding = "ascii"
+    text = text.replace("✅ ", "").replace("❌ ", "")  # markdown's status marks: the word beside them says it
+    return text.translate(_ASCII).encode(encoding, errors="replace").decode(encoding)
+
+
+# -- findings that share a cause ----------------------------------------------------------------------------------
+
+_TOKEN = re.compile(r"[\w.]+|[^\w.]")
+
+
+@dataclass(frozen=True)
+class FindingGroup:
+    """Findings of one severity and rule that say the same thing about different subjects (tensors, globals)."""
+
+    severity: str
+    rule: str
+    cause: str
+    """The message, with ``{}`` where the subjects differ when they are named in it (a global's name)."""
+    subjects: tuple[str, ...]
+    """What each finding is about: its tensor (or file), else the part of its message that differs; "" for none."""
+    also: tuple[str, ...] = ()
+    """Other rules whose findings about these subjects are the same cause (a pickled module's class is also an
+    unsafe global), folded in here."""
+
+    @property
+    def count(self) -> int:
+        return len(self.subjects)
+
+    def message(self) -> str:
+        """The cause, with the subject put back when there is one (``{}`` stays only for several)."""
+        if "{}" not in self.cause:
+            text = self.cause
+        elif len(self.subjects) == 1:
+            text = self.cause.replace("{}", self.subjects[0], 1)
+        else:
+            text = self.cause.replace("{}", "each of these", 1)
+        return text + (f" (each also {', '.join(self.also)})" if self.also else "")
+
+    def first(self, shown: int = 3, *, every: bool = False) -> tuple[list[str], int]:
+        """The first ``shown`` subjects named (all of them with ``every``), and how many more there are."""
+        named = [s for s in self.subjects if s]
+        if every or len(named) <= shown + 1:
+            return named, 0
+        return named[:shown], len(named) - shown
+
+    def places(self, shown: int = 3, *, every: bool = False) -> str:
+        """The subjects, the first ``shown`` and a count of the rest (all of them with ``every``)."""
+        names, more = self.first(shown, every=every)
+        return ", ".join(names) + (f" and {more} more" if more else "")
+
+
+def _masked(tokens: list[str], at: int) -> str:
+    return "".join(tokens[:at]) + "{}" + "".join(tokens[at + 1 :])
+
+
+def group_findings(findings: Iterable[Finding]) -> list[FindingGroup]:
+    """Findings grouped by severity, rule and cause, worst severity first, in order of first appearance.
+
+    Findings about tensors share a cause when their messages are equal. Findings about no tensor (a global
+    the pickle calls) share one when their messages differ in one word only, the same word for all: that word
+    is the subject. A ``pickled-module`` finding's class is also reported as an ``unsafe-global``: one cause,
+    so those ``unsafe-global`` findings are folded into the ``pickled-module`` group.
+    """
+    from ..inventory import severity_rank
+
+    items = sorted(findings, key=lambda f: -severity_rank(f.severity))
+    named: dict[tuple[str, str, str], list[str]] = {}
+    loose: dict[tuple[str, str, int], list[list[str]]] = {}
+    for f in items:
+        if f.tensor or f.file:
+            named.setdefault((f.severity, f.rule, f.message), []).append(f.tensor or f.file or "")
+        else:
+            tokens = _TOKEN.findall(f.message)
+            loose.setdefault((f.severity, f.rule, len(tokens)), []).append(tokens)
+    groups: dict[tuple[str, str, str], list[str]] = {key: subjects for key, subjects in named.items()}
+    for (severity, rule, _), messages in loose.items():
+        at = _varying_word(messages)
+        for tokens in messages:
+            if at is None:
+                groups.setdefault((severity, rule, "".join(tokens)), []).append("")
+            else:
+                groups.setdefault((severity, rule, _masked(tokens, at)), []).append(tokens[at])
+    out = [FindingGroup(s, r, c, tuple(subjects)) for (s, r, c), subjects in groups.items()]
+    return _fold_pickled_modules(out)
+
+
+def _varying_word(messages: list[list[str]]) -> int | None:
+    """The one token position where messages of equal length differ, if masking it merges them at all."""
+    if len(messages) < 2:
+        return None
+    best: tuple[int, int] | None = None
+    for at in range(len(messages[0])):
+        kinds = len({_masked(m, at) for m in messages})
+        if kinds < len(messages) and (best is None or kinds < best[0]):
+            best = (kinds, at)
+    return best[1] if best else None
+
+
+def _fold_pickled_modules(groups: list[FindingGroup]) -> list[FindingGroup]:
+    modules = {s for g in groups if g.rule == "pickled-module" for s in g.subjects}
+    if not modules:
+        return groups
+    out = []
+    folded = False
+    for g in groups:
+        if g.rule == "unsafe-global" and "{}" in g.cause:
+            rest = tuple(s for s in g.subjects if s not in modules)
+            folded = folded or len(rest) < len(g.subjects)
+            if not rest:
+                continue
+            g = FindingGroup(g.severity, g.rule, g.cause, rest, g.also)
+        out.append(g)
+    if folded:
+        out = [FindingGroup(g.severity, g.rule, g.cause, g.subjects, ("unsafe-global",)) if g.rule == "pickled-module" else g for g in out]
+    return out

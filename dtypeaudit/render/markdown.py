@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from ..inventory import Report, dtype_summary, severity_rank
-from .humanize import group_tensors, human_bytes, human_count, shape_text
+from .humanize import group_findings, group_tensors, human_bytes, human_count, shape_text
 
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def render(report: Report, *, verbose: bool = False) -> str:
+def render(report: Report, *, verbose: bool = False, quiet: bool = False) -> str:
+    """The report as Markdown; ``quiet`` leaves out checkpoints without findings and every dtype table."""
     out = ["# dtypeaudit report", ""]
     failing = [f for f in report.findings if severity_rank(f.severity) >= severity_rank(report.fail_on)]
     unreadable = [c for c in report.checkpoints if c.error]
@@ -18,6 +19,8 @@ def render(report: Report, *, verbose: bool = False) -> str:
     out.append(f"**{status}**: {len(report.checkpoints)} checkpoint(s), {len(report.findings)} finding(s), failing at `{report.fail_on}`.")
     out.append("")
     for c in report.checkpoints:
+        if quiet and not (c.error or c.findings):
+            continue
         out.append(f"## `{c.path}`")
         out.append("")
         if c.error:
@@ -26,10 +29,13 @@ def render(report: Report, *, verbose: bool = False) -> str:
         out.append(f"Format `{c.format}`, {len(c.tensors)} tensors.")
         out.append("")
         if c.findings:
-            out += ["| severity | rule | tensor | message |", "|---|---|---|---|"]
-            for f in sorted(c.findings, key=lambda f: -severity_rank(f.severity)):
-                out.append(f"| {f.severity} | `{f.rule}` | {_cell(f.tensor or f.file or '')} | {_cell(f.message)} |")
+            out += ["| severity | rule | count | where | message |", "|---|---|---:|---|---|"]
+            for fg in group_findings(c.findings):
+                where = _cell(fg.places(every=verbose))
+                out.append(f"| {fg.severity} | `{fg.rule}` | {fg.count} | {where} | {_cell(fg.message())} |")
             out.append("")
+        if quiet:
+            continue
         out += ["| dtype | tensors | elements | bytes | share |", "|---|---:|---:|---:|---:|"]
         for r in dtype_summary(c.tensors):
             out.append(f"| `{r.dtype}` | {r.tensors} | {human_count(r.numel)} | {human_bytes(r.nbytes)} | {r.share:.1%} |")

@@ -10,12 +10,15 @@ from rich.table import Table
 from rich.text import Text
 
 from ..inventory import CheckpointReport, Report, dtype_summary, severity_rank, unique_tensors
-from .humanize import group_tensors, human_bytes, human_count, shape_text
+from .humanize import FindingGroup, group_findings, group_tensors, human_bytes, human_count, name_parts, shape_text, wrap_name
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 DTYPE_STYLE = {"float32": "blue", "float16": "green", "bfloat16": "magenta", "float64": "bright_blue"}
 FULL_LISTING_LIMIT = 60
 """Up to this many tensors every one is listed; above it, layers that repeat are folded into one row."""
+GAP = 3
+"""Columns between two cells of a table below: a cell's right padding, the rule's blank, the next one's left padding."""
+MIN_NAME_WIDTH = 24
 
 
 def console_for(buffer: io.StringIO, *, color: bool, width: int) -> Console:
@@ -31,20 +34,24 @@ def console_for(buffer: io.StringIO, *, color: bool, width: int) -> Console:
     )
 
 
-def render(report: Report, *, color: bool = True, width: int = 120, verbose: bool = False) -> str:
+def render(report: Report, *, color: bool = True, width: int = 120, verbose: bool = False, quiet: bool = False) -> str:
+    """The report; ``quiet`` shows only the checkpoints with findings or errors, and no tensor tables."""
     buffer = io.StringIO()
     console = console_for(buffer, color=color, width=width)
-    for i, checkpoint in enumerate(report.checkpoints):
+    shown = [c for c in report.checkpoints if not quiet or c.error or c.findings]
+    for i, checkpoint in enumerate(shown):
         if i:
             console.print()
-        _checkpoint(console, checkpoint, verbose=verbose)
-    if len(report.checkpoints) > 1 or report.findings:
+        _checkpoint(console, checkpoint, verbose=verbose, quiet=quiet)
+    if shown and (len(report.checkpoints) > 1 or report.findings):
         console.print()
     console.print(_verdict(report))
-    return buffer.getvalue()
+    text = buffer.getvalue()
+    # Rich pads every cell to its column's width: plain text keeps no trailing blanks (logs, diffs, golden files).
+    return text if color else "\n".join(line.rstrip() for line in text.split("\n"))
 
 
-def _checkpoint(console: Console, c: CheckpointReport, *, verbose: bool) -> None:
+def _checkpoint(console: Console, c: CheckpointReport, *, verbose: bool, quiet: bool = False) -> None:
     title = Text(c.path, style="bold")
     if c.error:
         console.print(Text.assemble(title, "  ", ("unreadable", "bold red")))
@@ -67,7 +74,7 @@ def _checkpoint(console: Console, c: CheckpointReport, *, verbose: bool) -> None
     if c.findings:
         console.print()
         _findings(console, c, verbose=verbose)
-    if tensors:
+    if tensors and not quiet:
         console.print()
         _summary(console, c)
         console.print()
@@ -75,24 +82,50 @@ def _checkpoint(console: Console, c: CheckpointReport, *, verbose: bool) -> None
 
 
 def _findings(console: Console, c: CheckpointReport, *, verbose: bool) -> None:
-    """Findings, worst first; findings that say the same thing about several tensors share one row."""
+    """Findings, worst first; findings that share a rule and a cause share one row, with a count and the first names.
+
+    A table where the names' longest dotted component fits its column; on a terminal too narrow for that, a list
+    (the finding's line, then its names indented), so that no name is cut inside a component.
+    """
+    groups = group_findings(c.findings)
+    places = {g: g.first(every=verbose) for g in groups}
+    severity_w = max(len("severity"), *(len(g.severity) for g in groups))
+    rule_w = max(len("rule"), *(len(_rule_cell(g)) for g in groups))
+    rest = max(console.width - severity_w - rule_w - 3 * GAP, MIN_NAME_WIDTH)
+    longest = max((len(part) for names, _ in places.values() for n in names for part in name_parts(n)), default=0)
+    where_w = max(rest * 2 // 5, min(longest, rest - MIN_MESSAGE_WIDTH))
+    if longest > where_w:
+        _findings_list(console, groups, places)
+        return
     table = Table(box=box.SIMPLE_HEAD, title="Findings", title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
-    table.add_column("severity")
-    table.add_column("rule")
-    table.add_column("where", overflow="fold", ratio=2)
-    table.add_column("message", overflow="fold", ratio=3)
-    groups: dict[tuple[str, str, str], list[str]] = {}
-    for f in sorted(c.findings, key=lambda f: -severity_rank(f.severity)):
-        groups.setdefault((f.severity, f.rule, f.message), []).append(f.tensor or f.file or "")
-    for (severity, rule, message), places in groups.items():
-        table.add_row(Text(severity, style=SEVERITY_STYLE[severity]), rule, _places(places, verbose), message)
+    table.add_column("severity", no_wrap=True)
+    table.add_column("rule", no_wrap=True)
+    table.add_column("where", overflow="fold", width=where_w)
+    table.add_column("message", overflow="fold", width=rest - where_w)
+    for g in groups:
+        names, more = places[g]
+        where = "\n".join([*(wrap_name(n, where_w) for n in names), *([f"and {more} more"] if more else [])])
+        table.add_row(Text(g.severity, style=SEVERITY_STYLE[g.severity]), _rule_cell(g), where, g.message())
     console.print(table)
 
 
-def _places(places: list[str], verbose: bool, shown: int = 3) -> str:
-    if verbose or len(places) <= shown + 1:
-        return ", ".join(places)
-    return f"{', '.join(places[:shown])} and {len(places) - shown} more"
+MIN_MESSAGE_WIDTH = 20
+
+
+def _rule_cell(g: FindingGroup) -> str:
+    return f"{g.rule} ×{g.count}" if g.count > 1 else g.rule
+
+
+def _findings_list(console: Console, groups: list[FindingGroup], places: dict[FindingGroup, tuple[list[str], int]]) -> None:
+    console.print(Text("Findings", style="bold"))
+    for g in groups:
+        console.print(Text.assemble((g.severity, SEVERITY_STYLE[g.severity]), "  ", _rule_cell(g), ": ", g.message()))
+        names, more = places[g]
+        for n in names:
+            for line in wrap_name(n, console.width - 4).split("\n"):
+                console.print(Text("    " + line), overflow="fold")
+        if more:
+            console.print(Text(f"    and {more} more"))
 
 
 def _summary(console: Console, c: CheckpointReport) -> None:
@@ -115,35 +148,33 @@ def _tensors(console: Console, c: CheckpointReport, *, verbose: bool) -> None:
     fold = not verbose and len(tensors) > FULL_LISTING_LIMIT
     groups = group_tensors(tensors) if fold else None
     title = "Tensors" + (f" ({len(tensors)}, repeated layers folded; --verbose lists each)" if fold else "")
-    table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
-    table.add_column("name", overflow="fold", ratio=1)
-    table.add_column("dtype")
-    table.add_column("shape")
-    table.add_column("kind")
-    table.add_column("size", justify="right")
     show_file = any(t.file for t in tensors)
-    if show_file:
-        table.add_column("file", overflow="fold")
+    rows: list[tuple[str, str, str, str, str, str]] = []
     if groups is not None:
         for g in groups:
             label = f"{g.label}  ×{g.count}" if g.count > 1 else g.label
-            row: list[str | Text] = [
-                label,
-                Text(g.dtype, style=DTYPE_STYLE.get(g.dtype, "")),
-                shape_text(g.shape),
-                g.kind,
-                human_bytes(g.nbytes),
-            ]
-            if show_file:
-                row.append(g.members[0].file)
-            table.add_row(*row)
+            rows.append((label, g.dtype, shape_text(g.shape), g.kind, human_bytes(g.nbytes), g.members[0].file or ""))
     else:
         for t in tensors:
             name = t.name + (f"  (shares storage with {', '.join(t.shares_with)})" if t.shares_with and verbose else "")
-            row = [name, Text(t.dtype, style=DTYPE_STYLE.get(t.dtype, "")), shape_text(t.shape), t.kind, human_bytes(t.nbytes)]  # noqa: E501
-            if show_file:
-                row.append(t.file)
-            table.add_row(*row)
+            rows.append((name, t.dtype, shape_text(t.shape), t.kind, human_bytes(t.nbytes), t.file or ""))
+    headers = ("name", "dtype", "shape", "kind", "size", "file")[: 6 if show_file else 5]
+    # Names get what the other columns leave, and break after a dot: never in the middle of a component.
+    others = sum(max(len(headers[i]), *(len(r[i]) for r in rows)) for i in range(1, len(headers)))
+    name_w = max(console.width - others - GAP * (len(headers) - 1), MIN_NAME_WIDTH)
+    table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
+    table.add_column("name", overflow="fold", max_width=name_w)
+    table.add_column("dtype", no_wrap=True)
+    table.add_column("shape", no_wrap=True)
+    table.add_column("kind", no_wrap=True)
+    table.add_column("size", justify="right", no_wrap=True)
+    if show_file:
+        table.add_column("file", overflow="fold")
+    for name, dtype, shape, kind, size, file in rows:
+        row: list[str | Text] = [wrap_name(name, name_w), Text(dtype, style=DTYPE_STYLE.get(dtype, "")), shape, kind, size]
+        if show_file:
+            row.append(file)
+        table.add_row(*row)
     console.print(table)
 
 
