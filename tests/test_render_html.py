@@ -389,6 +389,22 @@ def test_renders_ten_thousand_tensors_quickly() -> None:
     assert len(page.data()["rows"]) == 10_000
 
 
+def _luminance(hex_colour: str) -> float:
+    """WCAG 2's relative luminance."""
+    channels = [int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+    r, g, b = (c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels)
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+@pytest.mark.parametrize(
+    "dtype", ["float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "int8", "uint8", "int64", "bool", "complex64"]
+)
+def test_cell_text_contrast_passes_wcag_aa(dtype: str) -> None:
+    background, text = dtype_colours(dtype)
+    light, dark = sorted((_luminance(background), _luminance(text)), reverse=True)
+    assert (light + 0.05) / (dark + 0.05) >= 4.5
+
+
 def test_colours_and_abbreviations() -> None:
     assert dtype_colours("float32") != dtype_colours("float16") != dtype_colours("bfloat16")
     assert dtype_colours("float8_e4m3fn") == dtype_colours("float8_e5m2")

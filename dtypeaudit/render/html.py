@@ -349,7 +349,7 @@ def _tensor_table(multi: bool) -> str:
 <h2 id="tensors-h">Tensors</h2>
 <div class="controls">
 <label for="search">Search names, dtypes, modules</label>
-<input id="search" type="search" autocomplete="off" placeholder="e.g. float16 or layers.3.">
+<input id="search" type="search" placeholder="e.g. float16 or layers.3.">
 <button type="button" id="prev">Previous page</button>
 <button type="button" id="next">Next page</button>
 <span id="status" role="status" aria-live="polite"></span>
@@ -559,7 +559,7 @@ code{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;word-break
 .swatch{display:inline-block;width:.9rem;height:.9rem;margin-right:.3rem;vertical-align:middle;border:1px solid #555}
 .mapwrap{overflow-x:auto;max-width:100%}
 table.map{border-collapse:separate;border-spacing:2px;margin:.4rem 0 1rem;font-size:.75rem}
-table.map caption{text-align:left;font-weight:600;font-size:.85rem;padding:.2rem 0}
+table.map caption{text-align:left;font-weight:600;font-size:.85rem;padding:.2rem 0;white-space:nowrap}
 table.map th{font-weight:500;text-align:left;white-space:nowrap;padding:0 .4rem 0 0}
 table.map thead th{vertical-align:bottom}
 table.map thead th .vh{writing-mode:vertical-rl;transform:rotate(180deg);display:inline-block;max-height:14rem;overflow:hidden;
@@ -621,6 +621,7 @@ _SCRIPT = r"""
   var KEYS = {checkpoint: 0, name: 1, dtype: 2, shape: 3, bytes: 4, kind: 5, module: 6, layout: 7, findings: 8};
   var shown = rows.map(function (r, i) { return i; });
   var page = 0, sortKey = null, sortDir = 1;
+  var collator = new Intl.Collator("en", {numeric: true});  // layers.2 before layers.10
   var search = document.getElementById("search"), status = document.getElementById("status");
   var prev = document.getElementById("prev"), next = document.getElementById("next");
   var body = table.tBodies[0];
@@ -683,7 +684,7 @@ _SCRIPT = r"""
     var k = KEYS[sortKey];
     shown.sort(function (x, y) {
       var a = k === 0 ? data.checkpoints[rows[x][0]] : rows[x][k], b = k === 0 ? data.checkpoints[rows[y][0]] : rows[y][k];
-      var c = typeof a === "number" ? a - b : (a < b ? -1 : a > b ? 1 : 0);
+      var c = typeof a === "number" ? a - b : collator.compare(a, b);
       return c !== 0 ? c * sortDir : x - y;
     });
   }
