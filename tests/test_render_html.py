@@ -191,16 +191,20 @@ def check_page(text: str, report: Report) -> Page:
             assert f"dt-{t.dtype}" in single[t.name]["class"].split()
     rows = page.data()["rows"]
     assert sorted((r[0], r[1]) for r in rows) == sorted((n, t.name) for n, c in enumerate(report.checkpoints) for t in c.tensors)
-    # every finding on a tensor links to a cell that shows that tensor (or, for a module, one of its tensors)
+    # every finding on a tensor links, from its own list item, to a cell that shows that tensor (or one of the module's)
     links = [a for t, a in page.tags if t == "a" and "to-cell" in a.get("class", "")]
-    finding_links = [a for a in links if a["href"] == "#" + a["data-cell"]]
-    assert len(finding_links) == len(links)
-    for c in report.checkpoints:
-        for f in c.findings:
+    assert all(a["href"] == "#" + a["data-cell"] and a["data-cell"] in page.ids for a in links)
+    for n, c in enumerate(report.checkpoints):
+        for k, f in enumerate(c.findings):
+            item = re.search(rf'<li class="finding sev-{f.severity}" id="ck{n}-f{k}">(.*?)</li>', text)
+            assert item, f
             if f.tensor is None or not any(t.name == f.tensor or t.name.startswith(f.tensor + ".") for t in c.tensors):
+                assert "to-cell" not in item.group(1)
                 continue
-            targets = [page.ids[a["data-cell"]] for a in links if a["data-cell"] in page.ids]
-            assert any(n == f.tensor or n.startswith(f.tensor + ".") for cell in targets for n in cell["data-names"].split("\n")), f
+            (cell_id,) = re.findall(r'data-cell="([^"]+)"', item.group(1))
+            assert cell_id.startswith(f"ck{n}-")
+            names = page.ids[cell_id]["data-names"].split("\n")
+            assert any(name == f.tensor or name.startswith(f.tensor + ".") for name in names), (f, names)
     # the only scripts are ours: the data and the one whose hash the Content-Security-Policy names
     (csp,) = [a["content"] for t, a in page.tags if t == "meta" and a.get("http-equiv") == "Content-Security-Policy"]
     code = [text for attrs, text in page.scripts if "type" not in attrs]

@@ -21,9 +21,12 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from html import escape
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..inventory import CheckpointReport, Finding, Report, TensorRecord, dtype_summary, severity_rank, unique_tensors
+from ..inventory import CheckpointReport, Finding, Inventory, Report, TensorRecord, dtype_summary, severity_rank, unique_tensors
+
+if TYPE_CHECKING:
+    from ..diff import InventoryDiff
 from .humanize import human_bytes, human_count, shape_text
 
 # -- colours -----------------------------------------------------------------------------------------
@@ -467,7 +470,7 @@ _CHANGE_MARKS = {
 }
 
 
-def render_diff(d: Any) -> str:
+def render_diff(d: InventoryDiff) -> str:
     """``diff A B --format html``: both maps side by side, the cells that differ marked, each change linked to them."""
     from .diff import summary_line
 
@@ -522,7 +525,7 @@ def render_diff(d: Any) -> str:
     dtypes = {t.dtype for t in a} | {t.dtype for t in b}
     used = sorted({m.kind: m for m in [*marks_a.values(), *marks_b.values()]}.values(), key=lambda m: m.kind)
 
-    def side(label: str, inv: Any, prefix: str, grid: str) -> str:
+    def side(label: str, inv: Inventory, prefix: str, grid: str) -> str:
         note = f"; names compared without <code>{escape(prefix)}</code>" if prefix else ""
         return (
             f'<section class="side" aria-labelledby="side-{label}"><h2 id="side-{label}">{label}: <code>{escape(inv.path)}</code></h2>'
