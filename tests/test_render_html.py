@@ -347,9 +347,11 @@ def test_unreadable_checkpoint_says_why(tmp_path: Path) -> None:
 def test_diff_page_marks_changed_cells_on_both_sides(tmp_path: Path) -> None:
     torch.manual_seed(0)
     state = SmallCNN().state_dict()
+    state["head.weight"] = state["fc.weight"]  # tied in A
     a, b = tmp_path / "a.pt", tmp_path / "b.pt"
     torch.save(state, a)
-    half = {f"module.{k}": v.half() if k.startswith("conv") else v for k, v in state.items()}
+    # B: a DataParallel-style prefix, convs in fp16, one tensor added, one removed, the tie broken
+    half = {f"module.{k}": v.half() if k.startswith("conv") else v.clone() for k, v in state.items()}
     half["module.extra.weight"] = torch.zeros(3)
     del half["module.bn1.num_batches_tracked"]
     torch.save(half, b)
@@ -358,27 +360,31 @@ def test_diff_page_marks_changed_cells_on_both_sides(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stderr
     text = out.read_text(encoding="utf-8")
     no_network(text)
-    page = Page.of(text)
     assert text == render_diff(diff(read_checkpoint(str(a)), read_checkpoint(str(b))))
-    cells = page.cells()
-    a_marks = {a["data-names"]: a["class"] for a in cells if a["id"].startswith("a-") and "mark" in a["class"]}
-    b_marks = {a["data-names"]: a["class"] for a in cells if a["id"].startswith("b-") and "mark" in a["class"]}
-    assert a_marks == {
-        "conv1.weight": a_marks["conv1.weight"],
-        "conv1.bias": a_marks["conv1.bias"],
-        "conv2.weight": a_marks["conv2.weight"],
-        "conv2.bias": a_marks["conv2.bias"],
-        "bn1.num_batches_tracked": a_marks["bn1.num_batches_tracked"],
-    }
-    assert "mark-changed" in a_marks["conv1.weight"] and "mark-removed" in a_marks["bn1.num_batches_tracked"]
-    assert set(b_marks) == {"module.conv1.weight", "module.conv1.bias", "module.conv2.weight", "module.conv2.bias", "module.extra.weight"}
-    assert "mark-added" in b_marks["module.extra.weight"]
-    # every change links to its cells; a changed tensor's two cells show both dtypes
-    links = [a for t, a in page.tags if t == "a" and "to-cell" in a.get("class", "")]
-    assert len(links) == 4 * 2 + 1 + 1
-    for link in links:
-        assert link["data-cell"] in page.ids
-    assert "4 changed (4 dtype)" in text and "1 added, 1 removed" in text
+    page = Page.of(text)
+
+    def marks(side: str) -> dict[str, str]:
+        return {
+            c["data-names"]: next(k[5:] for k in c["class"].split() if k.startswith("mark-"))
+            for c in page.cells(f"{side}-")
+            if "mark" in c["class"].split()
+        }
+
+    convs = ("conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias")
+    assert marks("a") == {**dict.fromkeys(convs, "changed"), "bn1.num_batches_tracked": "removed"}
+    assert marks("b") == {**{f"module.{n}": "changed" for n in convs}, "module.extra.weight": "added"}
+    assert page.single_cells("a-")["conv1.weight"]["data-dtype"] == "float32"
+    assert page.single_cells("b-")["module.conv1.weight"]["data-dtype"] == "float16"
+    # each change's links land on the cells of its tensor in A and in B
+    for n in convs:
+        item = re.search(rf'<li class="change change-changed"><span class="sev">changed</span> {re.escape(n)}: (.*?)</li>', text)
+        assert item and item.group(1).startswith("float32 \u2192 float16"), n
+        cell_a, cell_b = re.findall(r'data-cell="([^"]+)"', item.group(1))
+        assert (page.ids[cell_a]["data-names"], page.ids[cell_b]["data-names"]) == (n, f"module.{n}")
+    assert '<span class="sev">tie broken</span> fc.weight = head.weight' in text
+    assert "1 added, 1 removed, 4 changed (4 dtype), 1 tie broken" in text
+    # side by side: two sections, A then B
+    assert text.index('id="side-A"') < text.index('id="side-B"') and text.count('class="side"') == 2
 
 
 def test_renders_ten_thousand_tensors_quickly() -> None:
