@@ -433,9 +433,9 @@ def _checkpoint_section(n: int, c: CheckpointReport, rows: list[list[object]], d
         )
     return (
         f"{head}<p>{facts}</p>"
+        f'<h3>Dtype map</h3><div class="maps">{grid}</div>'
         f"<h3>Bytes by dtype</h3>{_bytes_bar(tensors, 'bytes by dtype')}"
-        f"<h3>Findings</h3>{findings}"
-        f'<h3>Dtype map</h3><div class="maps">{grid}</div></section>'
+        f'<h3 id="ck{n}-fh">Findings ({len(c.findings)})</h3>{findings}</section>'
     )
 
 
@@ -458,7 +458,8 @@ def _findings_list(
             f'<li class="finding sev-{f.severity}" id="ck{n}-f{k}"><span class="sev">{f.severity}</span> '
             f"<code>{escape(f.rule)}</code> {where_html}: {escape(f.message)}</li>"
         )
-    return f'<ul class="findings">{"".join(items)}</ul>'
+    # A long list scrolls in its own box, so the map stays in view; the box takes keyboard focus to scroll.
+    return f'<div class="scrollbox" tabindex="0" role="region" aria-labelledby="ck{n}-fh"><ul class="findings">{"".join(items)}</ul></div>'
 
 
 # -- diff --------------------------------------------------------------------------------------------
@@ -521,7 +522,11 @@ def render_diff(d: InventoryDiff) -> str:
     for tie in d.ties:
         what = ("storage sharing" if tie.views else "tie") + (" broken" if tie.broken else " created")
         items.append(f'<li class="change change-tie"><span class="sev">{what}</span> {escape(" = ".join(tie.names))}</li>')
-    change_list = f'<ul class="findings">{"".join(items)}</ul>' if items else "<p>No changes.</p>"
+    change_list = (
+        f'<div class="scrollbox" tabindex="0" role="region" aria-labelledby="changes-h"><ul class="findings">{"".join(items)}</ul></div>'
+        if items
+        else "<p>No changes.</p>"
+    )
     dtypes = {t.dtype for t in a} | {t.dtype for t in b}
     used = sorted({m.kind: m for m in [*marks_a.values(), *marks_b.values()]}.values(), key=lambda m: m.kind)
 
@@ -539,7 +544,7 @@ def render_diff(d: InventoryDiff) -> str:
 </header>
 <main>
 <section aria-labelledby="legend-h"><h2 id="legend-h">Legend</h2>{_legend(sorted(dtypes), used)}</section>
-<section aria-labelledby="changes-h"><h2 id="changes-h">Changes</h2>{change_list}</section>
+<section aria-labelledby="changes-h"><h2 id="changes-h">Changes ({len(items)})</h2>{change_list}</section>
 <div class="sides">{side("A", d.a, d.prefix_a, grid_a)}{side("B", d.b, d.prefix_b, grid_b)}</div>
 </main>"""
     return _page(f"dtypeaudit diff: {d.a.path} vs {d.b.path}", body, dtypes=dtypes, data={"checkpoints": [], "multi": False, "rows": []})
@@ -555,6 +560,7 @@ code{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;word-break
 .verdict-failed strong{color:#a00000} .verdict-passed strong{color:#006400}
 .legend,.barlegend,.findings{list-style:none;padding:0;margin:.3rem 0;display:flex;flex-wrap:wrap;gap:.3rem 1.2rem}
 .findings{display:block} .findings li{margin:.2rem 0}
+.scrollbox{max-height:16rem;overflow-y:auto;border:1px solid #ddd;padding:0 .5rem}
 .sev{display:inline-block;min-width:4.5rem;font-weight:600}
 .sev-error .sev{color:#a00000} .sev-warning .sev{color:#7a4a00} .sev-info .sev{color:#00507a}
 .bar{display:flex;height:1.4rem;border:1px solid #555;max-width:60rem}
