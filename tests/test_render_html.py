@@ -415,6 +415,21 @@ def test_cell_text_contrast_passes_wcag_aa(dtype: str) -> None:
     assert (light + 0.05) / (dark + 0.05) >= 4.5
 
 
+def test_a_finding_on_every_tensor_stays_fast() -> None:
+    """A whole model in the wrong dtype gives a finding per tensor: 10,000 of them, each linked and marked."""
+    base = many_tensors_report().checkpoints[0]
+    assert base.inventory is not None
+    findings = tuple(Finding("dtype-mismatch", "error", "expected float16", tensor=t.name) for t in base.tensors)
+    report = Report((CheckpointReport(base.path, base.format, None, base.inventory, findings),))
+    start = time.perf_counter()
+    text = render(report)
+    assert time.perf_counter() - start < 5  # a scan of all 10,000 names per finding took minutes
+    assert text.count('<a class="to-cell"') == 10_000  # (parsing 6 MB back would take longer than the render)
+    # every cell marked: the folded row's 25 and the 10,000 members of it
+    cells = re.findall(r'<td id="ck0-[^"]*" class="([^"]*)"', text)
+    assert len(cells) == 25 + 10_000 and all(c.endswith(" mark mark-error") for c in cells)
+
+
 def test_colours_and_abbreviations() -> None:
     assert dtype_colours("float32") != dtype_colours("float16") != dtype_colours("bfloat16")
     assert dtype_colours("float8_e4m3fn") == dtype_colours("float8_e5m2")
