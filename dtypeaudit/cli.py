@@ -537,7 +537,7 @@ def diff(
     no_values: Annotated[
         bool, typer.Option("--no-values", help="Compare names, dtypes, shapes and ties only; read no tensor bytes.")
     ] = False,
-    fmt: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
+    fmt: Annotated[str, typer.Option("--format", "-f", help="text, json or html (both dtype maps side by side).")] = "text",
     output: OutputOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every tensor; by default repeated layers are folded.")] = False,
     debug: DebugOpt = False,
@@ -564,14 +564,19 @@ def diff(
         from .render.diff import render_json, render_text
 
         _require_torch_for_factories([a, b], None, "diff")
-        if fmt not in ("text", "json"):
-            raise UsageError(f"--format must be text or json, not '{fmt}'")
+        if fmt not in ("text", "json", "html"):
+            raise UsageError(f"--format must be text, json or html, not '{fmt}'")
         if tolerance is not None and not (tolerance >= 0 and math.isfinite(tolerance)):
             raise UsageError(f"--tolerance must be a finite number >= 0, not {tolerance}")
         if tolerance is not None and no_values:
             raise UsageError("--tolerance compares values; --no-values reads none")
         result = run_diff(read_target(a), read_target(b), tolerance=tolerance, values=not no_values)
-        emit(render_json(result) if fmt == "json" else render_text(result, verbose=verbose), output)
+        if fmt == "html":
+            from .render.html import render_diff
+
+            emit(render_diff(result), output)
+        else:
+            emit(render_json(result) if fmt == "json" else render_text(result, verbose=verbose), output)
         raise typer.Exit(exitcodes.FINDINGS if result.differs else exitcodes.CLEAN)
 
     run_guarded(body, debug)

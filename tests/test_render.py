@@ -20,7 +20,16 @@ from dtypeaudit.render import OutputFormat, renderer_for
 from .helpers import ROOT
 
 GOLDEN = Path(__file__).parent / "golden"
-SUFFIX = {"table": "txt", "plain": "txt", "json": "json", "sarif": "sarif", "github": "txt", "junit": "xml", "markdown": "md"}
+SUFFIX = {
+    "table": "txt",
+    "plain": "txt",
+    "json": "json",
+    "sarif": "sarif",
+    "github": "txt",
+    "junit": "xml",
+    "markdown": "md",
+    "html": "html",
+}
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ class OutputFormat(str, Enum):
     github = "github"
     junit = "junit"
     markdown = "markdown"
+    html = "html"
 
 
 Renderer = Callable[[Report], str]

@@ -118,7 +118,7 @@ def render_text(d: InventoryDiff, *, verbose: bool = False) -> str:
         where = "one storage in A, separate in B" if tie.broken else "separate in A, one storage in B"
         what, names = ("storage sharing", ", ".join(tie.names)) if tie.views else ("tie", " = ".join(tie.names))
         lines.append(f"! {what} {'broken' if tie.broken else 'created'}: {names} ({where})")
-    lines.append(_summary(d))
+    lines.append(summary_line(d))
     return "\n".join(lines) + "\n"
 
 
@@ -126,7 +126,8 @@ def _side(mark: str, path: str, fmt: str, prefix: str) -> str:
     return f"{mark} {path} ({fmt}{f'; names compared without {prefix!r}' if prefix else ''})"
 
 
-def _summary(d: InventoryDiff) -> str:
+def summary_line(d: InventoryDiff) -> str:
+    """The diff's last line: counts of what changed and the size before and after (text and HTML both)."""
     before, after = d.bytes_before, d.bytes_after
     ratio = f" ({after / before:.2f}x)" if before else ""
     size = f"size {human_bytes(before)} -> {human_bytes(after)}{ratio}"
