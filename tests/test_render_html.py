@@ -22,14 +22,14 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dtypeaudit.check import checks_for
+from dtypeaudit.checks import checks_for
 from dtypeaudit.diff import diff
 from dtypeaudit.formats import read_checkpoint
 from dtypeaudit.inventory import CheckpointReport, Finding, Inventory, Report, TensorRecord
+from dtypeaudit.pipeline import scan
 from dtypeaudit.policy import load_policy
 from dtypeaudit.render import OutputFormat, renderer_for
 from dtypeaudit.render.html import dtype_abbrev, dtype_colours, render, render_diff
-from dtypeaudit.scan import scan
 
 from .helpers import run_cli
 
