@@ -62,7 +62,7 @@ def test_a_killed_convert_leaves_a_temporary_the_next_run_removes(tmp_path: Path
     assert not (tmp_path / "model.fp16.pt").exists()
 
     # A scan of the directory passes it over, with a note, and reads the real checkpoint.
-    scan = run_cli("scan", str(tmp_path), "-f", "json")
+    scan = run_cli("scan", str(tmp_path), "-f", "json", process=True)  # the note is a log line on stderr
     assert scan.returncode == 0, scan.stdout
     assert [c["path"] for c in json.loads(scan.stdout)["checkpoints"]] == [str(source)]
     assert f"skipping {left}" in scan.stderr and "has ended" in scan.stderr
@@ -74,7 +74,7 @@ def test_a_killed_convert_leaves_a_temporary_the_next_run_removes(tmp_path: Path
     elsewhere.write_bytes(b"x")
 
     # The next convert in that directory removes what the killed one left.
-    again = run_cli("convert", str(source), "--to", "bf16")
+    again = run_cli("convert", str(source), "--to", "bf16", process=True)
     assert again.returncode == 0, again.stderr
     assert not left.exists() and f"removed {left}" in again.stderr
     assert live.exists() and elsewhere.exists()
