@@ -124,6 +124,8 @@ _MIX_REASONS: dict[str, str] = {
     "batchnorm": "weight, bias and running statistics must share one dtype (only an all-float32 BatchNorm takes half input), "
     "so the forward pass fails with 'expected scalar type ... but found ...'",
     "norm": "weight and bias must share one dtype, so the forward pass fails with 'expected scalar type ... but found ...'",
+    "rnn": "its weights and biases must share one dtype, so the forward pass fails ('RNN input dtype ... does not match weight "
+    "dtype' or 'self and mat2 must have the same dtype')",
 }
 
 
@@ -137,6 +139,8 @@ def _promote(a: str, b: str) -> str:
 
 def semantics(m: Module) -> Semantics | None:
     """Which of the measured dtype rules ``m``'s forward follows; None for a module of unknown kind."""
+    if m.kind == "rnn":
+        return "strict"
     if m.kind in ("linear", "conv"):
         return "transpose" if m.confidence == "fact" and m.type_name in ("ConvTranspose1d", "ConvTranspose2d") else "strict"
     if m.kind == "embedding":
@@ -292,6 +296,8 @@ def _outlier_reason(m: Module, p: str, d: str) -> str | None:
     if m.kind in ("linear", "conv"):
         error = "mat1 and mat2 must have the same dtype" if m.kind == "linear" else "Input type ... should be the same"
         return f"it needs its input in its own dtype, so a forward pass that reaches it in {d} fails ('{error}'){backend_note(m, d)}"
+    if m.kind == "rnn":
+        return f"it needs its input in its own dtype, so {d} input fails ('RNN input dtype ... does not match weight dtype')"
     if m.kind == "embedding":
         return f"it hands {p} activations on, and the next {d} layer fails"
     if result == _CRASH:
@@ -302,16 +308,44 @@ def _outlier_reason(m: Module, p: str, d: str) -> str | None:
     return f"it hands {result} activations on, and the next {d} layer fails"
 
 
-def _outlier_finding(m: Module, dominant: str | None) -> Finding | None:
+def _promoted_back(m: Module, p: str, d: str, modules: list[Module]) -> str | None:
+    """Where an embedding's narrower output (``p`` in a ``d`` model) is promoted back to ``d`` before a kernel that
+    needs ``d``: what promotes it, or None.
+
+    Its output meets float32 tensors in most models before a strict kernel: a position embedding added to it (BERT,
+    CLIP, Whisper), or a norm computed as ``weight * x`` (LlamaRMSNorm, T5LayerNorm), which returns float32. Where
+    neither is in the model (GPT-NeoX: rotary positions, torch's LayerNorm, which hands half input on), it is not.
+    The data flow is not in a checkpoint, so this lowers the finding to a warning; ``trace`` knows.
+    """
+    if m.kind != "embedding" or _promote(p, d) != d:
+        return None
+    for other in modules:
+        if other is not m and other.kind == "embedding" and other.dtype == d:
+            return f"another {d} embedding ({other.name}) it may be added to"
+    for n in modules:
+        if n.kind == "norm" and n.dtype == d and semantics(n) in ("measured", "promote") and forward_dtype(n, p) == d:
+            return f"a norm that multiplies by its {d} weight ({n.label} {n.name}) and returns {d}"
+    return None
+
+
+def _outlier_finding(m: Module, dominant: str | None, modules: list[Module]) -> Finding | None:
     """A module, all in one dtype, that does not take the model's dominant dtype or hands on another one."""
     p = m.dtype
     if dominant not in _MEASURED or p is None or p == dominant:
         return None  # fp8 and fp64 models: their forwards were not measured (fp8 weights need kernels of their own)
+    if m.input_cast:
+        return None  # its parent casts its input to its dtype (T5's wo, measured through --model): it runs as it is
     reason = _outlier_reason(m, p, dominant)
     if reason is None:
         return None
     sure = certain(m, dominant)
     hint = "" if sure or m.type_name else "; give --model to know the module types"
+    promoted = _promoted_back(m, p, dominant, modules)
+    if promoted is not None:
+        sure = False
+        hint = (
+            f"; unless its output meets {promoted} first, which promotes it back to {dominant} (`dtypeaudit trace` follows the data flow)"
+        )
     return Finding(
         "dtype-outlier",
         "error" if sure else "warning",
@@ -326,12 +360,11 @@ def _outlier_finding(m: Module, dominant: str | None) -> Finding | None:
 def _module_findings(inv: Inventory, *, mixes: bool = True, outliers: bool = True) -> list[Finding]:
     modules = structure.infer_modules(inv)
     dominant = structure.dominant_dtype(inv, modules)
-    out = []
+    out: list[Finding] = []
     for m in modules:
-        for wanted, finding in ((mixes, _mix_finding), (outliers, _outlier_finding)):
-            f = finding(m, dominant) if wanted else None
-            if f is not None:
-                out.append(f)
+        mix = _mix_finding(m, dominant) if mixes else None
+        outlier = _outlier_finding(m, dominant, modules) if outliers else None
+        out.extend(f for f in (mix, outlier) if f is not None)
     return out
 
 

@@ -29,7 +29,7 @@ from torch import nn
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # A forward pass that failed on dtypes, in the words PyTorch's CPU kernels use.
-DTYPE_ERROR = re.compile(r"dtype|scalar type|should be the same|mixed dtype")
+DTYPE_ERROR = re.compile(r"dtype|scalar type|should be the same|mixed dtype")  # RNNs: "RNN input dtype ... does not match"
 TABLE = Path(__file__).resolve().parent.parent / "dtypeaudit" / "kernel_table.py"
 
 
@@ -57,15 +57,23 @@ def run_forward(fn: Callable[[], object]) -> Outcome:
     try:
         with torch.no_grad():
             out = fn()
-            out = getattr(out, "logits", out)  # transformers' ModelOutput
-            out = out[0] if isinstance(out, tuple) else out  # an LSTM's (output, state), attention's (output, weights)
-    except (RuntimeError, TypeError, NotImplementedError, AssertionError) as exc:
+            out = _main_output(out)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError, AssertionError) as exc:  # ValueError: RNN dtype checks
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if DTYPE_ERROR.search(message):
             return Outcome(True, message)
         return Outcome(True, message, limitation=message)
     assert isinstance(out, torch.Tensor), out
     return Outcome(False, output=dtype_name(out.dtype))
+
+
+def _main_output(out: object) -> object:
+    """The tensor a model hands on: transformers' logits, else its first output (``last_hidden_state``, an LSTM's
+    output beside its state, attention's output beside its weights)."""
+    for attr in ("logits", "logits_per_image", "last_hidden_state"):
+        if getattr(out, attr, None) is not None:
+            return getattr(out, attr)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def set_dtype(module: nn.Module, leaf: str, dtype: torch.dtype) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import FactoryError, UsageError
 from ..inventory import Finding, Inventory, TensorRecord, link_shared_storage
-from ..structure import MEASURED_DTYPES, is_torch_type
+from ..structure import MEASURED_DTYPES, is_torch_type, type_name
 from ..structure import WRAPPER_PREFIXES as WRAPPER_PREFIXES  # structure owns the list; diff reads it here
 
 HF_PREFIX = "transformers:"
@@ -239,9 +239,13 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def inventory(target: str) -> Inventory:
-    """The model's parameters and buffers, with kind and owning module type known exactly."""
-    model = build(target)
-    owners = {name: type(m).__name__ for name, m in model.named_modules()}
+    """The parameters and buffers of the model ``target`` names, with kind and owning module type known exactly."""
+    return inventory_of_model(build(target), target)
+
+
+def inventory_of_model(model: Any, path: str = "<model>") -> Inventory:
+    """A built model's parameters and buffers, with kind and owning module type (by identity: ``type_name``)."""
+    owners = {name: type_name(type(m)) for name, m in model.named_modules()}
     records: list[TensorRecord] = []
     storage_ids: dict[int, str] = {}
 
@@ -270,7 +274,10 @@ def inventory(target: str) -> Inventory:
     probes = probe_norms(model)
     if probes:
         metadata["module_forward"] = probes
-    return Inventory(target, "factory", link_shared_storage(records), (), metadata)
+    casts = probe_input_casts(model)
+    if casts:
+        metadata["input_casts"] = casts
+    return Inventory(path, "factory", link_shared_storage(records), (), metadata)
 
 
 def probe_norms(model: Any) -> dict[str, dict[str, str]]:
@@ -285,7 +292,7 @@ def probe_norms(model: Any) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     tried: set[str] = set()
     for m in model.modules():
-        name = type(m).__name__
+        name = type_name(type(m))
         if name in tried or is_torch_type(name) or next(m.children(), None) is not None:
             continue
         own = {**dict(m.named_parameters(recurse=False)), **dict(m.named_buffers(recurse=False))}
@@ -297,6 +304,64 @@ def probe_norms(model: Any) -> dict[str, dict[str, str]]:
         if table is not None:
             out[name] = table
     return out
+
+
+class _Reached(Exception):
+    """Raised by a probe's hook once the child's input is seen: the rest of the forward is not needed."""
+
+
+def probe_input_casts(model: Any) -> list[str]:
+    """The Linear layers whose parent module casts their input to their weight's dtype, as model paths.
+
+    T5's feed-forward does ``hidden_states.to(self.wo.weight.dtype)`` before ``wo`` (transformers keeps ``wo`` in
+    float32 through ``_keep_in_fp32_modules``), so a float32 ``wo`` in a half model runs. Each parent class that is
+    not PyTorch's own is run once per Linear child on the meta device, in float16 with that child in float32; a
+    hook on the child records the dtype its input arrives in. A forward that fails (it needs other arguments) claims
+    nothing.
+    """
+    import torch
+
+    casting: dict[tuple[str, str], bool] = {}
+    out = []
+    for path, parent in model.named_modules():
+        if is_torch_type(type_name(type(parent))):
+            continue
+        for attr, child in parent.named_children():
+            if not isinstance(child, torch.nn.Linear):
+                continue
+            key = (type_name(type(parent)), attr)
+            if key not in casting:
+                casting[key] = _casts_input(parent, attr)
+            if casting[key]:
+                out.append(f"{path}.{attr}" if path else attr)
+    return out
+
+
+def _casts_input(parent: Any, attr: str) -> bool:
+    import copy
+
+    import torch
+
+    first = next((m for m in parent.children() if isinstance(m, torch.nn.Linear)), None)
+    if first is None:
+        return False
+    seen: list[torch.dtype] = []
+
+    def hook(module: Any, args: tuple[Any, ...]) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            seen.append(args[0].dtype)
+        raise _Reached
+
+    try:
+        probe = copy.deepcopy(parent).to(device="meta", dtype=torch.float16)
+        getattr(probe, attr).to(torch.float32).register_forward_pre_hook(hook)
+        with torch.no_grad():
+            probe(torch.empty(2, first.in_features, dtype=torch.float16, device="meta"))
+    except _Reached:
+        pass
+    except Exception:  # the user's forward: whatever it raises, it measured nothing
+        return False
+    return seen == [torch.float32]
 
 
 def _probe(m: Any, width: int) -> dict[str, str] | None:
@@ -342,6 +407,13 @@ def attach(checkpoint: Inventory, model: Inventory) -> Inventory:
     metadata = {**checkpoint.metadata, "model": model.path}
     if "module_forward" in model.metadata:
         metadata["module_forward"] = model.metadata["module_forward"]  # the forwards --model measured
+    casts = model.metadata.get("input_casts")
+    if isinstance(casts, list) and casts:
+        wanted = set(casts)
+        prefixes = {
+            ckpt.rpartition(".")[0] for ckpt, name in mapping.matched.items() if name.rpartition(".")[0] in wanted
+        }  # the checkpoint's names for the modules whose parent casts their input
+        metadata["input_casts"] = sorted(prefixes)
     return Inventory(checkpoint.path, checkpoint.format, tuple(out), findings, metadata, checkpoint.layout)
 
 
