@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from .. import dtypes
 from ..errors import UsageError
 from ..inventory import Finding, Inventory, TensorRecord
+from ..structure import type_name
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +63,7 @@ def build(target: str) -> ResolvedModel:
 
 def model_inventory(model: Any, path: str) -> Inventory:
     """The model's parameters and buffers as records, for name matching (and the report's tensor list)."""
-    owners = {name: type(m).__name__ for name, m in model.named_modules()}
+    owners = {name: type_name(type(m)) for name, m in model.named_modules()}
     records: list[TensorRecord] = []
     storage: dict[int, str] = {}
     for kind, items in (
