@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
 import tempfile
 import warnings
@@ -546,3 +547,28 @@ def test_verdict_agrees_with_a_real_forward(data: st.DataObject) -> None:
     if not guessed:
         assert not outcome.raised, summary
     assert bool(known) == outcome.raised, f"{summary}; with --model: {known}"
+
+
+UPSAMPLER = """
+from torch import nn
+
+def build():
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ConvTranspose2d(4, 3, 3))
+"""
+
+
+def test_scan_model_fails_a_checkpoint_that_one_backend_refuses(tmp_path: Path) -> None:
+    """Issue 19: `scan --model` passed a half ConvTranspose2d with a float32 bias (exit 0) that AVX-512 FP16 CPUs
+    refuse. Now it exits 1 on every machine, and the finding names the stricter backend."""
+    from .helpers import run_cli
+
+    (tmp_path / "net.py").write_text(UPSAMPLER)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ConvTranspose2d(4, 3, 3)).half()
+    set_dtype(model[1], "bias", torch.float32)
+    torch.save(model.state_dict(), tmp_path / "up.pt")
+    proc = run_cli("scan", str(tmp_path / "up.pt"), "--model", f"{tmp_path / 'net.py'}:build", "-f", "json")
+    assert proc.returncode == 1, proc.stderr
+    (finding,) = [f for f in json.loads(proc.stdout)["checkpoints"][0]["findings"] if f["rule"] == "module-dtype-mix"]
+    assert finding["severity"] == "error" and finding["tensor"] == "1"
+    assert "it raises on cpu-avx512-onednn-bf16-onednn-fp16 (a CPU with AVX-512 FP16 and AMX)" in finding["message"]
+    assert "though it runs on cpu-avx2" in finding["message"]
