@@ -13,7 +13,7 @@ from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Literal
 
-from . import dtypes, structure
+from . import dtypes, kernels, structure
 from .inventory import Finding, Inventory
 from .structure import Module
 
@@ -95,10 +95,13 @@ def tied_conflicts(inv: Inventory, policy: Policy) -> list[Finding]:
     return out
 
 
-# What PyTorch's CPU kernels accept, measured by tests/test_runtime_truth.py (torch 2.13):
+# What PyTorch's CPU kernels accept, measured by tests/kernel_cases.py into dtypeaudit/kernel_table.py per backend
+# (torch 2.13). For a module type the table measured, its strictest outcome over every backend decides
+# (``kernels.verdict``); these rules are what the table shows, and what guesses from names and shapes follow:
 # - Linear, Conv (and transformers' Conv1D): input, weight and bias all in one dtype, else
 #   "mat1 and mat2 must have the same dtype" / "Input type ... and bias type ... should be the same";
-#   ConvTranspose1d/2d also take a bias of another dtype for float32 or float16 input;
+#   ConvTranspose also takes a bias of another dtype, on AVX2 CPUs for any input dtype, but oneDNN's kernels
+#   (AVX-512 for bfloat16 input, AVX-512 FP16 / AMX for float16) refuse it: only float32 input is safe;
 # - BatchNorm, LayerNorm, GroupNorm: weight, bias and running statistics in one dtype P; the input must be P,
 #   except that an all-float32 norm takes float16 or bfloat16 input and returns the input's dtype. Any other
 #   combination fails ("expected scalar type Half but found Float", "mixed dtype (CPU): expect parameter to
@@ -121,6 +124,8 @@ _MIX_REASONS: dict[str, str] = {
     "batchnorm": "weight, bias and running statistics must share one dtype (only an all-float32 BatchNorm takes half input), "
     "so the forward pass fails with 'expected scalar type ... but found ...'",
     "norm": "weight and bias must share one dtype, so the forward pass fails with 'expected scalar type ... but found ...'",
+    "rnn": "its weights and biases must share one dtype, so the forward pass fails ('RNN input dtype ... does not match weight "
+    "dtype' or 'self and mat2 must have the same dtype')",
 }
 
 
@@ -134,6 +139,8 @@ def _promote(a: str, b: str) -> str:
 
 def semantics(m: Module) -> Semantics | None:
     """Which of the measured dtype rules ``m``'s forward follows; None for a module of unknown kind."""
+    if m.kind == "rnn":
+        return "strict"
     if m.kind in ("linear", "conv"):
         return "transpose" if m.confidence == "fact" and m.type_name in ("ConvTranspose1d", "ConvTranspose2d") else "strict"
     if m.kind == "embedding":
@@ -168,13 +175,50 @@ def _settled(m: Module, x: str) -> str | None:
     return out
 
 
+_TABLE_LEAVES: dict[str, tuple[str, ...]] = {"batchnorm": ("weight", "bias", "stats"), "embedding": ("weight",)}
+
+
+def table_verdict(m: Module, x: str) -> kernels.Verdict | None:
+    """What the kernel table says of ``m``'s forward on input ``x`` over every measured backend, for a module whose
+    type ``--model`` gave; None where the table has no row for its dtypes."""
+    if m.confidence != "fact" or not m.type_name or m.weight is None:
+        return None
+    w = m.weight.dtype
+    leaves = {"weight": w}
+    wanted = _TABLE_LEAVES.get(m.kind, ("weight",) if m.type_name == "RMSNorm" else ("weight", "bias"))
+    if m.type_name.startswith(("InstanceNorm", "LazyInstanceNorm")):
+        wanted = ("weight", "bias", "stats")
+    if "bias" in wanted:
+        bias = m.leaf("bias")
+        leaves["bias"] = bias.dtype if bias is not None else w  # no bias: nothing to mix with the weight
+    if "stats" in wanted:
+        stats = {t.dtype for t in (m.leaf("running_mean"), m.leaf("running_var")) if t is not None}
+        if len(stats) != 1:
+            return None  # no running statistics (batch statistics in eval), or two dtypes: not a measured row
+        leaves["stats"] = stats.pop()
+    return kernels.verdict(m.type_name, x, leaves)
+
+
+def backend_note(m: Module, x: str) -> str:
+    """``; it raises on ... though it runs on ...`` where backends disagree about ``m`` on input ``x``, else ``""``."""
+    v = table_verdict(m, x)
+    text = v.disagreement if v is not None else None
+    return f"; {text}" if text else ""
+
+
 def forward_dtype(m: Module, x: str) -> str | None:
-    """The dtype ``m`` hands on for input of dtype ``x``, ``"crash"`` if its forward raises, None if unknown."""
+    """The dtype ``m`` hands on for input of dtype ``x``, ``"crash"`` if its forward raises, None if unknown.
+
+    For a module type the kernel table measured, the strictest outcome over every backend it was measured on.
+    """
     sem = semantics(m)
     found = m.kernel_dtypes
     p = m.dtype
     if sem is None or not found:
         return None
+    measured = table_verdict(m, x)
+    if measured is not None:
+        return _CRASH if measured.result == kernels.RAISE else measured.result
     if sem == "measured":
         settled = _settled(m, x)
         if settled is not None:
@@ -186,7 +230,7 @@ def forward_dtype(m: Module, x: str) -> str | None:
         return x if found == {x} else _CRASH
     if sem == "transpose":
         w, b = m.weight, m.leaf("bias")
-        ok = w is not None and w.dtype == x and (b is None or b.dtype == x or x in ("float32", "float16"))
+        ok = w is not None and w.dtype == x and (b is None or b.dtype == x or x == "float32")
         return x if ok else _CRASH
     if p is None:
         return _CRASH  # a norm whose weight, bias and statistics disagree
@@ -215,11 +259,13 @@ def _mix_finding(m: Module, dominant: str | None) -> Finding | None:
         return None  # ConvTranspose2d with a float16 bias in a float32 model runs
     listing = ", ".join(f"{structure.split_name(t.name)[1]} {t.dtype}" for t in m.kernel_tensors)
     known = reason is not None and m.confidence != "low"
+    notes = "".join(dict.fromkeys(backend_note(m, x) for x in inputs))
     return Finding(
         "module-dtype-mix",
         "error" if known else "warning",
         f"{m.label} ({m.provenance}) mixes floating dtypes ({listing}); "
-        + (reason or "its forward fails if it combines them (give --model for module types)"),
+        + (reason or "its forward fails if it combines them (give --model for module types)")
+        + notes,
         tensor=m.prefix,
         file=m.file,
     )
@@ -249,27 +295,57 @@ def _outlier_reason(m: Module, p: str, d: str) -> str | None:
         return None  # an all-fp32 norm in a half model is fine
     if m.kind in ("linear", "conv"):
         error = "mat1 and mat2 must have the same dtype" if m.kind == "linear" else "Input type ... should be the same"
-        return f"it needs its input in its own dtype, so a forward pass that reaches it in {d} fails ('{error}')"
+        return f"it needs its input in its own dtype, so a forward pass that reaches it in {d} fails ('{error}'){backend_note(m, d)}"
+    if m.kind == "rnn":
+        return f"it needs its input in its own dtype, so {d} input fails ('RNN input dtype ... does not match weight dtype')"
     if m.kind == "embedding":
         return f"it hands {p} activations on, and the next {d} layer fails"
     if result == _CRASH:
         return (
             f"a norm takes only its own dtype as input (an all-float32 norm also takes half input), so {d} input fails "
-            "('mixed dtype (CPU): expect parameter to have scalar type of Float')"
+            f"('mixed dtype (CPU): expect parameter to have scalar type of Float'){backend_note(m, d)}"
         )
     return f"it hands {result} activations on, and the next {d} layer fails"
 
 
-def _outlier_finding(m: Module, dominant: str | None) -> Finding | None:
+def _promoted_back(m: Module, p: str, d: str, modules: list[Module]) -> str | None:
+    """Where an embedding's narrower output (``p`` in a ``d`` model) is promoted back to ``d`` before a kernel that
+    needs ``d``: what promotes it, or None.
+
+    Its output meets float32 tensors in most models before a strict kernel: a position embedding added to it (BERT,
+    CLIP, Whisper), or a norm computed as ``weight * x`` (LlamaRMSNorm, T5LayerNorm), which returns float32. Where
+    neither is in the model (GPT-NeoX: rotary positions, torch's LayerNorm, which hands half input on), it is not.
+    The data flow is not in a checkpoint, so this lowers the finding to a warning; ``trace`` knows.
+    """
+    if m.kind != "embedding" or _promote(p, d) != d:
+        return None
+    for other in modules:
+        if other is not m and other.kind == "embedding" and other.dtype == d:
+            return f"another {d} embedding ({other.name}) it may be added to"
+    for n in modules:
+        if n.kind == "norm" and n.dtype == d and semantics(n) in ("measured", "promote") and forward_dtype(n, p) == d:
+            return f"a norm that multiplies by its {d} weight ({n.label} {n.name}) and returns {d}"
+    return None
+
+
+def _outlier_finding(m: Module, dominant: str | None, modules: list[Module]) -> Finding | None:
     """A module, all in one dtype, that does not take the model's dominant dtype or hands on another one."""
     p = m.dtype
     if dominant not in _MEASURED or p is None or p == dominant:
         return None  # fp8 and fp64 models: their forwards were not measured (fp8 weights need kernels of their own)
+    if m.input_cast:
+        return None  # its parent casts its input to its dtype (T5's wo, measured through --model): it runs as it is
     reason = _outlier_reason(m, p, dominant)
     if reason is None:
         return None
     sure = certain(m, dominant)
     hint = "" if sure or m.type_name else "; give --model to know the module types"
+    promoted = _promoted_back(m, p, dominant, modules)
+    if promoted is not None:
+        sure = False
+        hint = (
+            f"; unless its output meets {promoted} first, which promotes it back to {dominant} (`dtypeaudit trace` follows the data flow)"
+        )
     return Finding(
         "dtype-outlier",
         "error" if sure else "warning",
@@ -284,12 +360,11 @@ def _outlier_finding(m: Module, dominant: str | None) -> Finding | None:
 def _module_findings(inv: Inventory, *, mixes: bool = True, outliers: bool = True) -> list[Finding]:
     modules = structure.infer_modules(inv)
     dominant = structure.dominant_dtype(inv, modules)
-    out = []
+    out: list[Finding] = []
     for m in modules:
-        for wanted, finding in ((mixes, _mix_finding), (outliers, _outlier_finding)):
-            f = finding(m, dominant) if wanted else None
-            if f is not None:
-                out.append(f)
+        mix = _mix_finding(m, dominant) if mixes else None
+        outlier = _outlier_finding(m, dominant, modules) if outliers else None
+        out.extend(f for f in (mix, outlier) if f is not None)
     return out
 
 

@@ -254,7 +254,9 @@ def scan(
         typer.Option(
             "--model",
             "-m",
-            help="A factory (file.py:func or module:func) whose parameters and buffers give each tensor its kind and module type. "
+            help="The model: a factory (file.py:func or module:func, returning a module or a transformers config), "
+            "transformers:MODEL_TYPE, or a directory with config.json (as trace takes it); its parameters and buffers "
+            "give each tensor its kind and module type. "
             "Without it, module types are guessed from names and shapes (BatchNorm, LayerNorm, RMSNorm, Linear, Conv2d, Embedding) "
             "and shown as guesses.",
         ),
@@ -626,7 +628,8 @@ def convert(
         typer.Option(
             "--model",
             "-m",
-            help="A factory (file.py:func or module:func) whose module types the plan and its checks use, as scan --model.",
+            help="The model whose module types the plan and its checks use, in any form scan --model takes "
+            "(file.py:func, module:func, transformers:MODEL_TYPE, a directory with config.json).",
         ),
     ] = None,
     materialize_ties: Annotated[

@@ -20,7 +20,7 @@ from typing import Literal
 from . import dtypes
 from .inventory import Inventory, TensorRecord
 
-ModuleKind = Literal["batchnorm", "linear", "conv", "embedding", "norm", "unknown"]
+ModuleKind = Literal["batchnorm", "linear", "conv", "embedding", "norm", "rnn", "unknown"]
 Confidence = Literal["fact", "high", "low"]
 
 # What training code wraps a state_dict in: the PyTorch tutorial's ``model_state_dict``, Lightning's
@@ -45,7 +45,22 @@ _TYPE_KINDS: dict[str, ModuleKind] = {
     # InstanceNorm's running statistics are not held to its input's dtype: a norm, not a BatchNorm.
     **dict.fromkeys(("LayerNorm", "GroupNorm", "RMSNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"), "norm"),
     **dict.fromkeys(("LazyInstanceNorm1d", "LazyInstanceNorm2d", "LazyInstanceNorm3d"), "norm"),
+    # "RNN input dtype ... does not match weight dtype": input, weights and biases in one dtype (measured on CPU).
+    **dict.fromkeys(("LSTM", "GRU", "RNN"), "rnn"),
 }
+# Where each of those types is defined: a class is matched by identity, not by name, so a user's own class called
+# RMSNorm or Linear is not given PyTorch's rules (``type_name``).
+_TYPE_HOMES: dict[str, tuple[str, ...]] = {"Conv1D": ("transformers.",)}
+_TORCH_HOME = ("torch.nn.",)
+
+
+def type_name(cls: type) -> str:
+    """The module type name records carry: the class name, or ``module.QualName`` for a class that is not the
+    PyTorch (or transformers) class of that name, so that rules for PyTorch's type never apply to it by name."""
+    name = cls.__name__
+    if name in _TYPE_KINDS and not cls.__module__.startswith(_TYPE_HOMES.get(name, _TORCH_HOME)):
+        return f"{cls.__module__}.{cls.__qualname__}"
+    return name
 
 
 def is_torch_type(type_name: str) -> bool:
@@ -59,6 +74,8 @@ _PROJ_HINT = re.compile(r"(?i)(head$|proj$|fc\d*$|linear\d*$|dense$|classifier$|
 # ln_f): a weight-only norm, RMSNorm-style.
 _NORM_HINT = re.compile(r"(?i)(norm|^ln(_|\d|$)|^rms)")
 _STATS = ("running_mean", "running_var")
+# nn.LSTM / GRU / RNN parameters: weight_ih_l0, weight_hh_l0_reverse, bias_ih_l1, weight_hr_l0 (projections).
+_RNN_LEAF = re.compile(r"^(weight|bias)_(ih|hh|hr)_l\d+(_reverse)?$")
 
 
 def is_floating(dtype: str) -> bool:
@@ -108,6 +125,9 @@ class Module:
     forward: Mapping[str, str] | None = None
     """``"{weight dtype}/{input dtype}"`` -> the dtype its forward returned, as ``--model``'s factory measured
     it on the meta device (weight-only norms of types that are not PyTorch's own); None if not measured."""
+    input_cast: bool = False
+    """Whether its parent's forward casts its input to its weight's dtype, as ``--model``'s factory measured
+    (T5's ``wo``): it runs in its own dtype whatever the model's."""
 
     @property
     def name(self) -> str:
@@ -132,6 +152,8 @@ class Module:
         """
         if self.kind == "unknown":
             return self.floating
+        if self.kind == "rnn":
+            return tuple(t for t in self.floating if _RNN_LEAF.match(split_name(t.name)[1]))
         leaves = ("weight", "bias", *_STATS) if self.kind == "batchnorm" else ("weight", "bias")
         return tuple(t for t in self.floating if split_name(t.name)[1] in leaves)
 
@@ -147,7 +169,8 @@ class Module:
 
     @property
     def weight(self) -> TensorRecord | None:
-        return self.leaf("weight")
+        """Its ``weight`` (an RNN's first input weight, ``weight_ih_l0``)."""
+        return self.leaf("weight_ih_l0" if self.kind == "rnn" else "weight")
 
     @property
     def file(self) -> str | None:
@@ -172,6 +195,7 @@ class Module:
             "conv": "Conv",
             "embedding": "Embedding",
             "norm": "norm",
+            "rnn": "LSTM/GRU/RNN",
         }.get(self.kind)
         what = f"{base}-like" if base else "module of unknown kind"
         return f"{self.type_name}, {what}" if self.type_name else what
@@ -192,6 +216,8 @@ def _guess(prefix: str, leaves: dict[str, TensorRecord]) -> tuple[ModuleKind, Co
     """Kind and confidence from the tensors' names and shapes alone."""
     if any(s in leaves for s in _STATS):
         return "batchnorm", "high"
+    if "weight_ih_l0" in leaves and all(_RNN_LEAF.match(leaf) for leaf in leaves):
+        return "rnn", "high"
     w, b = leaves.get("weight"), leaves.get("bias")
     if w is None:
         return "unknown", "low"
@@ -244,6 +270,8 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
     tensors = inv.tensors if isinstance(inv, Inventory) else tuple(inv)
     measured = inv.metadata.get("module_forward") if isinstance(inv, Inventory) else None
     probes: Mapping[str, Mapping[str, str]] = measured if isinstance(measured, Mapping) else {}
+    cast_list = inv.metadata.get("input_casts") if isinstance(inv, Inventory) else None
+    casts = frozenset(cast_list) if isinstance(cast_list, list) else frozenset()
     groups: dict[str, list[TensorRecord]] = {}
     for t in tensors:
         if t.region == "model":
@@ -267,7 +295,7 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
             table = probes.get(type_name) if type_name else None
             if kind == "norm" and isinstance(table, Mapping) and set(leaves) == {"weight"}:
                 forward, conf = table, "fact"  # its own forward, measured by the factory
-        out.append(Module(prefix, kind, type_name, conf, tuple(members), guessed, forward))
+        out.append(Module(prefix, kind, type_name, conf, tuple(members), guessed, forward, prefix in casts))
     return out
 
 
@@ -284,7 +312,7 @@ def annotate(inv: Inventory) -> Inventory:
     return replace(inv, tensors=tensors)
 
 
-COMPUTE_KINDS = frozenset({"linear", "conv", "embedding"})
+COMPUTE_KINDS = frozenset({"linear", "conv", "embedding", "rnn"})
 
 
 def dominant_dtype(inv: Inventory | Iterable[TensorRecord], modules: Iterable[Module] | None = None) -> str | None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -135,3 +137,114 @@ def test_same_name_other_shape_is_no_match() -> None:
     got = factory.match_names(_inv({**MODEL, "fc.weight": (3, 4)}), _inv(MODEL, "m"))
     assert "fc.weight" not in got.matched
     assert got.prefixes[0][:2] == ("", "") and got.prefixes[0][2:] == (5, 4)  # names, of which same shape
+
+
+# One model resolver for every command (issue 19 item 7) ---------------------------------------------------
+
+
+LLAMA = Path(__file__).with_name("consistency_models.py")
+
+
+@pytest.fixture(scope="module")
+def llama_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny Llama's float32 state dict written by torch.save, and a folder with only its config.json."""
+    pytest.importorskip("transformers")
+    from tests import consistency_models
+
+    root = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    model = consistency_models.llama()
+    ckpt = root / "llama.pt"
+    torch.save(model.state_dict(), ckpt)
+    config_dir = root / "config"
+    model.config.save_pretrained(config_dir)
+    return ckpt, config_dir
+
+
+def _forms(config_dir: Path) -> dict[str, str]:
+    return {
+        "script-returning-module": f"{LLAMA}:llama",
+        "module-returning-config": "tests.consistency_models:llama_config",
+        "config-folder": str(config_dir),
+        "transformers-path": f"transformers:{config_dir}",
+        "config-json": str(config_dir / "config.json"),
+    }
+
+
+FORMS = ["script-returning-module", "module-returning-config", "config-folder", "transformers-path", "config-json"]
+COMMANDS = ["scan", "convert", "explain", "trace"]
+
+
+def _invoke(command: str, ref: str, ckpt: Path) -> Any:
+    from typer.testing import CliRunner
+
+    from dtypeaudit.cli import app
+
+    args = {
+        "scan": ["scan", str(ckpt), "--model", ref, "-f", "json"],
+        "convert": ["convert", str(ckpt), "--to", "bf16", "--dry-run", "--model", ref, "-f", "json"],
+        "explain": ["scan", str(ckpt), "--preset", "fp32", "--explain", "model.norm.weight", "--model", ref],
+        "trace": ["trace", ref, "--checkpoint", str(ckpt), "--input", "input_ids=1x4", "-f", "json"],
+    }[command]
+    return CliRunner().invoke(app, args, catch_exceptions=False)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_takes_every_model_form(command: str, form: str, llama_files: tuple[Path, Path]) -> None:
+    """A factory returning a module or a config, a config folder, transformers:PATH and a config.json: each command
+    resolves each form to the same LlamaForCausalLM, whose module types reach the report."""
+    ckpt, config_dir = llama_files
+    result = _invoke(command, _forms(config_dir)[form], ckpt)
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    if command == "scan":
+        by = {t["name"]: t for t in json.loads(result.stdout)["checkpoints"][0]["tensors"]}
+        assert by["model.norm.weight"]["module"] == "LlamaRMSNorm"
+        assert by["model.layers.0.self_attn.q_proj.weight"]["module"] == "Linear"
+    elif command == "explain":
+        assert result.stdout.startswith(f"{ckpt}\nmodel.norm.weight: float32") and "LlamaRMSNorm" in result.stdout
+    elif command == "trace":
+        assert json.loads(result.stdout)["checkpoints"][0]["trace"]["model"] == "LlamaForCausalLM"
+    else:
+        doc = json.loads(result.stdout)
+        assert doc["refused"] is False and doc["dry_run"] is True, doc
+        assert {t["name"] for t in doc["tensors"]} == set(torch.load(ckpt, weights_only=True)), doc
+
+
+def test_transformers_model_type_is_a_model_for_scan(llama_files: tuple[Path, Path]) -> None:
+    """transformers:llama (the model type's default config, 4096 wide) is resolved, and scan says that its names
+    match but its shapes do not, rather than refusing the reference."""
+    ckpt, _ = llama_files
+    result = _invoke("scan", "transformers:llama", ckpt)
+    doc = json.loads(result.stdout)
+    (mismatch,) = [f for f in doc["checkpoints"][0]["findings"] if f["rule"] == "model-mismatch"]
+    assert result.exit_code == 1 and "--model transformers:llama: its names match 0 of the" in mismatch["message"]
+    assert "with the model's shape" in mismatch["message"]
+
+
+BAD_REFERENCES = {
+    "hf/llama": "hf/llama: no such file or directory",
+    "transformers:hf/llama": "transformers:hf/llama: no such file or directory",
+    "nomodel": "nomodel: is not a model: give a factory",
+    "missing.py:build": "missing.py:build: no such script 'missing.py'",
+}
+
+
+@pytest.mark.parametrize("ref", list(BAD_REFERENCES))
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_bad_model_reference_is_one_line_and_exit_2(command: str, ref: str, llama_files: tuple[Path, Path]) -> None:
+    """A local path that does not exist says so first, on every command, in one line; never an import error."""
+    ckpt, _ = llama_files
+    result = _invoke(command, ref, ckpt)
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    (line,) = result.stderr.strip().splitlines()
+    assert BAD_REFERENCES[ref] in line and "Empty module name" not in line, line
+    assert result.stdout == ""
+
+
+def test_a_folder_or_file_that_is_no_model(tmp_path: Path) -> None:
+    (tmp_path / "weights.pt").write_bytes(b"x")
+    with pytest.raises(FactoryError, match="a directory without config.json is not a model"):
+        factory.resolve(str(tmp_path))
+    with pytest.raises(FactoryError, match="a file is not a model"):
+        factory.resolve(str(tmp_path / "weights.pt"))

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
-import re
 import tempfile
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -33,45 +33,17 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from dtypeaudit import check, read
-from dtypeaudit.checks import certain, forward_dtype, module_dtype_mix, semantics
+from dtypeaudit import check, kernels, read
+from dtypeaudit.checks import certain, forward_dtype, module_dtype_mix, semantics, table_verdict
 from dtypeaudit.formats import factory
 from dtypeaudit.inventory import Finding, Inventory, TensorRecord
+from dtypeaudit.kernel_table import BACKENDS, OUTCOMES
 from dtypeaudit.structure import infer_modules
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from . import kernel_cases
+from .kernel_cases import TORCH_DTYPES, Kernel, dtype_name, run_forward, set_dtype
+
 CONSISTENCY = ("module-dtype-mix", "dtype-outlier")
-# A forward pass that failed on dtypes, in the words PyTorch's CPU kernels use.
-_DTYPE_ERROR = re.compile(r"dtype|scalar type|should be the same|mixed dtype")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What a real forward pass did."""
-
-    raised: bool
-    message: str = ""
-    output: str | None = None
-    limitation: str | None = None
-    """Set when the forward failed for another reason than dtypes (an op this CPU build lacks): not counted."""
-
-
-def run_forward(fn: Callable[[], object]) -> Outcome:
-    try:
-        with torch.no_grad():
-            out = fn()
-            out = getattr(out, "logits", out)  # transformers' ModelOutput
-    except (RuntimeError, TypeError, NotImplementedError) as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if _DTYPE_ERROR.search(message):
-            return Outcome(True, message)
-        return Outcome(True, message, limitation=message)
-    assert isinstance(out, torch.Tensor), out
-    return Outcome(False, output=dtype_name(out.dtype))
 
 
 def inventory_of(model: nn.Module, *, facts: bool, prefix: str = "") -> Inventory:
@@ -96,44 +68,10 @@ def consistency(findings: list[Finding], severities: tuple[str, ...] = ("error",
     return [f for f in findings if f.rule in CONSISTENCY and f.severity in severities]
 
 
-def set_dtype(module: nn.Module, leaf: str, dtype: torch.dtype) -> None:
-    """Cast one parameter or buffer in place, the way a partial conversion leaves it."""
-    t = getattr(module, leaf)
-    if isinstance(t, nn.Parameter):
-        t.data = t.data.to(dtype)
-    else:
-        setattr(module, leaf, t.to(dtype))
-
-
 # 1. The kernel table ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Kernel:
-    make: Callable[[], nn.Module]
-    example: Callable[[torch.dtype], torch.Tensor]
-    leaves: tuple[str, ...]
-    """The floating tensors, each cast on its own (running statistics together, as one)."""
-
-
-KERNELS: dict[str, Kernel] = {
-    "BatchNorm2d": Kernel(lambda: nn.BatchNorm2d(4), lambda d: torch.randn(2, 4, 3, 3, dtype=d), ("weight", "bias", "stats")),
-    "Linear": Kernel(lambda: nn.Linear(4, 3), lambda d: torch.randn(2, 4, dtype=d), ("weight", "bias")),
-    "Conv2d": Kernel(lambda: nn.Conv2d(3, 4, 3), lambda d: torch.randn(1, 3, 5, 5, dtype=d), ("weight", "bias")),
-    "LayerNorm": Kernel(lambda: nn.LayerNorm(4), lambda d: torch.randn(2, 4, dtype=d), ("weight", "bias")),
-    "GroupNorm": Kernel(lambda: nn.GroupNorm(2, 4), lambda d: torch.randn(2, 4, 3, dtype=d), ("weight", "bias")),
-    "RMSNorm": Kernel(lambda: nn.RMSNorm(4), lambda d: torch.randn(2, 4, dtype=d), ("weight",)),
-    "Embedding": Kernel(lambda: nn.Embedding(5, 4), lambda d: torch.tensor([[1, 2, 3]]), ("weight",)),
-    # Same kernels, other shapes: the table's rule must hold for them too.
-    "BatchNorm1d": Kernel(lambda: nn.BatchNorm1d(4), lambda d: torch.randn(2, 4, dtype=d), ("weight", "bias", "stats")),
-    "InstanceNorm2d": Kernel(
-        lambda: nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
-        lambda d: torch.randn(2, 4, 3, 3, dtype=d),
-        ("weight", "bias", "stats"),
-    ),
-    "Conv1d": Kernel(lambda: nn.Conv1d(3, 4, 3), lambda d: torch.randn(1, 3, 5, dtype=d), ("weight", "bias")),
-    "ConvTranspose2d": Kernel(lambda: nn.ConvTranspose2d(3, 4, 3), lambda d: torch.randn(1, 3, 5, 5, dtype=d), ("weight", "bias")),
-}
+KERNELS: dict[str, Kernel] = dict(kernel_cases.KERNELS)
 
 
 def _transformers_norm(module: str, cls: str) -> Callable[[], nn.Module]:
@@ -158,61 +96,110 @@ for _name, (_module, _cls) in HF_NORMS.items():
 
 # Without --model, an InstanceNorm with running statistics looks like a BatchNorm and a ConvTranspose2d whose in
 # and out channels agree like a Conv2d: the guess applies the stricter kernel's rule.
-STRICTER_GUESSES = frozenset({"InstanceNorm2d", "ConvTranspose2d"})
+STRICTER_GUESSES = frozenset({"InstanceNorm2d", "ConvTranspose1d", "ConvTranspose2d"})
 
 
-def _kernel_cases() -> list[tuple[str, str, tuple[str, ...]]]:
-    cases = []
-    for name, k in KERNELS.items():
-        inputs = ["int64"] if name == "Embedding" else list(TORCH_DTYPES)
-        for x in inputs:
-            for combo in itertools.product(TORCH_DTYPES, repeat=len(k.leaves)):
-                cases.append((name, x, combo))
-    return cases
+TABLE_KERNELS = tuple(kernel_cases.KERNELS)
+BACKEND = kernel_cases.backend_id()
 
 
-def _build_kernel(name: str, combo: tuple[str, ...]) -> nn.Module:
+def _cases(name: str) -> list[tuple[str, str, tuple[str, ...]]]:
     k = KERNELS[name]
-    m = k.make().eval()
-    for leaf, d in zip(k.leaves, combo, strict=True):
-        for real in ("running_mean", "running_var") if leaf == "stats" else (leaf,):
-            set_dtype(m, real, TORCH_DTYPES[d])
-    return m
+    return [(name, x, combo) for x in kernel_cases.inputs_of(name) for combo in itertools.product(TORCH_DTYPES, repeat=len(k.leaves))]
 
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_kernel_table_matches_a_real_forward(name: str) -> None:
-    """Every combination of one module's dtypes and its input's: our prediction is what PyTorch does."""
+    """Every combination of one module's dtypes and its input's, run here: the table's row for this machine's
+    backend is what PyTorch did, and the verdict is the strictest outcome over every backend the table knows.
+
+    On a backend the table has not measured, the real forward must still be no laxer than the verdict (a crash
+    here is a crash in the table), and the test warns that the backend is unmeasured.
+    """
     measured = []
     kernel = KERNELS[name]
-    for _, x, combo in (c for c in _kernel_cases() if c[0] == name):
-        m = _build_kernel(name, combo)
+    rows = OUTCOMES.get(BACKEND)
+    for _, x, combo in _cases(name):
+        m = kernel_cases.build_kernel(name, combo) if name in TABLE_KERNELS else _build_hf_norm(name, combo)
         example = kernel.example(TORCH_DTYPES.get(x, torch.int64))
         outcome = run_forward(lambda m=m, example=example: m(example))  # type: ignore[misc]
         if outcome.limitation:
             pytest.skip(f"{name} on CPU: environment limitation, not a dtype rule: {outcome.limitation}")
         measured.append((x, combo, outcome))
+        context = f"{name} input={x} {dict(zip(kernel.leaves, combo, strict=True))} on {BACKEND}: {outcome}"
+        strictest: str | None = None
+        if name in TABLE_KERNELS:
+            key = kernel_cases.row_key(name, x, combo)
+            if rows is not None:
+                assert rows.get(key) == outcome.entry, f"{context}; the table says {rows.get(key)} for {BACKEND}"
+            assert rows is None or key in rows, context
+            # Every backend's row, for every kernel of this type's family (ConvTranspose1d runs ConvTranspose2d's).
+            family = [kernel_cases.row_key(k, x, combo) for k in kernels.measured_kernels(name)]
+            entries = [o[k] for o in OUTCOMES.values() for k in family if k in o]
+            strictest = "crash" if "raise" in entries or outcome.raised else outcome.output
+            if strictest != "crash":
+                assert set(entries) <= {outcome.output}, f"{context}; backends return different dtypes: {entries}"
+        crashes = strictest == "crash" if strictest is not None else outcome.raised
         for facts in (True, False):
             inv = inventory_of(m, facts=facts, prefix="m.")
             (module,) = infer_modules(inv)
             predicted = forward_dtype(module, x)
-            context = f"{name} input={x} {dict(zip(kernel.leaves, combo, strict=True))} facts={facts}: {outcome}"
-            if facts or name not in STRICTER_GUESSES:
-                assert (predicted == "crash") == outcome.raised, context
-                if [f for f in module_dtype_mix(inv) if f.severity == "error"]:
-                    assert outcome.raised and module.confidence in ("fact", "high"), context  # whatever the input
+            where = f"{context} facts={facts}, strictest over the table: {strictest}"
+            if facts and strictest is not None:
+                assert predicted == strictest, where
+            elif facts or name not in STRICTER_GUESSES:
+                assert (predicted == "crash") == crashes, where
             else:
-                assert predicted == "crash" or not outcome.raised, context  # a guess may be stricter, never laxer
+                assert predicted == "crash" or not crashes, where  # a guess may be stricter, never laxer
+            if (facts or name not in STRICTER_GUESSES) and [f for f in module_dtype_mix(inv) if f.severity == "error"]:
+                assert crashes and module.confidence in ("fact", "high"), where  # whatever the input
             # Guessed weight-only norms are assumed to promote (Hugging Face's RMSNorm): only what is certain (a
             # known kernel, or a forward measured where the meta device settles it) gives the exact answer.
             if not outcome.raised and predicted != "crash" and (certain(module, x) or (not facts and semantics(module) != "promote")):
-                assert predicted == outcome.output, context
+                assert predicted == outcome.output, where
             if facts and name in HF_NORMS:
-                assert semantics(module) == "measured" and module.confidence == "fact", context
+                assert semantics(module) == "measured" and module.confidence == "fact", where
+    if name in TABLE_KERNELS and rows is None:
+        warnings.warn(f"backend {BACKEND} is not in dtypeaudit/kernel_table.py: run `python -m tests.kernel_cases` to add it", stacklevel=1)
     # The table is not empty on either side: some combinations run, some fail.
     assert any(o.raised for *_, o in measured) or name in ("RMSNorm", "Embedding", *HF_NORMS)
     assert any(not o.raised for *_, o in measured)
+
+
+def _build_hf_norm(name: str, combo: tuple[str, ...]) -> nn.Module:
+    m = KERNELS[name].make().eval()
+    set_dtype(m, "weight", TORCH_DTYPES[combo[0]])
+    return m
+
+
+def test_kernel_table_records_where_each_backend_was_measured() -> None:
+    """Every backend says on which machine and torch it was measured and how; every row is a real case."""
+    keys = {kernel_cases.row_key(*c) for c in kernel_cases.kernel_cases()}
+    assert {"cpu-avx2", "cpu-default", "cpu-avx2-no-onednn"} <= set(BACKENDS)
+    for backend, rows in OUTCOMES.items():
+        assert set(BACKENDS[backend]) == {"measured_on", "torch", "how"} and all(BACKENDS[backend].values()), backend
+        assert rows and set(rows) <= keys, backend
+        assert set(rows.values()) <= {"raise", *TORCH_DTYPES}, backend
+
+
+def test_strictest_backend_decides_and_the_finding_names_it() -> None:
+    """ConvTranspose2d, half weight and input, float32 bias: AVX2's kernels run it, oneDNN's refuse it (issue 19's
+    AVX-512 FP16 machine for float16, AVX-512 for bfloat16). The verdict is an error naming the stricter backend."""
+    for half in ("float16", "bfloat16"):
+        m = kernel_cases.build_kernel("ConvTranspose2d", (half, "float32"))
+        inv = inventory_of(m, facts=True, prefix="m.")
+        (module,) = infer_modules(inv)
+        verdict = table_verdict(module, half)
+        assert verdict is not None and verdict.result == "raise" and verdict.running, verdict
+        assert forward_dtype(module, half) == "crash"
+        (finding,) = module_dtype_mix(inv)
+        assert finding.severity == "error", finding
+        assert f"it raises on {verdict.raising[0]} (" in finding.message and "the strictest backend decides" in finding.message
+        assert BACKENDS[verdict.raising[0]]["measured_on"] in finding.message
+    # A float32 ConvTranspose2d with a half bias runs on every backend measured: no finding.
+    m = kernel_cases.build_kernel("ConvTranspose2d", ("float32", "float16"))
+    assert forward_dtype(infer_modules(inventory_of(m, facts=True, prefix="m."))[0], "float32") == "float32"
 
 
 TORCH_WEIGHT_ONLY: dict[str, Callable[[], nn.Module]] = {
@@ -560,3 +547,28 @@ def test_verdict_agrees_with_a_real_forward(data: st.DataObject) -> None:
     if not guessed:
         assert not outcome.raised, summary
     assert bool(known) == outcome.raised, f"{summary}; with --model: {known}"
+
+
+UPSAMPLER = """
+from torch import nn
+
+def build():
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ConvTranspose2d(4, 3, 3))
+"""
+
+
+def test_scan_model_fails_a_checkpoint_that_one_backend_refuses(tmp_path: Path) -> None:
+    """Issue 19: `scan --model` passed a half ConvTranspose2d with a float32 bias (exit 0) that AVX-512 FP16 CPUs
+    refuse. Now it exits 1 on every machine, and the finding names the stricter backend."""
+    from .helpers import run_cli
+
+    (tmp_path / "net.py").write_text(UPSAMPLER)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ConvTranspose2d(4, 3, 3)).half()
+    set_dtype(model[1], "bias", torch.float32)
+    torch.save(model.state_dict(), tmp_path / "up.pt")
+    proc = run_cli("scan", str(tmp_path / "up.pt"), "--model", f"{tmp_path / 'net.py'}:build", "-f", "json")
+    assert proc.returncode == 1, proc.stderr
+    (finding,) = [f for f in json.loads(proc.stdout)["checkpoints"][0]["findings"] if f["rule"] == "module-dtype-mix"]
+    assert finding["severity"] == "error" and finding["tensor"] == "1"
+    assert "it raises on cpu-avx512-onednn-bf16-onednn-fp16 (a CPU with AVX-512 FP16 and AMX)" in finding["message"]
+    assert "though it runs on cpu-avx2" in finding["message"]

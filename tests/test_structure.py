@@ -219,3 +219,36 @@ def test_on_real_checkpoints(training_pt: Path, lightning_ckpt: Path, tmp_path: 
     path = tmp_path / "wrapped.pt"
     torch.save({"model_state_dict": TinyCNN().state_dict(), "optimizer_state_dict": {}}, path)
     assert {m.name for m in infer_modules(read_checkpoint(path))} == {"conv", "bn", "fc"}
+
+
+def test_an_rnn_is_one_module_of_its_own_kind() -> None:
+    """nn.LSTM's weight_ih_l0 ... bias_hh_l1_reverse are one module: guessed from names, a fact with --model."""
+    lstm = nn.Sequential(nn.LSTM(4, 3, num_layers=2, bidirectional=True))
+    for facts in (False, True):
+        (m,) = infer_modules(inventory_of(lstm, facts=facts))
+        assert (m.kind, m.confidence) == ("rnn", "fact" if facts else "high")
+        assert len(m.kernel_tensors) == 16 and m.weight is not None and m.weight.name == "0.weight_ih_l0"
+
+
+class RMSNorm(nn.Module):
+    """Named like torch.nn.RMSNorm, but not it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x
+
+
+def test_module_types_are_matched_by_identity_not_name() -> None:
+    """A user's class called RMSNorm is recorded by its qualified name, so torch.nn.RMSNorm's rules never apply."""
+    from dtypeaudit.structure import type_name
+
+    assert type_name(nn.RMSNorm) == "RMSNorm" and type_name(nn.Linear) == "Linear"
+    assert type_name(RMSNorm) == f"{__name__}.RMSNorm"
+    model = nn.Sequential(RMSNorm(), nn.RMSNorm(4))
+    from dtypeaudit.formats import factory
+
+    owners = {t.name: t.module for t in factory.inventory_of_model(model).tensors}
+    assert owners == {"0.weight": f"{__name__}.RMSNorm", "1.weight": "RMSNorm"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -456,3 +457,65 @@ def test_scan_and_import_stay_free_of_torch() -> None:
     code = "import sys, dtypeaudit.trace, dtypeaudit.render.trace; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.strip() == "False"
+
+
+class _AtenLog:
+    """The aten operations a plain run dispatches, seen by a dispatch mode alone (which no fast path checks for)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops: list[str] = []
+
+        class Log(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                ops.append(str(func.overloadpacket))
+                return func(*args, **(kwargs or {}))
+
+        self.ops = ops
+        self.mode = Log()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.MultiheadAttention(8, 2, batch_first=True),
+        lambda: nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True),
+    ],
+    ids=["MultiheadAttention", "TransformerEncoderLayer"],
+)
+def test_the_recorder_does_not_change_which_kernels_run(make: Callable[[], nn.Module]) -> None:
+    """Eval-mode attention takes its fused kernel in a plain run; under the recorder it must take the same one,
+    though the recorder's torch-function mode makes ``has_torch_function`` true (issue 19 item 2)."""
+    from dtypeaudit.trace.record import run
+
+    torch.manual_seed(0)
+    model = make().eval()
+    x = torch.randn(2, 5, 8)
+    args, kwargs = ((x, x, x), {"need_weights": False}) if isinstance(model, nn.MultiheadAttention) else ((x,), {})
+    log = _AtenLog()
+    with torch.no_grad(), log.mode:
+        model(*args, **kwargs)
+    fused = {op for op in log.ops if op.startswith(("aten._native_multi_head_attention", "aten._transformer_encoder_layer"))}
+    assert fused, log.ops  # the plain run takes a fused kernel on this torch
+    with torch.no_grad():
+        rec = run(model, args, kwargs)
+    recorded = [o.op.rsplit(".", 1)[0] for o in rec.ops]
+    assert [op for op in recorded if op in fused] == [op for op in log.ops if op in fused], recorded
+
+
+def test_an_lstm_traces_as_it_runs() -> None:
+    """mkldnn_rnn_layer's meta kernel returns a tensor where the CPU kernel leaves its workspace empty: the trace
+    records the same operations and outputs as a real run (issue 19 item 2)."""
+    from dtypeaudit.trace.record import run
+
+    torch.manual_seed(0)
+    model = nn.LSTM(4, 3, batch_first=True).eval()
+    x = torch.randn(2, 5, 4)
+    with torch.no_grad():
+        real = [(o.op, o.inputs, o.outputs) for o in run(model, (x,), {}).ops]
+    summary = trace_module(model, inputs=["2x5x4:float32"]).checkpoints[0].trace
+    assert summary is not None
+    fake = [(o.op, o.inputs, o.outputs) for o in summary.ops]
+    rnn = [r for r in real if "rnn" in r[0]]
+    assert rnn and rnn == [f for f in fake if "rnn" in f[0]], (real, fake)

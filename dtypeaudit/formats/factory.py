@@ -1,4 +1,11 @@
-"""Build a model from code the user names (``path/to/file.py:func``, ``pkg.module:func``, ``pkg.module:Class``).
+"""The one resolver of a model reference, for every command that takes a model (``scan --model``, ``convert
+--model``, ``scan --explain --model``, ``trace``, a factory target of ``scan``):
+
+- ``path/to/file.py:func``, ``pkg.module:func``, ``pkg.module:Class``: the user's code, returning a module or a
+  Hugging Face config (built with ``from_config``);
+- ``transformers:MODEL_TYPE`` (a model type's default config), ``transformers:PATH``, a directory holding
+  ``config.json``, or a ``.json`` config file: built by transformers from the config (offline, no
+  ``trust_remote_code``).
 
 This is the one place user code runs, because the user asked for it. The model is built on the meta
 device where the factory allows it, so no memory is spent on weights. The forward of each weight-only norm
@@ -10,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import traceback
 from collections import Counter
@@ -18,10 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import FactoryError
+from ..errors import FactoryError, UsageError
 from ..inventory import Finding, Inventory, TensorRecord, link_shared_storage
-from ..structure import MEASURED_DTYPES, is_torch_type
+from ..structure import MEASURED_DTYPES, is_torch_type, type_name
 from ..structure import WRAPPER_PREFIXES as WRAPPER_PREFIXES  # structure owns the list; diff reads it here
+
+HF_PREFIX = "transformers:"
+FORMS = "a factory (path/to/file.py:func or package.module:func), transformers:MODEL_TYPE, or a directory with config.json"
 
 
 def looks_like_factory(target: str) -> bool:
@@ -30,6 +41,87 @@ def looks_like_factory(target: str) -> bool:
         return False
     module, _, attr = target.rpartition(":")
     return bool(module) and attr.isidentifier()
+
+
+def is_hf_reference(target: str) -> bool:
+    """``transformers:...``, a directory holding ``config.json``, or a ``.json`` file: a model transformers builds."""
+    if target.startswith(HF_PREFIX):
+        return True
+    p = Path(target)
+    return (p.is_dir() and (p / "config.json").is_file()) or (p.is_file() and p.suffix == ".json")
+
+
+def is_model_reference(target: str) -> bool:
+    """Whether ``target`` names a model (any form ``resolve`` takes) rather than a checkpoint."""
+    return looks_like_factory(target) or target.startswith(HF_PREFIX)
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model built from a reference, on the meta device where its builder allows it."""
+
+    model: Any
+    """The ``torch.nn.Module``."""
+    source: str
+    """``factory`` (the user's code made the module) or ``transformers`` (built from a config)."""
+    weights: str | None = None
+    """A Hugging Face directory that also holds weights: its dtypes are what ``from_pretrained`` loads."""
+
+
+def resolve(reference: str) -> ResolvedModel:
+    """Build the model ``reference`` names; ``FactoryError`` (exit 2) with one line for a reference that is not one.
+
+    A local path is checked first: a path that does not exist says so, rather than being tried as a module name.
+    """
+    if is_hf_reference(reference):
+        return _hf(reference)
+    if looks_like_factory(reference):
+        value = _call(reference)
+        if _is_hf_config(value):
+            return ResolvedModel(_from_config(value, reference), "transformers")
+        return ResolvedModel(value, "factory")
+    path = Path(reference)
+    if path.is_dir():
+        raise FactoryError(f"a directory without config.json is not a model: give {FORMS}", path=reference)
+    if path.exists():
+        raise FactoryError(f"a file is not a model: give {FORMS}", path=reference)
+    if "/" in reference or "\\" in reference or path.suffix in (".py", ".json"):
+        raise FactoryError(f"no such file or directory; a model is {FORMS}", path=reference)
+    raise FactoryError(f"is not a model: give {FORMS}", path=reference)
+
+
+def build(target: str) -> Any:
+    """The ``torch.nn.Module`` ``target`` names (any form ``resolve`` takes), built on the meta device if it can be."""
+    return resolve(target).model
+
+
+def _call(target: str) -> Any:
+    """Call a factory and return what it made: a ``torch.nn.Module`` or a Hugging Face config."""
+    import torch
+
+    module_name, _, attr = target.rpartition(":")
+    try:
+        mod = _import(module_name)
+    except FactoryError as exc:
+        raise FactoryError(exc.message, path=target) from None
+    except ModuleNotFoundError as exc:
+        raise FactoryError(f"cannot import '{module_name}' ({exc}); is it on PYTHONPATH?", path=target) from None
+    except Exception as exc:  # the user's module failed while importing
+        raise FactoryError(f"importing '{module_name}' failed: {_last_frame(exc)}", path=target) from None
+    fn = getattr(mod, attr, None)
+    if fn is None or not callable(fn):
+        raise FactoryError(f"'{module_name}' has no callable '{attr}'", path=target)
+    try:
+        with torch.device("meta"):
+            model = fn()
+    except Exception:
+        try:
+            model = fn()
+        except Exception as exc:
+            raise FactoryError(f"calling '{attr}()' failed: {_last_frame(exc)}", path=target) from None
+    if not isinstance(model, torch.nn.Module) and not _is_hf_config(model):
+        raise FactoryError(f"'{attr}()' returned a {type(model).__name__}, not a torch.nn.Module or a transformers config", path=target)
+    return model
 
 
 def _import(module: str) -> Any:
@@ -54,33 +146,88 @@ def _import(module: str) -> Any:
     return importlib.import_module(module)
 
 
-def build(target: str) -> Any:
-    """Call the factory and return the ``torch.nn.Module`` it makes, built on the meta device if it can be."""
+# -- Hugging Face configs ----------------------------------------------------------------------------
+
+
+def _is_hf_config(value: Any) -> bool:
+    return any(c.__name__.lower() == "pretrainedconfig" for c in type(value).__mro__)
+
+
+def _transformers() -> Any:
+    # No downloads: a model reference reads a local config or a model type's defaults.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError("a Hugging Face model reference needs the transformers package (pip install transformers)") from None
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def _hf(target: str) -> ResolvedModel:
+    transformers = _transformers()
+    spec = target.removeprefix(HF_PREFIX)
+    path = Path(spec)
+    weights = None
+    try:
+        if path.exists():
+            directory = path if path.is_dir() else path.parent
+            config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+            if path.is_dir() and _holds_weights(directory):
+                weights = str(directory)
+        elif "/" in spec or "\\" in spec or path.suffix == ".json":
+            raise FactoryError("no such file or directory", path=target)
+        else:
+            config = transformers.AutoConfig.for_model(spec)
+    except ValueError as exc:
+        text = str(exc)
+        if "trust_remote_code" in text or "custom code" in text:
+            raise FactoryError(
+                "its config needs trust_remote_code; dtypeaudit runs no code from a checkpoint directory "
+                "(give a factory, file.py:func, that builds the model)",
+                path=target,
+            ) from None
+        first = text.splitlines()[0].split(". Should contain")[0] if text else type(exc).__name__
+        hint = "transformers:MODEL_TYPE takes a model_type such as gpt2 or llama"
+        raise FactoryError(f"not a Hugging Face model: {first} ({hint})", path=target) from None
+    except OSError as exc:
+        raise FactoryError(f"cannot read the config: {str(exc).splitlines()[0]}", path=target) from None
+    return ResolvedModel(_from_config(config, target), "transformers", weights)
+
+
+def _holds_weights(directory: Path) -> bool:
+    return (
+        any(directory.glob("*.safetensors")) or any(directory.glob("pytorch_model*.bin")) or any(directory.glob("*.safetensors.index.json"))
+    )
+
+
+def _from_config(config: Any, target: str) -> Any:
+    """``from_config`` on the meta device: the class ``architectures`` names, else a causal LM, else the bare model.
+
+    The dtype is the config's own (``dtype``/``torch_dtype``), as ``from_pretrained`` would load it.
+    """
     import torch
 
-    module_name, _, attr = target.rpartition(":")
-    try:
-        mod = _import(module_name)
-    except FactoryError:
-        raise
-    except ModuleNotFoundError as exc:
-        raise FactoryError(f"cannot import '{module_name}' ({exc}); is it on PYTHONPATH?", path=target) from None
-    except Exception as exc:  # the user's module failed while importing
-        raise FactoryError(f"importing '{module_name}' failed: {_last_frame(exc)}", path=target) from None
-    fn = getattr(mod, attr, None)
-    if fn is None or not callable(fn):
-        raise FactoryError(f"'{module_name}' has no callable '{attr}'", path=target)
-    try:
-        with torch.device("meta"):
-            model = fn()
-    except Exception:
+    transformers = _transformers()
+    classes: list[Any] = []
+    for arch in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            classes.append(cls)
+    classes += [transformers.AutoModelForCausalLM, transformers.AutoModel]
+    last: Exception | None = None
+    for cls in classes:
         try:
-            model = fn()
+            with torch.device("meta"):
+                if hasattr(cls, "_from_config") and cls not in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+                    return cls._from_config(config)
+                return cls.from_config(config)
+        except ValueError as exc:  # this Auto class does not cover the config's model type
+            last = exc
         except Exception as exc:
-            raise FactoryError(f"calling '{attr}()' failed: {_last_frame(exc)}", path=target) from None
-    if not isinstance(model, torch.nn.Module):
-        raise FactoryError(f"'{attr}()' returned a {type(model).__name__}, not a torch.nn.Module", path=target)
-    return model
+            raise FactoryError(f"building {getattr(cls, '__name__', cls)} from the config failed: {exc}", path=target) from None
+    raise FactoryError(f"transformers cannot build a model from this config ({last})", path=target)
 
 
 def _last_frame(exc: BaseException) -> str:
@@ -92,9 +239,13 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def inventory(target: str) -> Inventory:
-    """The model's parameters and buffers, with kind and owning module type known exactly."""
-    model = build(target)
-    owners = {name: type(m).__name__ for name, m in model.named_modules()}
+    """The parameters and buffers of the model ``target`` names, with kind and owning module type known exactly."""
+    return inventory_of_model(build(target), target)
+
+
+def inventory_of_model(model: Any, path: str = "<model>") -> Inventory:
+    """A built model's parameters and buffers, with kind and owning module type (by identity: ``type_name``)."""
+    owners = {name: type_name(type(m)) for name, m in model.named_modules()}
     records: list[TensorRecord] = []
     storage_ids: dict[int, str] = {}
 
@@ -123,7 +274,10 @@ def inventory(target: str) -> Inventory:
     probes = probe_norms(model)
     if probes:
         metadata["module_forward"] = probes
-    return Inventory(target, "factory", link_shared_storage(records), (), metadata)
+    casts = probe_input_casts(model)
+    if casts:
+        metadata["input_casts"] = casts
+    return Inventory(path, "factory", link_shared_storage(records), (), metadata)
 
 
 def probe_norms(model: Any) -> dict[str, dict[str, str]]:
@@ -138,7 +292,7 @@ def probe_norms(model: Any) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     tried: set[str] = set()
     for m in model.modules():
-        name = type(m).__name__
+        name = type_name(type(m))
         if name in tried or is_torch_type(name) or next(m.children(), None) is not None:
             continue
         own = {**dict(m.named_parameters(recurse=False)), **dict(m.named_buffers(recurse=False))}
@@ -150,6 +304,64 @@ def probe_norms(model: Any) -> dict[str, dict[str, str]]:
         if table is not None:
             out[name] = table
     return out
+
+
+class _Reached(Exception):
+    """Raised by a probe's hook once the child's input is seen: the rest of the forward is not needed."""
+
+
+def probe_input_casts(model: Any) -> list[str]:
+    """The Linear layers whose parent module casts their input to their weight's dtype, as model paths.
+
+    T5's feed-forward does ``hidden_states.to(self.wo.weight.dtype)`` before ``wo`` (transformers keeps ``wo`` in
+    float32 through ``_keep_in_fp32_modules``), so a float32 ``wo`` in a half model runs. Each parent class that is
+    not PyTorch's own is run once per Linear child on the meta device, in float16 with that child in float32; a
+    hook on the child records the dtype its input arrives in. A forward that fails (it needs other arguments) claims
+    nothing.
+    """
+    import torch
+
+    casting: dict[tuple[str, str], bool] = {}
+    out = []
+    for path, parent in model.named_modules():
+        if is_torch_type(type_name(type(parent))):
+            continue
+        for attr, child in parent.named_children():
+            if not isinstance(child, torch.nn.Linear):
+                continue
+            key = (type_name(type(parent)), attr)
+            if key not in casting:
+                casting[key] = _casts_input(parent, attr)
+            if casting[key]:
+                out.append(f"{path}.{attr}" if path else attr)
+    return out
+
+
+def _casts_input(parent: Any, attr: str) -> bool:
+    import copy
+
+    import torch
+
+    first = next((m for m in parent.children() if isinstance(m, torch.nn.Linear)), None)
+    if first is None:
+        return False
+    seen: list[torch.dtype] = []
+
+    def hook(module: Any, args: tuple[Any, ...]) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            seen.append(args[0].dtype)
+        raise _Reached
+
+    try:
+        probe = copy.deepcopy(parent).to(device="meta", dtype=torch.float16)
+        getattr(probe, attr).to(torch.float32).register_forward_pre_hook(hook)
+        with torch.no_grad():
+            probe(torch.empty(2, first.in_features, dtype=torch.float16, device="meta"))
+    except _Reached:
+        pass
+    except Exception:  # the user's forward: whatever it raises, it measured nothing
+        return False
+    return seen == [torch.float32]
 
 
 def _probe(m: Any, width: int) -> dict[str, str] | None:
@@ -195,6 +407,13 @@ def attach(checkpoint: Inventory, model: Inventory) -> Inventory:
     metadata = {**checkpoint.metadata, "model": model.path}
     if "module_forward" in model.metadata:
         metadata["module_forward"] = model.metadata["module_forward"]  # the forwards --model measured
+    casts = model.metadata.get("input_casts")
+    if isinstance(casts, list) and casts:
+        wanted = set(casts)
+        prefixes = {
+            ckpt.rpartition(".")[0] for ckpt, name in mapping.matched.items() if name.rpartition(".")[0] in wanted
+        }  # the checkpoint's names for the modules whose parent casts their input
+        metadata["input_casts"] = sorted(prefixes)
     return Inventory(checkpoint.path, checkpoint.format, tuple(out), findings, metadata, checkpoint.layout)
 
 

@@ -1,41 +1,26 @@
 """The model to trace, built without allocating weights: a factory or a Hugging Face config on the meta device,
 each parameter and buffer given the dtype a checkpoint stores, then turned into fake tensors.
 
-The factory is the user's code and runs (``formats.factory.build``, the same forms ``scan --model`` takes). A
-Hugging Face config is instantiated with ``from_config`` (offline; code from a checkpoint directory,
-``trust_remote_code``, is refused). Checkpoint dtypes come from dtypeaudit's own readers: no tensor bytes, no
-checkpoint code.
+The model reference is resolved by ``formats.factory.resolve``, the one resolver every command uses (``scan
+--model`` and ``convert --model`` take the same forms). Checkpoint dtypes come from dtypeaudit's own readers: no
+tensor bytes, no checkpoint code.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import dtypes
-from ..errors import FactoryError, UsageError
+from ..errors import UsageError
 from ..inventory import Finding, Inventory, TensorRecord
+from ..structure import type_name
 
 if TYPE_CHECKING:
     import torch
 
-HF_PREFIX = "transformers:"
-
-
-@dataclass
-class Built:
-    """A model on the meta device (or wherever its factory left it), and what it came from."""
-
-    model: Any
-    """The ``torch.nn.Module``."""
-    source: str
-    """``factory`` or ``transformers``."""
-    weights: str | None = None
-    """A Hugging Face directory that also holds weights: its dtypes are what ``from_pretrained`` loads."""
+    from ..formats.factory import ResolvedModel
 
 
 def torch_dtype(spelling: str, what: str) -> torch.dtype:
@@ -66,125 +51,11 @@ def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def is_hf_target(target: str) -> bool:
-    if target.startswith(HF_PREFIX):
-        return True
-    p = Path(target)
-    return (p.is_dir() and (p / "config.json").is_file()) or (p.is_file() and p.suffix == ".json")
-
-
-def build(target: str) -> Built:
-    """The model ``target`` names: ``file.py:func`` / ``package.module:func`` (run), ``transformers:MODEL_TYPE``
-    (a default config), ``transformers:PATH`` or a directory with ``config.json`` or a ``.json`` config file."""
+def build(target: str) -> ResolvedModel:
+    """The model ``target`` names, as every command resolves it (``formats.factory.resolve``)."""
     from ..formats import factory
 
-    if is_hf_target(target):
-        return _hf(target)
-    if not factory.looks_like_factory(target):
-        raise UsageError(
-            f"'{target}' is not a model: give a factory (path/to/file.py:func or package.module:func), "
-            "transformers:MODEL_TYPE, or a directory with config.json"
-        )
-    model = _call_factory(target)
-    if _is_hf_config(model):
-        return Built(_from_config(model, target), "transformers")
-    return Built(model, "factory")
-
-
-def _call_factory(target: str) -> Any:
-    """``formats.factory.build``, accepting a factory that returns a Hugging Face config as well as a module."""
-    from ..formats import factory
-
-    try:
-        return factory.build(target)
-    except FactoryError as exc:
-        if "not a torch.nn.Module" not in exc.message:
-            raise
-    module_name, _, attr = target.rpartition(":")
-    fn = getattr(factory._import(module_name), attr)
-    value = fn()
-    if not _is_hf_config(value):
-        raise FactoryError(f"'{attr}()' returned a {type(value).__name__}, not a torch.nn.Module or a transformers config", path=target)
-    return value
-
-
-def _is_hf_config(value: Any) -> bool:
-    return any(c.__name__.lower() == "pretrainedconfig" for c in type(value).__mro__)
-
-
-def _transformers() -> Any:
-    # No downloads: a trace reads a local config or a model type's defaults.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    try:
-        import transformers
-    except ImportError:
-        raise UsageError("tracing a Hugging Face model needs the transformers package (pip install transformers)") from None
-    transformers.logging.set_verbosity_error()
-    return transformers
-
-
-def _hf(target: str) -> Built:
-    transformers = _transformers()
-    spec = target.removeprefix(HF_PREFIX)
-    path = Path(spec)
-    weights = None
-    try:
-        if path.exists():
-            directory = path if path.is_dir() else path.parent
-            config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
-            if path.is_dir() and _holds_weights(directory):
-                weights = str(directory)
-        else:
-            config = transformers.AutoConfig.for_model(spec)
-    except ValueError as exc:
-        text = str(exc)
-        if "trust_remote_code" in text or "custom code" in text:
-            raise FactoryError(
-                "its config needs trust_remote_code; dtypeaudit runs no code from a checkpoint directory "
-                "(give a factory, file.py:func, that builds the model)",
-                path=target,
-            ) from None
-        first = text.splitlines()[0].split(". Should contain")[0] if text else type(exc).__name__
-        hint = "transformers:MODEL_TYPE takes a model_type such as gpt2 or llama"
-        raise FactoryError(f"not a Hugging Face model: {first} ({hint})", path=target) from None
-    except OSError as exc:
-        raise FactoryError(f"cannot read the config: {str(exc).splitlines()[0]}", path=target) from None
-    return Built(_from_config(config, target), "transformers", weights)
-
-
-def _holds_weights(directory: Path) -> bool:
-    return (
-        any(directory.glob("*.safetensors")) or any(directory.glob("pytorch_model*.bin")) or any(directory.glob("*.safetensors.index.json"))
-    )
-
-
-def _from_config(config: Any, target: str) -> Any:
-    """``from_config`` on the meta device: the class ``architectures`` names, else a causal LM, else the bare model.
-
-    The dtype is the config's own (``dtype``/``torch_dtype``), as ``from_pretrained`` would load it.
-    """
-    import torch
-
-    transformers = _transformers()
-    classes: list[Any] = []
-    for arch in getattr(config, "architectures", None) or ():
-        cls = getattr(transformers, arch, None)
-        if cls is not None:
-            classes.append(cls)
-    classes += [transformers.AutoModelForCausalLM, transformers.AutoModel]
-    last: Exception | None = None
-    for cls in classes:
-        try:
-            with torch.device("meta"):
-                if hasattr(cls, "_from_config") and cls not in (transformers.AutoModelForCausalLM, transformers.AutoModel):
-                    return cls._from_config(config)
-                return cls.from_config(config)
-        except ValueError as exc:  # this Auto class does not cover the config's model type
-            last = exc
-        except Exception as exc:
-            raise FactoryError(f"building {getattr(cls, '__name__', cls)} from the config failed: {exc}", path=target) from None
-    raise FactoryError(f"transformers cannot build a model from this config ({last})", path=target)
+    return factory.resolve(target)
 
 
 # -- the checkpoint's dtypes -----------------------------------------------------------------------
@@ -192,7 +63,7 @@ def _from_config(config: Any, target: str) -> Any:
 
 def model_inventory(model: Any, path: str) -> Inventory:
     """The model's parameters and buffers as records, for name matching (and the report's tensor list)."""
-    owners = {name: type(m).__name__ for name, m in model.named_modules()}
+    owners = {name: type_name(type(m)) for name, m in model.named_modules()}
     records: list[TensorRecord] = []
     storage: dict[int, str] = {}
     for kind, items in (

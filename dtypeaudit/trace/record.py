@@ -92,6 +92,18 @@ def _outputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any)
             mask = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
             if isinstance(out, (tuple, list)) and isinstance(mask, (list, tuple)) and len(mask) == len(out):
                 return [t for t, keep in zip(out, mask, strict=True) if keep and t is not None]
+    return _results(out)
+
+
+def _results(out: Any) -> list[Any]:
+    """The tensors an operation or a module returned, leaving out the empty tensors after the first.
+
+    Where a CPU kernel leaves an output undefined (None: _native_multi_head_attention's attention weights when they
+    are not needed, and so MultiheadAttention's; mkldnn_rnn_layer's workspace), its meta kernel returns an empty
+    tensor. Neither carries data, so a fake run and a real one record the same outputs.
+    """
+    if isinstance(out, (tuple, list)) and len(out) > 1 and _tensors(out[:1]):
+        return [*_tensors(out[:1]), *(t for t in _tensors(out[1:]) if t.numel() > 0)]
     return _tensors(out)
 
 
@@ -200,18 +212,41 @@ class Recorder:
         failed = output is None and sys.exc_info()[1] is not None
         if failed and self.failed_in is None:
             self.failed_in = path
-        outputs = () if failed else tuple(dtype_name(t.dtype) for t in _tensors(output))
+        outputs = () if failed else tuple(dtype_name(t.dtype) for t in _results(output))
         self.recording.calls.append(ModuleCall(path, self.types.get(path, type(module).__name__), inputs, outputs))
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Recorder]:
+        import torch
+
+        # TransformerEncoderLayer takes its fused kernel only if no module under it has hooks of its own: those
+        # modules are hooked through the global module hooks instead (which do not pass keyword arguments to a
+        # pre-hook, so their keyword tensors, masks, are not among the call's inputs).
+        hooks = torch.nn.modules.module
+        quiet: set[int] = set()
+        for m in self.model.modules():
+            if isinstance(m, torch.nn.TransformerEncoderLayer):
+                quiet.update(id(sub) for sub in m.modules())
         handles = []
         for m in self.model.modules():
-            handles.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
-            handles.append(m.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))
+            if id(m) not in quiet:
+                handles.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+                handles.append(m.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))
+        if quiet:
+
+            def pre(module: Any, args: Any) -> None:
+                if id(module) in quiet:
+                    self._pre_hook(module, args, {})
+
+            def post(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+                if id(module) in quiet:
+                    self._post_hook(module, args, kwargs, output)
+
+            handles.append(hooks.register_module_forward_pre_hook(pre))
+            handles.append(hooks.register_module_forward_hook(post, with_kwargs=True, always_call=True))
         modes = _modes(self)
         try:
-            with modes[0], modes[1]:
+            with modes[0], modes[1], _fast_paths_as_without_recorder():
                 yield self
         finally:
             for h in handles:
@@ -475,6 +510,38 @@ def _make_function_mode_class() -> type:
 
 
 _mode_classes: tuple[type, type] | None = None
+
+
+@contextlib.contextmanager
+def _fast_paths_as_without_recorder() -> Iterator[None]:
+    """Keep the recorder from changing which kernels run.
+
+    Eval-mode MultiheadAttention and TransformerEncoder(Layer) take their fused kernels
+    (``_native_multi_head_attention``, ``_transformer_encoder_layer_fwd``) only if
+    ``torch.overrides.has_torch_function(tensor_args)`` is false, and that is true whenever a torch-function mode
+    is active, as the recorder's is. While recording, that one lookup (they make it through the module attribute)
+    answers as it would without the recorder: whether a tensor is of a subclass that overrides
+    ``__torch_function__`` (fake tensors and Parameters do not).
+    """
+    import torch
+    import torch.overrides
+
+    original = torch.overrides.has_torch_function
+    disabled = torch._C._disabled_torch_function_impl
+
+    def has_torch_function(args: Any) -> bool:
+        return any(
+            type(a) is not torch.Tensor and getattr(type(a), "__torch_function__", disabled) is not disabled
+            for a in args
+            if isinstance(a, torch.Tensor)
+        )
+
+    torch.overrides.has_torch_function = has_torch_function
+    try:
+        yield
+    finally:
+        torch.overrides.has_torch_function = original
+
 
 CONVERSIONS = frozenset({"to", "_to", "float", "half", "bfloat16", "double", "type", "type_as", "new_tensor", "copy_", "cpu", "cuda"})
 """Torch calls whose casts the model's code asked for."""

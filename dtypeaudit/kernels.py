@@ -1,0 +1,107 @@
+"""What PyTorch's kernels do with a module's dtypes, per backend, and the verdict that holds on every one of them.
+
+``kernel_table.py`` records, for each kernel and each combination of input, weight, bias and running-statistic
+dtype, what a real forward did on each backend where it was measured (``tests/kernel_cases.py`` measures a
+backend: a CPU ISA, oneDNN on or off). CPU kernels differ by ISA: on AVX-512 CPUs oneDNN runs bfloat16 (and on
+AVX-512 FP16 / AMX ones float16) transposed convolutions and refuses a bias of another dtype, where AVX2's
+kernels accept it. A checkpoint's verdict must hold wherever it is loaded, so the strictest known outcome wins:
+if any backend raises, the forward fails, and the finding names the backends that refuse it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .kernel_table import BACKENDS, OUTCOMES
+
+RAISE = "raise"
+
+# Module types that run one measured kernel family. Shapes differ, the dtype checks do not: ATen runs a 1-d
+# convolution as a 2-d one, SyncBatchNorm outside distributed training is batch_norm, transformers' Conv1D (GPT-2)
+# is addmm(bias, x, weight) like Linear. A type's verdict is the strictest over every measured member of its family.
+_FAMILIES: tuple[tuple[frozenset[str], tuple[str, ...]], ...] = (
+    (frozenset({"Conv1d", "Conv2d", "Conv3d", "LazyConv1d", "LazyConv2d", "LazyConv3d"}), ("Conv1d", "Conv2d")),
+    (
+        frozenset({"ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "LazyConvTranspose1d", "LazyConvTranspose2d"}),
+        ("ConvTranspose1d", "ConvTranspose2d"),
+    ),
+    (frozenset({"Linear", "LazyLinear", "NonDynamicallyQuantizableLinear", "Conv1D"}), ("Linear",)),
+    (
+        frozenset({"BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LazyBatchNorm1d", "LazyBatchNorm2d", "LazyBatchNorm3d"}),
+        ("BatchNorm1d", "BatchNorm2d"),
+    ),
+    (
+        frozenset({"InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LazyInstanceNorm1d", "LazyInstanceNorm2d", "LazyInstanceNorm3d"}),
+        ("InstanceNorm2d",),
+    ),
+    (frozenset({"LayerNorm"}), ("LayerNorm",)),
+    (frozenset({"GroupNorm"}), ("GroupNorm",)),
+    (frozenset({"RMSNorm"}), ("RMSNorm",)),
+    (frozenset({"Embedding"}), ("Embedding",)),
+)
+
+
+def measured_kernels(type_name: str) -> tuple[str, ...]:
+    """The kernels of the table that ``type_name`` runs, ``()`` if none was measured."""
+    for members, kernels in _FAMILIES:
+        if type_name in members:
+            return kernels
+    return ()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a forward does on every backend the table knows for one row."""
+
+    result: str
+    """The strictest outcome: ``raise``, or the dtype it returns where every backend runs it."""
+    raising: tuple[str, ...]
+    """The backends where it raises."""
+    running: tuple[str, ...]
+    """The backends where it runs."""
+
+    @property
+    def disagreement(self) -> str | None:
+        """Where backends disagree, in words for a finding: which ones are stricter; else None."""
+        if not self.raising or not self.running:
+            return None
+        return f"it raises on {describe(self.raising)} though it runs on {describe(self.running)}; the strictest backend decides"
+
+
+def describe(backends: tuple[str, ...]) -> str:
+    """``cpu-avx512-onednn-bf16 (measured on ...)``: a backend and where it was measured, for a message."""
+    return ", ".join(f"{b} ({BACKENDS[b]['measured_on']})" if b in BACKENDS else b for b in backends)
+
+
+def row_key(kernel: str, x: str, leaves: Mapping[str, str]) -> str:
+    """The table's key, as ``tests/kernel_cases.py`` writes it."""
+    return f"{kernel} {x} " + " ".join(f"{leaf}={d}" for leaf, d in leaves.items())
+
+
+def outcomes(kernel: str, x: str, leaves: Mapping[str, str]) -> dict[str, str]:
+    """Backend -> what ``kernel`` did with input ``x`` and these leaf dtypes, where it was measured."""
+    key = row_key(kernel, x, leaves)
+    return {backend: rows[key] for backend, rows in OUTCOMES.items() if key in rows}
+
+
+def verdict(type_name: str, x: str, leaves: Mapping[str, str]) -> Verdict | None:
+    """The strictest known outcome of a ``type_name`` module's forward; None where no backend measured the row.
+
+    ``leaves`` are the kernel's floating tensors in the table's order (``weight``, ``bias``, ``stats``).
+    """
+    found: dict[str, str] = {}
+    for kernel in measured_kernels(type_name):
+        for backend, entry in outcomes(kernel, x, leaves).items():
+            if found.get(backend) != RAISE:
+                found[backend] = entry
+    if not found:
+        return None
+    raising = tuple(sorted(b for b, e in found.items() if e == RAISE))
+    running = tuple(sorted(b for b, e in found.items() if e != RAISE))
+    results = {found[b] for b in running}
+    if raising:
+        return Verdict(RAISE, raising, running)
+    if len(results) != 1:
+        return None  # backends run it but return different dtypes: not a rule the table can give
+    return Verdict(results.pop(), raising, running)
