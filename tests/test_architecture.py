@@ -132,3 +132,22 @@ def test_importing_the_package_imports_nothing_else():
     code = "import sys, dtypeaudit; print(sorted(m for m in sys.modules if m.startswith('dtypeaudit')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['dtypeaudit', 'dtypeaudit._version']"
+
+
+def test_version_answers_before_the_command_line_is_imported():
+    code = (
+        "import sys; sys.argv = ['dtypeaudit', '--version']\n"
+        "from dtypeaudit.entry import main; main()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('typer', 'rich', 'click') or m == 'dtypeaudit.cli'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0].startswith("dtypeaudit ") and out[1] == "[]"
+
+
+def test_only_the_invoked_command_is_built(monkeypatch):
+    from dtypeaudit import cli
+
+    monkeypatch.setattr(cli.app, "registered_commands", list(cli.app.registered_commands))
+    monkeypatch.setattr(cli.app, "registered_groups", list(cli.app.registered_groups))
+    cli.only_the_invoked_command(["scan", "model.pt"])
+    assert [c.callback.__name__ for c in cli.app.registered_commands] == ["scan"] and cli.app.registered_groups == []
