@@ -134,16 +134,31 @@ class Resolution:
 
 
 def _config(path: AnyPath) -> dict[str, Any]:
+    """config.json as from_pretrained reads it: ``json.loads``, so a key given twice keeps its last value;
+    {} where there is none or it does not parse."""
     config = path / "config.json"
     if not config.is_file():
         return {}
     try:
-        cfg = _load_json(config)
+        if config.stat().st_size > MAX_JSON_BYTES:
+            return {}
+        cfg = json.loads(source.read_small(config, MAX_JSON_BYTES).decode("utf-8"))
     except RemoteError:
         raise
-    except (CheckpointError, OSError):
+    except (CheckpointError, OSError, UnicodeDecodeError, json.JSONDecodeError):
         return {}
     return cfg if isinstance(cfg, dict) else {}
+
+
+def _duplicate_key(path: AnyPath) -> str | None:
+    """A key config.json gives twice (from_pretrained keeps the last), or None."""
+    try:
+        _load_json(path / "config.json")
+    except CheckpointError as exc:
+        return exc.message if "listed twice" in exc.message else None
+    except OSError:
+        return None
+    return None
 
 
 def _weight_map(path: AnyPath, index_name: str) -> dict[str, str]:
@@ -415,8 +430,11 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory], *, exclude: tuple
     shards = [path / label for label in res.files]
     # Remote shards are read at once (their headers are a round trip each); the first failure in file order is raised.
     invs = source.concurrent_map(read_file, shards) if isinstance(path, RemotePath) else None
+    first_tensors: tuple[TensorRecord, ...] = ()
     for i, label in enumerate(res.files):
         inv = invs[i] if invs is not None else read_file(shards[i])
+        if i == 0:
+            first_tensors = inv.tensors
         findings.extend(f if f.file else Finding(**{**f.__dict__, "file": label}) for f in inv.findings)
         for t in inv.tensors:
             if t.name in holder:
@@ -469,7 +487,37 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory], *, exclude: tuple
     if not res.from_pretrained:
         metadata["from_pretrained"] = "finds no weights file here"
     cfg = _config(path)
-    dtype = cfg.get("torch_dtype", cfg.get("dtype"))
-    if isinstance(dtype, str):
-        metadata["config_dtype"] = dtype
+    if res.from_pretrained:
+        findings.extend(_load_dtype(path, res, cfg, first_tensors, metadata))
     return Inventory(str(path), "hf-directory", link_shared_storage(tensors), tuple(findings), metadata)
+
+
+def _load_dtype(
+    path: AnyPath, res: Resolution, cfg: dict[str, Any], first: tuple[TensorRecord, ...], metadata: dict[str, object]
+) -> list[Finding]:
+    """What dtype from_pretrained gives the model (``hfload``), stored in ``metadata`` for the checks; findings
+    for a config.json key given twice. Refuses a dtype from_pretrained fails on."""
+    from . import hfload
+
+    out = []
+    duplicate = _duplicate_key(path)
+    if duplicate:
+        out.append(
+            Finding("duplicate-key", "warning", f"config.json: {duplicate}; from_pretrained keeps the last value", file="config.json")
+        )
+    if "quantization_config" in cfg:
+        return out  # a quantizer decides the dtypes: not modelled here
+    index_meta = None
+    if res.index is not None:
+        index = _load_json(path / res.index)
+        index_meta = index.get("metadata") if isinstance(index, dict) else None
+    load = hfload.resolve(cfg, index_meta, res.files[0] if res.files else None, first)
+    if load is None:
+        declared = hfload.config_dtype_value(cfg)
+        where = "index metadata.dtype" if declared is None else "config.json's dtype"
+        shown = declared if declared is not None else (index_meta or {}).get("dtype")
+        raise CheckpointError(f"{where} {shown!r} is not a torch dtype; from_pretrained fails on it", path=str(path))
+    if hfload.config_dtype_value(cfg) is not None:
+        metadata["config_dtype"] = load.dtype
+    metadata["from_pretrained_dtype"] = hfload.as_metadata(load)
+    return out
