@@ -318,3 +318,59 @@ def test_a_trainer_checkpoint_with_a_payload_in_training_args_fails(trainer_chec
     found = [f for f in doc["checkpoints"][0]["findings"] if f["rule"] == "unsafe-global"]
     assert found and all(f["file"] == "training_args.bin" for f in found) and "posix.system" in found[0]["message"]
     assert not canary.exists()
+
+
+# -- storage identity ----------------------------------------------------------------------------------------------
+
+
+def _storage_record(key: bytes, cls: str, numel: int) -> bytes:
+    """A storage record whose key is already assembled (an int key or a text key)."""
+    from .hostile import global_op, text
+    from .pickles import integer, tup
+
+    return tup(text("storage"), global_op("torch", cls), key, text("cpu"), integer(numel)) + b"Q"
+
+
+def test_storages_with_equal_records_are_two_storages(tmp_path: Path) -> None:
+    """Keys 0 and "0" name one record but two storages to torch (its cache is keyed by the key): used as dict keys
+    they are two entries, and the tensor stored under each is one the loader returns."""
+    from .hostile import text, with_data_pkl
+    from .pickles import dictionary, integer, pickle2, storage, tensor
+
+    body = dictionary(
+        (
+            text("by_storage"),
+            dictionary(
+                (_storage_record(integer(0), "FloatStorage", 4), tensor(storage("1", "FloatStorage", 2), (2,))),
+                (_storage_record(text("0"), "FloatStorage", 4), tensor(storage("2", "HalfStorage", 2), (2,))),
+            ),
+        )
+    )
+    path = with_data_pkl(tmp_path / "k.pt", pickle2(body), storages={"0": bytes(16), "1": bytes(8), "2": bytes(4)})
+    loaded = torch.load(path, weights_only=True)
+    values = sorted(str(v.dtype)[6:] for v in loaded["by_storage"].values())
+    keys = [type(k).__name__ for k in loaded["by_storage"]]
+    assert values == ["float16", "float32"] and len(keys) == 2
+    inv = read_checkpoint(path)
+    tensors = {t.name: t for t in inv.tensors}
+    assert sorted(t.dtype for n, t in tensors.items() if t.layout == "strided") == values
+    storages = [t for t in inv.tensors if t.layout == "storage"]
+    assert len(storages) == 2 and {t.dtype for t in storages} == {"float32"}  # the keys, listed as the storages they are
+
+
+def test_a_bare_storage_is_listed(tmp_path: Path) -> None:
+    """torch.save of a storage: torch.load returns a TypedStorage, which the inventory lists, dtype and size."""
+    path = tmp_path / "s.pt"
+    torch.save({"w": torch.ones(3, dtype=torch.float16), "raw": torch.ones(5, dtype=torch.float64).untyped_storage()}, path)
+    loaded = torch.load(path, weights_only=True)
+    assert isinstance(loaded["raw"], (torch.UntypedStorage, torch.TypedStorage))
+    inv = read_checkpoint(path)
+    raw = next(t for t in inv.tensors if t.name == "raw")
+    assert raw.layout == "storage" and raw.nbytes == 40
+    typed_path = tmp_path / "typed.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.save({"t": torch.ones(4, dtype=torch.float64).storage()}, typed_path)  # a TypedStorage, as old code saves
+    typed = torch.load(typed_path, weights_only=True)["t"]
+    got = next(t for t in read_checkpoint(typed_path).tensors if t.name == "t")
+    assert (got.dtype, got.shape, got.layout) == (str(typed.dtype)[6:], (4,), "storage")

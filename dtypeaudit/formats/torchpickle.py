@@ -24,9 +24,12 @@ from . import allowlist
 from .picklevm import DictObject, Global, Opaque, PickleVM, Reducer, Trace
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StorageRef:
-    """A storage as a persistent id names it; its bytes stay on disk."""
+    """A storage as a persistent id names it; its bytes stay on disk.
+
+    Compared by identity, as torch's storage objects are: two records with equal fields (keys ``0`` and
+    ``"0"``, which torch caches apart) are two storages, also as dict keys or set members."""
 
     key: str
     """The record name: ``data/<key>`` in a zip archive."""
@@ -648,6 +651,7 @@ def walk(
     depth caps stop reference bombs (the billion-laughs shape) from costing more than a real file.
     """
     visits = 0
+    bare: dict[int, TensorRef] = {}  # the storages are held by ``root`` while this runs, so their ids stay theirs
 
     def go(value: Any, name: str, region: Region, owner: Opaque | None, depth: int) -> Iterator[Found]:
         nonlocal visits
@@ -658,6 +662,11 @@ def walk(
             raise LimitExceeded(f"the pickle nests deeper than {max_depth} levels")
         if isinstance(value, TensorRef):
             yield Found(name, value, region, owner)
+        elif isinstance(value, StorageRef):
+            # torch.load returns a bare storage as a TypedStorage of its record's type: listed as one, so a policy sees it
+            if id(value) not in bare:  # one object under every name, as the storage is
+                bare[id(value)] = TensorRef(value, value.dtype, 0, (value.numel,), (1,), layout="storage")
+            yield Found(name, bare[id(value)], region, owner)
         elif isinstance(value, Opaque) and on_object is not None:
             on_object(value)
         inner: Region = "optimizer" if is_optimizer_state(value) else region
