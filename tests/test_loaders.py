@@ -374,3 +374,63 @@ def test_a_bare_storage_is_listed(tmp_path: Path) -> None:
     typed = torch.load(typed_path, weights_only=True)["t"]
     got = next(t for t in read_checkpoint(typed_path).tensors if t.name == "t")
     assert (got.dtype, got.shape, got.layout) == (str(typed.dtype)[6:], (4,), "storage")
+
+
+# -- what the full loaders build ----------------------------------------------------------------------------------
+
+
+def test_backward_hooks_carrying_a_tensor_are_listed(tmp_path: Path) -> None:
+    """_rebuild_tensor_v2 sets tensor._backward_hooks to its sixth argument: a tensor inside is one the loader builds."""
+    from .hostile import call, global_op, text, with_data_pkl
+    from .pickles import FALSE, dictionary, integer, ints, pickle2, storage, tensor
+
+    hooks = call(global_op("collections", "OrderedDict")) + b"(" + text("h") + tensor(storage("1", "DoubleStorage", 3), (3,)) + b"u"
+    w = call(
+        global_op("torch._utils", "_rebuild_tensor_v2"), storage("0", "HalfStorage", 2), integer(0), ints((2,)), ints((1,)), FALSE, hooks
+    )
+    path = with_data_pkl(tmp_path / "h.pt", pickle2(dictionary((text("w"), w))), storages={"0": bytes(4), "1": bytes(24)})
+    loaded = torch.load(path, weights_only=True)
+    assert loaded["w"]._backward_hooks["h"].dtype == torch.float64
+    got = {t.name: t.dtype for t in read_checkpoint(path).tensors}
+    assert got == {"w": "float16", "w._backward_hooks.h": "float64"}
+
+
+def test_a_state_shadowing_half_fails_the_scan_and_convert_refuses(tmp_path: Path) -> None:
+    """A Parameter whose pickled state sets `half`: the loaded parameter's .half() is not torch's; scan fails it and
+    convert does not write it again."""
+    from dtypeaudit.conversion import convert
+    from dtypeaudit.errors import DtypeAuditError
+
+    p = torch.nn.Parameter(torch.ones(2))
+    p.half = 5  # type: ignore[assignment,method-assign]
+    path = tmp_path / "p.pt"
+    torch.save({"p": p}, path)
+    loaded = torch.load(path, weights_only=True)
+    assert loaded["p"].half == 5  # the loaded tensor's .half is not a method
+    inv = read_checkpoint(path)
+    shadowed = [f for f in inv.findings if f.rule == "shadowed-method"]
+    assert len(shadowed) == 1 and shadowed[0].severity == "error" and shadowed[0].tensor == "p" and "half" in shadowed[0].message
+    out = tmp_path / "out.pt"
+    try:
+        result = convert(path, "fp16", output=out)
+        assert result.output is None
+    except DtypeAuditError:
+        pass
+    assert not out.exists()
+
+
+def test_a_divergence_of_the_loaders_is_a_warning_and_fails_strict(tmp_path: Path) -> None:
+    """torch.load(weights_only=True) refuses a protocol-4 pickle's opcodes; weights_only=False loads it: a warning that
+    names the divergence, an error under --strict."""
+    path = tmp_path / "p4.pt"
+    torch.save({"w": torch.ones(2)}, path, pickle_protocol=4)
+    try:
+        torch.load(path, weights_only=True)
+        pytest.skip("this torch's weights_only loader reads protocol 4")
+    except Exception:
+        pass
+    notes = [f for f in read_checkpoint(path).findings if f.rule == "loader-divergence"]
+    assert len(notes) == 1 and notes[0].severity == "warning" and "weights_only=True" in notes[0].message
+    assert json_report("scan", str(path))[0] == 0
+    code, doc, _ = json_report("scan", str(path), "--strict")
+    assert code == 1 and any(f["rule"] == "loader-divergence" and f["severity"] == "error" for f in doc["checkpoints"][0]["findings"])

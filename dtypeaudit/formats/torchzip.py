@@ -19,7 +19,17 @@ from .barepickle import read_pickle
 from .legacy import read_legacy
 from .picklevm import Global, Opaque, PickleVM
 from .source import AnyPath, Source
-from .torchpickle import Found, StorageRef, global_findings, module_findings, tensor_records, torch_vm, trailing_findings, walk
+from .torchpickle import (
+    Found,
+    StorageRef,
+    global_findings,
+    module_findings,
+    shadow_findings,
+    tensor_records,
+    torch_vm,
+    trailing_findings,
+    walk,
+)
 from .ziparchive import Entry, ZipArchive
 
 MAX_PICKLE_BYTES = 1 << 30
@@ -140,7 +150,8 @@ def read_zip(where: AnyPath | Source) -> Inventory:
         root, end = vm.load()
         objects: list[Opaque] = []
         found = list(walk(root, on_object=objects.append))
-        extra = trailing_findings(data, end, str(path)) + module_findings(objects) + _other_pickles(za, main, path, torchscript=torchscript)
+        extra = trailing_findings(data, end, str(path)) + module_findings(objects) + shadow_findings(found)
+        extra += _other_pickles(za, main, path, torchscript=torchscript)
         spans = _check_storages(za, prefix, storages, path)
         records = tuple(e.name[len(prefix) :] for e in za.entries if e != main and not e.name.startswith(prefix + "data/"))
         layout = Layout("zip", spans, archive_prefix=prefix, records=records)
@@ -158,7 +169,7 @@ def read_zip(where: AnyPath | Source) -> Inventory:
             findings.append(
                 Finding(
                     "loader-divergence",
-                    "info",
+                    "warning",
                     "a TorchScript archive: torch.load(weights_only=True) refuses it, and torch.jit.load (where torch.load "
                     "sends it otherwise) compiles and runs the code it carries; dtypeaudit reads its data.pkl",
                 )
