@@ -43,14 +43,17 @@ def policy_findings(inv: Inventory, policy: Policy) -> list[Finding]:
     from .policy import decide
 
     out = []
-    for t in inv.tensors:
+    loaded = loaded_dtype(inv)  # a Hugging Face folder is held to the dtypes from_pretrained gives its tensors
+    for stored in inv.tensors:
+        t = stored.with_(dtype=loaded[stored.name]) if stored.name in loaded else stored
         d = decide(policy, t)
         if not d.ok:
+            cast = f" (as from_pretrained loads it; stored as {stored.dtype})" if t is not stored else ""
             out.append(
                 Finding(
                     "dtype-mismatch",
                     d.severity,
-                    decision_message(d),
+                    decision_message(d) + cast,
                     tensor=t.name,
                     file=t.file or None,
                     expected=tuple(sorted(d.expected or ())),
@@ -383,6 +386,22 @@ def module_consistency(inv: Inventory) -> list[Finding]:
     return _module_findings(inv)
 
 
+def loaded_dtype(inv: Inventory) -> dict[str, str]:
+    """name -> the dtype from_pretrained gives the tensor, where it is not the stored one (HF folders only)."""
+    from .formats import hfload
+
+    load = hfload.from_metadata(inv.metadata) if inv.format == "hf-directory" else None
+    return hfload.loaded_dtypes(inv.tensors, load) if load is not None else {}
+
+
+def loaded_dtype_findings(inv: Inventory) -> list[Finding]:
+    """``load-cast`` and ``keep-in-fp32-unknown`` for a Hugging Face folder (see ``formats.hfload``)."""
+    from .formats import hfload
+
+    load = hfload.from_metadata(inv.metadata) if inv.format == "hf-directory" else None
+    return hfload.loaded_findings(inv.tensors, load) if load is not None else []
+
+
 def config_dtype(inv: Inventory) -> list[Finding]:
     """A Hugging Face config.json that names another dtype than the weights hold."""
     declared = inv.metadata.get("config_dtype")
@@ -412,7 +431,7 @@ def config_dtype(inv: Inventory) -> list[Finding]:
 
 def checks_for(policy: Policy | None) -> list[Check]:
     """Every check to run: the policy-free ones, plus the policy's when there is one (and its hardware ``target``)."""
-    checks: list[Check] = [module_consistency, config_dtype]
+    checks: list[Check] = [module_consistency, config_dtype, loaded_dtype_findings]
     if policy is not None:
         # partials, not closures: checks travel to worker processes and Dask workers (fleet.py) by pickle
         checks += [partial(policy_findings, policy=policy), partial(tied_conflicts, policy=policy)]

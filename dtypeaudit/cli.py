@@ -295,6 +295,15 @@ def scan(
         ),
     ] = False,
     target: TargetOpt = None,
+    exclude: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--exclude",
+            help="Leave out files matching GLOB (their path inside the folder, or their name) when a folder is walked or "
+            "safety-scanned; repeatable. Every file left out is listed in a left-out note.",
+            metavar="GLOB",
+        ),
+    ] = None,
     verbose: VerboseOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -345,6 +354,7 @@ def scan(
             jobs=jobs,
             cluster=cluster,
             raise_errors=debug,
+            exclude=tuple(exclude or ()),
             progress=progress,
             strict=strict or (pol.strict if pol else False),
         )

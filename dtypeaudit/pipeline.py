@@ -6,6 +6,7 @@ import glob
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ from .formats import directory, hub, locate, read_checkpoint, remote
 from .formats import factory as factory_mod
 from .formats.locate import AnyPath
 from .formats.remote import RemotePath
-from .formats.sniff import is_candidate
+from .formats.sniff import leave_out_reason
 from .inventory import CheckpointReport, Inventory, Report, Severity
 from .redact import redact
 
@@ -24,8 +25,11 @@ if TYPE_CHECKING:
     from .policy import Policy
 
 
-def expand(targets: Iterable[str]) -> list[str]:
+def expand(targets: Iterable[str], *, exclude: Sequence[str] = (), left_out: list[tuple[str, str]] | None = None) -> list[str]:
     """Files, checkpoint directories, plain directories (searched for checkpoints) and globs, in order, once each.
+
+    In a walked directory every file is scanned unless no loader would read it or it matches an ``exclude``
+    glob; each file left out is appended to ``left_out`` as ``(path, why)``.
 
     URLs (``s3://``, ``gs://``, ``https://``, ``hf://``, any fsspec protocol) and hub ids (``org/name[@rev]``, where
     no local path of that name exists) are expanded the same way: a prefix or repository that is no checkpoint
@@ -43,7 +47,7 @@ def expand(targets: Iterable[str]) -> list[str]:
         if not matches:
             raise UsageError(f"no file matches '{target}'")
         for m in matches:
-            out.extend(_expand_one(Path(m)))
+            out.extend(_expand_one(Path(m), tuple(exclude), left_out))
     unique: dict[str, str] = {}
     for p in out:
         unique.setdefault(os.path.realpath(p) if not locate.is_url(p) and os.path.exists(p) else p, p)
@@ -54,20 +58,29 @@ def _is_checkpoint_dir(path: AnyPath) -> bool:
     return (path / ".metadata").is_file() or directory.is_model_directory(path)
 
 
-def _expand_one(path: AnyPath) -> list[str]:
-    """A file or checkpoint directory as named; a plain directory is walked, and every regular file in it
-    is looked at by content (not by suffix), skipping what is clearly not a checkpoint."""
+def _expand_one(path: AnyPath, exclude: tuple[str, ...] = (), left_out: list[tuple[str, str]] | None = None) -> list[str]:
+    """A file or checkpoint directory as named; a plain directory is walked, and every file in it is looked at
+    by content (not by suffix): read, unless no loader would read it or ``exclude`` names it (told to ``left_out``)."""
     if not path.is_dir() or _is_checkpoint_dir(path):
         return [locate.target_string(path)]
-    walked = list(directory.walk_files(path, stop_at=_is_checkpoint_dir))
+    skipped: list[tuple[str, str]] = []
+    walked = list(directory.walk_files(path, stop_at=_is_checkpoint_dir, on_skip=lambda p, why: skipped.append((str(p), why))))
 
-    def wanted(p: AnyPath) -> bool:
-        return p.is_dir() or is_candidate(p)
+    def why_not(p: AnyPath) -> str | None:
+        rel = p.relative_to(path).as_posix() if isinstance(p, Path) and isinstance(path, Path) else str(p)
+        pattern = directory.excluded_by(rel, exclude)
+        if pattern:
+            return f"--exclude {pattern}"
+        return None if p.is_dir() else leave_out_reason(p)
 
-    keep = remote.concurrent_map(wanted, walked) if isinstance(path, RemotePath) else [wanted(p) for p in walked]
-    found = [locate.target_string(p) for p, k in zip(walked, keep, strict=True) if k]
+    reasons = remote.concurrent_map(why_not, walked) if isinstance(path, RemotePath) else [why_not(p) for p in walked]
+    found = [locate.target_string(p) for p, why in zip(walked, reasons, strict=True) if why is None]
+    skipped += [(locate.target_string(p), why) for p, why in zip(walked, reasons, strict=True) if why is not None]
     if not found:
-        raise UsageError(f"no checkpoints found under directory '{path}'")
+        shown = "; ".join(f"{p} ({why})" for p, why in skipped[:5])
+        raise UsageError(f"no checkpoints found under directory '{path}'" + (f": {shown}" if shown else ""))
+    if left_out is not None:
+        left_out.extend(skipped)
     return found
 
 
@@ -101,19 +114,20 @@ def _expand_remote(target: str) -> list[str]:
         return [target]
 
 
-def read_target(target: str) -> Inventory:
-    """The inventory of one expanded target: a factory, a hub id, a URL or a local path."""
+def read_target(target: str, exclude: tuple[str, ...] = ()) -> Inventory:
+    """The inventory of one expanded target: a factory, a hub id, a URL or a local path; ``exclude``: globs of
+    files a checkpoint directory's safety scan leaves out."""
     if factory_mod.looks_like_factory(target):
         return factory_mod.inventory(target)
     if hub.is_hub_id(target):
         try:
-            return read_checkpoint(f"hf://{target}", label=target)
+            return read_checkpoint(f"hf://{target}", label=target, exclude=exclude)
         except CheckpointError as exc:
             if exc.path in (target, f"hf://{target}") and not isinstance(exc, LimitExceeded):
                 exc.path = target
                 exc.message = f"no such local path; as a Hugging Face hub id: {exc.message}"
             raise
-    return read_checkpoint(target)
+    return read_checkpoint(target, exclude=exclude)
 
 
 def scan(
@@ -129,6 +143,7 @@ def scan(
     progress: Callable[[int, int, str], None] | None = None,
     strict: bool = False,
     policy: Policy | None = None,
+    exclude: Sequence[str] = (),
 ) -> Report:
     """Read every target, attach the model's kinds if given, run the checks, and report.
 
@@ -138,15 +153,22 @@ def scan(
     once per run, on the first checkpoint read); its per-checkpoint checks come in ``checks``.
     ``jobs`` and ``cluster`` say where each checkpoint's reading and checking runs (see ``fleet.run``):
     local worker processes, or tasks on a Dask cluster; the report is the same, in input order.
+    ``exclude``: globs of files that walks and directory safety scans leave out; what a walk leaves out is
+    listed in a ``left-out`` note on the first checkpoint.
     """
-    paths = expand(targets)
+    left_out: list[tuple[str, str]] = []
+    paths = expand(targets, exclude=exclude, left_out=left_out)
     model_inv = factory_mod.inventory(model) if model else None
-    work = fleet.Work(read=read_target, checks=tuple(checks), model=model_inv, strict=strict, raise_errors=raise_errors)
+    work = fleet.Work(
+        read=partial(read_target, exclude=tuple(exclude)), checks=tuple(checks), model=model_inv, strict=strict, raise_errors=raise_errors
+    )
     reports = fleet.run(fleet.audit_one, paths, work, jobs=jobs, cluster=cluster, progress=progress, lost=_lost)
     read = [i for i, r in enumerate(reports) if r.inventory is not None]
     if policy is not None and read:
         unused = policy.unused_rules(r.inventory for r in reports if r.inventory is not None)
         reports[read[0]] = replace(reports[read[0]], findings=reports[read[0]].findings + tuple(unused))
+    if left_out and reports:
+        reports[0] = replace(reports[0], findings=reports[0].findings + (directory.left_out_finding(left_out),))
     return Report(tuple(reports), fail_on=fail_on, policy=policy_name or (policy.source if policy else None), strict=strict)
 
 

@@ -2,6 +2,7 @@
 
     python fuzz/fuzz_differential.py --cases 20000 --seed 1 [--jobs 2]
     python fuzz/fuzz_differential.py --replay 1:4711          # one case again, in this process, with both views
+    python fuzz/fuzz_differential.py --dirs --cases 200 --seed 1  # random HF / DCP folders (fuzz/dir_cases.py)
 
 Each case is a checkpoint torch.save (zip or legacy, pickle protocols 0-5) or safetensors writes, from a
 seeded generator, often with one structural mutation of its pickle, its zip directory or its safetensors
@@ -112,6 +113,37 @@ def replay(key: str, out: Path | None) -> int:
     return 0
 
 
+def run_dirs(args: argparse.Namespace) -> int:
+    """The directory mode: cases one after another in this process (each writes and loads a folder, ~1 s);
+    a case whose verdict is not AGREE keeps its folder under --out and is printed with its seed."""
+    import logging
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    logging.disable(logging.WARNING)
+    sys.path.insert(0, str(HERE))
+    import dir_cases
+
+    base = int(args.seed) if args.seed.lstrip("-").isdigit() else abs(hash(args.seed)) % (1 << 31)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    outcomes: Counter[str] = Counter()
+    t0 = time.monotonic()
+    for i in range(args.start, args.start + args.cases):
+        result = dir_cases.run_case(base * 1_000_003 + i, args.kind, keep=out)
+        outcomes[result["verdict"]] += 1
+        if result["verdict"] != "AGREE":
+            print(f"{result['verdict']} seed {result['seed']} {result['planted']}\n  loader: {str(result['reference'])[:300]}"
+                  f"\n  dtypeaudit: {str(result['ours'])[:300]}", flush=True)  # fmt: skip
+        if args.log is not None:
+            with args.log.open("a", encoding="utf-8") as fh:
+                fh.write(json.dumps(result, default=str) + "\n")
+    elapsed = time.monotonic() - t0
+    print(f"{sum(outcomes.values())} folders in {elapsed:.1f} s: " + ", ".join(f"{k} {v}" for k, v in outcomes.most_common()))
+    return 0 if set(outcomes) <= {"AGREE"} else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=1000)
@@ -127,9 +159,13 @@ def main() -> int:
     parser.add_argument("--replay", metavar="SEED:INDEX[:pins]", help="run one case in this process and show both views")
     parser.add_argument("--write", type=Path, help="with --replay: copy the input there")
     parser.add_argument("--log", type=Path, help="append every result (JSON lines) to this file")
+    parser.add_argument("--dirs", action="store_true", help="directory mode: random HF and DCP folders against from_pretrained / DCP")
+    parser.add_argument("--kind", choices=["hf", "dcp"], help="with --dirs: only this kind of folder")
     args = parser.parse_args()
     if args.replay:
         return replay(args.replay, args.write)
+    if args.dirs:
+        return run_dirs(args)
 
     from tests.diff_oracle import Runner
 

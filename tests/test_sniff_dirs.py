@@ -376,7 +376,7 @@ def _plain_tree(root: Path, outside: Path) -> dict[str, bool]:
         "image.png": False,
         "empty": False,
         "docs.zip": False,
-        "link_out": False,
+        "link_out": True,  # followed where it leads, as torch.load follows it
         ".git/objects/blob": False,
     }
 
@@ -384,8 +384,18 @@ def _plain_tree(root: Path, outside: Path) -> dict[str, bool]:
 def test_a_plain_directory_is_walked_by_content(tmp_path: Path) -> None:
     root = tmp_path / "tree"
     want = _plain_tree(root, tmp_path / "outside.pt")
-    found = {Path(p).relative_to(root).as_posix() for p in expand([str(root)])}
+    left_out: list[tuple[str, str]] = []
+    found = {Path(p).relative_to(root).as_posix() for p in expand([str(root)], left_out=left_out)}
     assert len(found & {"link_in", "weights"}) == 1  # one file, reached twice, scanned once
+    # nothing is passed over silently: every file not scanned is listed with why
+    assert {Path(p).relative_to(root).as_posix() for p, _ in left_out} == {
+        name.split("/")[0] for name, scanned in want.items() if not scanned
+    }
+    reasons = {Path(p).relative_to(root).as_posix(): why for p, why in left_out}
+    assert reasons[".git"] == "a version-control folder"
+    assert reasons["docs.zip"].startswith("a zip archive with no pickle")
+    assert reasons["empty"] == "an empty file"
+    assert reasons["image.png"] == "a PNG image, not a checkpoint"
     assert {"weights" if f == "link_in" else f for f in found} == {name for name, scanned in want.items() if scanned}
     for name, scanned in want.items():
         if (root / name).is_file() and not (root / name).is_symlink() and not name.startswith(".git/"):

@@ -33,11 +33,12 @@ def read_file(path: AnyPath | Source) -> Inventory:
         return torchzip.read_pickle(src)
 
 
-def read_checkpoint(path: str | AnyPath, *, label: str | None = None) -> Inventory:
+def read_checkpoint(path: str | AnyPath, *, label: str | None = None, exclude: tuple[str, ...] = ()) -> Inventory:
     """The inventory of a checkpoint file or directory, local or remote (a URL: ``s3://``, ``https://``, ``hf://``,
     any fsspec protocol); CheckpointError (one line) if it cannot be read. ``bytes_read`` says how much was read.
 
-    ``label`` names it in the inventory instead of the path (a hub id read from a cache snapshot).
+    ``label`` names it in the inventory instead of the path (a hub id read from a cache snapshot). ``exclude``:
+    glob patterns for files of a directory that are left out of its safety scan (each is listed in a note).
     """
     shown = label or (redact(path) if isinstance(path, str) and locate.is_url(path) else None)
     hub_meta: dict[str, object] = {}
@@ -53,7 +54,7 @@ def read_checkpoint(path: str | AnyPath, *, label: str | None = None) -> Invento
             else:
                 p = locate.locate(path)
             shown = shown or str(p)
-            inv = _read(p, shown)
+            inv = _read(p, shown, exclude)
         except DtypeAuditError as exc:
             if exc.path is None:
                 exc.path = shown or str(p)
@@ -74,13 +75,21 @@ def read_checkpoint(path: str | AnyPath, *, label: str | None = None) -> Invento
     return out
 
 
-def _read(p: AnyPath, shown: str) -> Inventory:
+def _read(p: AnyPath, shown: str, exclude: tuple[str, ...] = ()) -> Inventory:
     if not p.exists():
         raise CheckpointError("no such file or directory", path=shown)
     if p.is_dir():
-        if (p / ".metadata").is_file():
-            return dcp.read(p)
+        is_dcp = (p / ".metadata").is_file() and not directory.excluded_by(".metadata", exclude)
+        if is_dcp and directory.is_model_directory(p):
+            # torch.distributed.checkpoint would load .metadata's tensors, from_pretrained its weight files: two models.
+            raise CheckpointError(
+                "holds both a torch.distributed.checkpoint (.metadata) and a Hugging Face model (config, index or weight "
+                "files), which load as two different models; refused (scan the files by name, or --exclude .metadata)",
+                path=shown,
+            )
+        if is_dcp:
+            return dcp.read(p, read_file, exclude=exclude)
         if directory.is_model_directory(p):
-            return directory.read(p, read_file)
+            return directory.read(p, read_file, exclude=exclude)
         raise CheckpointError("directory holds no checkpoint (no .metadata, no index, no *.safetensors or pytorch_model*.bin)", path=shown)
     return read_file(p)

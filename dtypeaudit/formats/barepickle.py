@@ -14,7 +14,7 @@ from . import locate
 from .locate import AnyPath
 from .picklevm import Opaque
 from .source import Source
-from .torchpickle import global_findings, module_findings, tensor_records, torch_vm, trailing_findings, walk
+from .torchpickle import global_findings, module_findings, shadow_findings, tensor_records, torch_vm, trailing_findings, walk
 
 MAX_PICKLE_BYTES = 1 << 30
 
@@ -30,11 +30,11 @@ def read_pickle(where: AnyPath | Source) -> Inventory:
     root, end = vm.load()
     objects: list[Opaque] = []
     found = list(walk(root, on_object=objects.append))
-    findings = global_findings(vm.trace) + module_findings(objects) + trailing_findings(data, end, str(path))
+    findings = global_findings(vm.trace) + module_findings(objects) + shadow_findings(found) + trailing_findings(data, end, str(path))
     findings.append(
         Finding(
             "loader-divergence",
-            "info",
+            "warning",
             "a bare pickle: torch.load refuses it (no zip signature, no legacy magic number), pickle.load runs it in full",
         )
     )

@@ -16,6 +16,7 @@ same questions from one listing per folder, and the shards are then read concurr
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -134,16 +135,31 @@ class Resolution:
 
 
 def _config(path: AnyPath) -> dict[str, Any]:
+    """config.json as from_pretrained reads it: ``json.loads``, so a key given twice keeps its last value;
+    {} where there is none or it does not parse."""
     config = path / "config.json"
     if not config.is_file():
         return {}
     try:
-        cfg = _load_json(config)
+        if config.stat().st_size > MAX_JSON_BYTES:
+            return {}
+        cfg = json.loads(locate.read_small(config, MAX_JSON_BYTES).decode("utf-8"))
     except RemoteError:
         raise
-    except (CheckpointError, OSError):
+    except (CheckpointError, OSError, UnicodeDecodeError, json.JSONDecodeError):
         return {}
     return cfg if isinstance(cfg, dict) else {}
+
+
+def _duplicate_key(path: AnyPath) -> str | None:
+    """A key config.json gives twice (from_pretrained keeps the last), or None."""
+    try:
+        _load_json(path / "config.json")
+    except CheckpointError as exc:
+        return exc.message if "listed twice" in exc.message else None
+    except OSError:
+        return None
+    return None
 
 
 def _weight_map(path: AnyPath, index_name: str) -> dict[str, str]:
@@ -253,11 +269,21 @@ def is_model_directory(path: AnyPath) -> bool:
 # -- walking a tree -------------------------------------------------------------------------------
 
 
-def walk_files(root: AnyPath, *, stop_at: Callable[[Any], bool] | None = None) -> Iterator[AnyPath]:
-    """Every regular file under ``root`` in sorted order, skipping VCS folders and links that lead out
-    of ``root`` (a link to a folder is not entered; a cache snapshot's links into its blobs are followed,
-    see ``link_allowed``). A folder below ``root`` for which ``stop_at`` is true is yielded itself instead
-    of entered."""
+def walk_files(
+    root: AnyPath,
+    *,
+    stop_at: Callable[[Any], bool] | None = None,
+    on_skip: Callable[[AnyPath, str], None] | None = None,
+) -> Iterator[AnyPath]:
+    """Every file under ``root`` in sorted order. A folder below ``root`` for which ``stop_at`` is true is
+    yielded itself instead of entered.
+
+    Links to files are followed wherever they lead, as torch.load and from_pretrained follow them (a link out
+    of ``root`` is read where it leads, never written to); links to folders are not entered (inside the tree
+    their files are reached anyway). What is passed over is told to ``on_skip`` with the reason: VCS folders,
+    links to folders out of the tree, dangling links, what is not a regular file (a FIFO would block a read),
+    folders that cannot be listed."""
+    skip = on_skip or (lambda p, why: None)
     if isinstance(root, RemotePath):
         yield from root.walk(stop_at)
         return
@@ -271,7 +297,8 @@ def walk_files(root: AnyPath, *, stop_at: Callable[[Any], bool] | None = None) -
         try:
             with os.scandir(here) as it:
                 entries = sorted(it, key=lambda e: e.name)
-        except OSError:
+        except OSError as exc:
+            skip(here, f"a folder that cannot be listed ({exc.strerror or exc})")
             continue
         subdirs = []
         for entry in entries:
@@ -279,53 +306,122 @@ def walk_files(root: AnyPath, *, stop_at: Callable[[Any], bool] | None = None) -
             try:
                 if entry.is_symlink():
                     target = p.resolve()
-                    # inside the tree, or a Hugging Face cache snapshot's link into its own blobs/ (link_allowed)
-                    if (target.is_relative_to(top) or link_allowed(root, target)) and target.is_file():
+                    if target.is_file():
                         yield p
+                    elif target.is_dir():
+                        if not (target.is_relative_to(top) or link_allowed(root, target)):
+                            skip(p, f"a link to a folder outside the tree ({target}); not entered: scan it by name")
+                    elif target.exists():
+                        skip(p, "a link to something that is not a regular file")
+                    else:
+                        skip(p, "a dangling link")
                 elif entry.is_dir(follow_symlinks=False):
-                    if entry.name not in SKIPPED_DIRS:
+                    if entry.name in SKIPPED_DIRS:
+                        skip(p, "a version-control folder")
+                    else:
                         subdirs.append(p)
                 elif entry.is_file(follow_symlinks=False):
                     yield p
-            except OSError:
-                continue
+                else:
+                    skip(p, "not a regular file (a FIFO, socket or device)")
+            except OSError as exc:
+                skip(p, f"cannot be looked at ({exc.strerror or exc})")
         stack.extend(reversed(subdirs))
+
+
+def link_out_note(root: AnyPath, p: AnyPath) -> str | None:
+    """Where a file reached under ``root`` is a link leading out of it: the note that says it was read there."""
+    if isinstance(p, RemotePath) or not isinstance(root, Path) or not p.is_symlink():
+        return None
+    target = p.resolve()
+    if target.is_relative_to(root.resolve()) or link_allowed(root, target):
+        return None
+    return f"{_relative(p, root)} is a link out of the folder, to {target}; it was read there"
+
+
+def excluded_by(label: str, exclude: tuple[str, ...]) -> str | None:
+    """The ``--exclude`` pattern that matches a file's path relative to the folder, or its name."""
+    for pattern in exclude:
+        if fnmatch.fnmatchcase(label, pattern) or fnmatch.fnmatchcase(label.rsplit("/", 1)[-1], pattern):
+            return pattern
+    return None
+
+
+def left_out_finding(left_out: list[tuple[str, str]], *, file: str | None = None) -> Finding:
+    """One ``left-out`` note listing every file a walk did not read, each with why."""
+    shown = "; ".join(f"{name} ({why})" for name, why in left_out)
+    return Finding("left-out", "info", f"{len(left_out)} file{'s' if len(left_out) != 1 else ''} not read: {shown}", file=file)
 
 
 # -- reading --------------------------------------------------------------------------------------
 
 
-def _unused(path: AnyPath, res: Resolution, read_file: Callable[[Any], Inventory]) -> list[Finding]:
-    from .sniff import is_candidate
+def companions(
+    path: AnyPath,
+    used: set[Any],
+    read_file: Callable[[Any], Inventory],
+    *,
+    exclude: tuple[str, ...] = (),
+    unused_message: Callable[[str], str] | None = None,
+) -> list[Finding]:
+    """Every file under ``path`` that the loader does not read as the model (``used``, resolved paths) is read
+    for safety: its findings (``unsafe-global`` above all) become the folder's, so one unsafe file beside the
+    weights (``training_args.bin``, ``optimizer.pt``, ``rng_state.pth``) fails the folder, whatever the layout.
+    Its tensors are not audited with the model; ``unused_message(label)`` words the ``unused-weights`` warning
+    for a file that holds some. A file that cannot be read refuses the folder (one line naming it); files left
+    out (``exclude``, or content no loader reads) are listed in one ``left-out`` note, never skipped silently."""
+    from .sniff import leave_out_reason
 
-    used = {(path / f).resolve() for f in res.files}  # a blob the loader reads through a link is not unused
-    others = [p for p in walk_files(path) if p.resolve() not in used]
+    left: list[tuple[str, str]] = []
+    walked = list(walk_files(path, on_skip=lambda p, why: left.append((_relative(p, path), why))))
+    to_read: list[AnyPath] = []
+    for p in walked:
+        if p.resolve() in used:  # a blob the loader reads through a link is read with the model
+            continue
+        label = _relative(p, path)
+        pattern = excluded_by(label, exclude)
+        why = f"--exclude {pattern}" if pattern else leave_out_reason(p)
+        if why:
+            left.append((label, why))
+        else:
+            to_read.append(p)
 
-    def holds_weights(p: AnyPath) -> bool:
-        if not (is_candidate(p) or p.name.endswith(_WEIGHT_SUFFIXES)):
-            return False
+    def read_one(p: AnyPath) -> Inventory:
+        label = _relative(p, path)
         try:
-            return bool(read_file(p).tensors)
+            return read_file(p)
         except RemoteError:
             raise  # the network failed: say so, rather than guess
-        except (DtypeAuditError, OSError, RecursionError, MemoryError):
-            return True  # unreadable: it may hold weights, and it is not looked at with the rest
+        except DtypeAuditError as exc:
+            message = exc.message
+        except PermissionError:
+            message = "permission denied"
+        except OSError as exc:
+            message = f"cannot read ({exc.strerror or exc})"
+        except (RecursionError, MemoryError):
+            message = "structure too large or too deep to read"
+        raise CheckpointError(
+            f"{label}: {message}; every file in a checkpoint folder is read for safety, so the folder is refused"
+            " (--exclude it to leave it out)",
+            path=str(path),
+        )
 
-    holding = remote.concurrent_map(holds_weights, others) if isinstance(path, RemotePath) else [holds_weights(p) for p in others]
-    out = []
-    for p, holds in zip(others, holding, strict=True):
+    invs = remote.concurrent_map(read_one, to_read) if isinstance(path, RemotePath) else [read_one(p) for p in to_read]
+    out: list[Finding] = []
+    for p, inv in zip(to_read, invs, strict=True):
         label = _relative(p, path)
-        if not holds:
-            continue  # training_args.bin, a tokenizer pickle: nothing a loader takes for weights
-        if res.from_pretrained:
-            message = f"{label} holds weights that from_pretrained would not load (it loads {res.chosen})"
-        else:
-            message = f"{label} holds weights not audited with the model (from_pretrained finds no weights file here; read: {res.chosen})"
-        out.append(Finding("unused-weights", "warning", message, file=label))
+        note = link_out_note(path, p)
+        if note:
+            out.append(Finding("followed-link", "info", note, file=label))
+        out.extend(Finding(**{**f.__dict__, "file": f"{label}/{f.file}" if f.file else label}) for f in inv.findings)
+        if inv.tensors and unused_message is not None:
+            out.append(Finding("unused-weights", "warning", unused_message(label), file=label))
+    if left:
+        out.append(left_out_finding(left))
     return out
 
 
-def read(path: AnyPath, read_file: Callable[[Any], Inventory]) -> Inventory:
+def read(path: AnyPath, read_file: Callable[[Any], Inventory], *, exclude: tuple[str, ...] = ()) -> Inventory:
     res = resolve(path) or _fallback(path)
     if res is None:
         raise CheckpointError("directory holds no checkpoint: no index, no *.safetensors, no pytorch_model*.bin", path=str(path))
@@ -335,8 +431,11 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory]) -> Inventory:
     shards = [path / label for label in res.files]
     # Remote shards are read at once (their headers are a round trip each); the first failure in file order is raised.
     invs = remote.concurrent_map(read_file, shards) if isinstance(path, RemotePath) else None
+    first_tensors: tuple[TensorRecord, ...] = ()
     for i, label in enumerate(res.files):
         inv = invs[i] if invs is not None else read_file(shards[i])
+        if i == 0:
+            first_tensors = inv.tensors
         findings.extend(f if f.file else Finding(**{**f.__dict__, "file": label}) for f in inv.findings)
         for t in inv.tensors:
             if t.name in holder:
@@ -368,7 +467,20 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory]) -> Inventory:
                 findings.append(
                     Finding("index-mismatch", "warning", f"stored in {where} but missing from the index", tensor=name, file=where)
                 )
-    findings.extend(_unused(path, res, read_file))
+    if res.from_pretrained:
+        chose = res.chosen
+
+        def unused(label: str) -> str:
+            return f"{label} holds weights that from_pretrained would not load (it loads {chose})"
+    else:
+
+        def unused(label: str) -> str:
+            return f"{label} holds weights not audited with the model (from_pretrained finds no weights file here; read: {res.chosen})"
+
+    # config.json and the index are read by from_pretrained too, as JSON: they are not left out
+    also_read = [path / "config.json", *([path / res.index] if res.index else [])]
+    used = {s.resolve() for s in shards} | {p.resolve() for p in also_read if p.is_file()}
+    findings.extend(companions(path, used, read_file, exclude=exclude, unused_message=unused))
 
     metadata: dict[str, object] = {"shards": list(res.files)}
     if res.index is not None:
@@ -376,7 +488,37 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory]) -> Inventory:
     if not res.from_pretrained:
         metadata["from_pretrained"] = "finds no weights file here"
     cfg = _config(path)
-    dtype = cfg.get("torch_dtype", cfg.get("dtype"))
-    if isinstance(dtype, str):
-        metadata["config_dtype"] = dtype
+    if res.from_pretrained:
+        findings.extend(_load_dtype(path, res, cfg, first_tensors, metadata))
     return Inventory(str(path), "hf-directory", link_shared_storage(tensors), tuple(findings), metadata)
+
+
+def _load_dtype(
+    path: AnyPath, res: Resolution, cfg: dict[str, Any], first: tuple[TensorRecord, ...], metadata: dict[str, object]
+) -> list[Finding]:
+    """What dtype from_pretrained gives the model (``hfload``), stored in ``metadata`` for the checks; findings
+    for a config.json key given twice. Refuses a dtype from_pretrained fails on."""
+    from . import hfload
+
+    out = []
+    duplicate = _duplicate_key(path)
+    if duplicate:
+        out.append(
+            Finding("duplicate-key", "warning", f"config.json: {duplicate}; from_pretrained keeps the last value", file="config.json")
+        )
+    if "quantization_config" in cfg:
+        return out  # a quantizer decides the dtypes: not modelled here
+    index_meta = None
+    if res.index is not None:
+        index = _load_json(path / res.index)
+        index_meta = index.get("metadata") if isinstance(index, dict) else None
+    load = hfload.resolve(cfg, index_meta, res.files[0] if res.files else None, first)
+    if load is None:
+        declared = hfload.config_dtype_value(cfg)
+        where = "index metadata.dtype" if declared is None else "config.json's dtype"
+        shown = declared if declared is not None else (index_meta or {}).get("dtype")
+        raise CheckpointError(f"{where} {shown!r} is not a torch dtype; from_pretrained fails on it", path=str(path))
+    if hfload.config_dtype_value(cfg) is not None:
+        metadata["config_dtype"] = load.dtype
+    metadata["from_pretrained_dtype"] = hfload.as_metadata(load)
+    return out

@@ -20,7 +20,7 @@ from . import locate
 from .locate import AnyPath
 from .picklevm import Opaque, PickleVM, Trace
 from .source import Source
-from .torchpickle import StorageRef, global_findings, module_findings, tensor_records, torch_vm, walk
+from .torchpickle import StorageRef, global_findings, module_findings, shadow_findings, tensor_records, torch_vm, walk
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
@@ -88,7 +88,7 @@ def _read_legacy(src: Source, mm: Any) -> Inventory:
     findings: list[Finding] = []
     for trace in (header.trace, vm.trace, keys_trace):
         findings += global_findings(trace, weights_only_loader=True)
-    findings += module_findings(objects)
+    findings += module_findings(objects) + shadow_findings(found)
     metadata: dict[str, object] = {"byteorder": "little"}
     if isinstance(header.sys_info, dict) and header.sys_info.get("little_endian") is False:
         findings.append(

@@ -248,55 +248,70 @@ def sniff(path: AnyPath | Source) -> str:
     raise CheckpointError(f"is not a checkpoint: unrecognised content starting {head[:8]!r}", path=name)
 
 
-def _zip_may_hold_pickles(src: Source) -> bool:
-    """Whether a zip archive may hold a pickle; True unless Python's zipfile lists it cleanly without one.
-
-    miniz (torch's reader) looks names up case-insensitively, so ``.PKL`` counts.
-    """
-    import zipfile
+def _zip_left_out(src: Source) -> str | None:
+    """Why a zip archive is left out of a walk: only where torch's own reader (mirrored by ``ziparchive``, not
+    Python's zipfile, whose view of the central directory can differ) opens it and finds no record a loader
+    unpickles. An archive torch's reader cannot open is scanned, so its reader says why it is refused."""
+    from .ziparchive import ZipArchive
 
     try:
-        with zipfile.ZipFile(SourceFile(src)) as zf:
-            return any(name.lower().endswith(".pkl") for name in zf.namelist())
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, NotImplementedError, OverflowError, struct.error):
-        return True  # zipfile cannot list it cleanly: it may hide a pickle from it
+        with ZipArchive.open(src) as za:
+            return None if za.pickle_entries() else "a zip archive with no pickle in it (torch.load cannot load it)"
+    except RemoteError:
+        raise
+    except Exception:
+        return None
 
 
 def is_candidate(path: AnyPath) -> bool:
-    """Whether a file found by walking a directory should be scanned: its content may be a checkpoint
-    (or its name says it should be one). Reads a few hundred bytes; only pickles without a protocol
-    header (protocols 0 and 1) are interpreted further. A temporary that ``convert`` writes (or a killed
-    one left) is half a file: passed over, with a note on stderr."""
+    """Whether a file found by walking a directory is scanned (see ``leave_out_reason``)."""
+    return leave_out_reason(path) is None
+
+
+def leave_out_reason(path: AnyPath) -> str | None:
+    """None where a file found by walking a directory is scanned; else why it is left out, in words the
+    report shows. A file is left out only where no loader dtypeaudit models would load it: torch.load takes
+    any ``PK\\x03\\x04`` file for a zip, any file starting with a PROTO opcode for a pickle (its weights_only
+    unpickler accepts every protocol number), and safetensors any file whose header parses. Reads a few
+    hundred bytes; only pickles without a protocol header (protocols 0 and 1) are interpreted further.
+    A file named like a checkpoint (``.pt``, ``.safetensors`` ...) is always scanned, except a temporary that
+    ``convert`` writes (or a killed one left): half a file, passed over with a note on stderr."""
     from .. import temporaries
 
     temp = temporaries.parse(path.name)
     if temp is not None:
         state = "left by a run that has ended" if temporaries.is_stale(temp) else "being written by a conversion"
         temporaries.log.warning("dtypeaudit: skipping %s: a temporary %s (process %d)", path, state, temp.pid)
-        return False
+        return f"a temporary {state} (process {temp.pid})"
     if path.suffix.lower() in _CHECKPOINT_SUFFIXES:
-        return True
+        return None
     try:
         with _open(path) as src:
-            return _candidate(src)
+            return _left_out(src)
     except (OSError, CheckpointError):
-        return True  # cannot look: say so by scanning it, rather than pass it over
+        return None  # cannot look: say so by scanning it, rather than pass it over
 
 
-def _candidate(src: Source) -> bool:
+def _left_out(src: Source) -> str | None:
     head, size = _head(src, WALK_HEAD_BYTES)
     if not head:
-        return False
+        return "an empty file"
     if head.startswith(_ZIP_LOCAL):
-        return _zip_may_hold_pickles(src)
-    if head[0] == 0x80 and len(head) > 1 and head[1] <= 5:
-        return True  # a pickle with a protocol header: legacy torch.save or a bare pickle
+        return _zip_left_out(src)
+    if head[0] == 0x80:
+        return None  # PROTO, whatever the number: torch.load's weights_only unpickler reads protocol 6 and up too
     if _safetensors_plausible(head, size) or _tar_block(head):
-        return True
-    if head[:1] not in _PICKLE_OPCODES:
-        return False
-    more, size = _head(src, HEAD_BYTES)
-    return not isinstance(_first_pickle(src, more, size), _NoPickle)
+        return None
+    if head[:1] in _PICKLE_OPCODES:
+        more, size = _head(src, HEAD_BYTES)
+        if not isinstance(_first_pickle(src, more, size), _NoPickle):
+            return None
+    for magic, what in _NOT_CHECKPOINTS:
+        if head.startswith(magic):
+            return what.split(";")[0]
+    if head[:1] in _PICKLE_OPCODES:
+        return "not a pickle, zip, tar or safetensors file (its first bytes do not unpickle)"
+    return "not a pickle, zip, tar or safetensors file"
 
 
 # Bytes a pickle can start with (pickletools' opcode codes, protocols 0 to 5).

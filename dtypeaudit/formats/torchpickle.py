@@ -24,9 +24,12 @@ from . import allowlist
 from .picklevm import DictObject, Global, Opaque, PickleVM, Reducer, Trace
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StorageRef:
-    """A storage as a persistent id names it; its bytes stay on disk."""
+    """A storage as a persistent id names it; its bytes stay on disk.
+
+    Compared by identity, as torch's storage objects are: two records with equal fields (keys ``0`` and
+    ``"0"``, which torch caches apart) are two storages, also as dict keys or set members."""
 
     key: str
     """The record name: ``data/<key>`` in a zip archive."""
@@ -207,12 +210,20 @@ def _strided(args: tuple[Any, ...]) -> TensorRef:
     return TensorRef(storage, storage.dtype, offset, shape, stride)
 
 
+def _hooks(t: TensorRef, hooks: Any) -> TensorRef:
+    """``tensor._backward_hooks = backward_hooks``, as _rebuild_tensor_v2 and _rebuild_parameter do: what a
+    non-empty hooks dict holds (tensors, objects) is part of what the loader builds, so it is walked."""
+    if hooks is not None and not (isinstance(hooks, dict) and not hooks and not getattr(hooks, "attrs", None)):
+        t.attrs["_backward_hooks"] = hooks
+    return t
+
+
 def _rebuild_v2(args: tuple[Any, ...]) -> TensorRef:
     _arity(args, "_rebuild_tensor_v2", 6, 7)
     t = _strided(args)
     _requires_grad(args[4], t.dtype)
     _metadata(args[6] if len(args) > 6 else None)
-    return t
+    return _hooks(t, args[5])
 
 
 def _rebuild_v3(args: tuple[Any, ...]) -> TensorRef:
@@ -232,12 +243,12 @@ def _rebuild_v3(args: tuple[Any, ...]) -> TensorRef:
 
 def _rebuild_parameter(args: tuple[Any, ...]) -> TensorRef:
     _arity(args, "_rebuild_parameter", 3)
-    return _parameter(args[0], args[1])
+    return _hooks(_parameter(args[0], args[1]), args[2])
 
 
 def _rebuild_parameter_with_state(args: tuple[Any, ...]) -> TensorRef:
     _arity(args, "_rebuild_parameter_with_state", 4)
-    t = _parameter(args[0], args[1])
+    t = _hooks(_parameter(args[0], args[1]), args[2])
     _apply_state(t, args[3])
     return t
 
@@ -648,6 +659,7 @@ def walk(
     depth caps stop reference bombs (the billion-laughs shape) from costing more than a real file.
     """
     visits = 0
+    bare: dict[int, TensorRef] = {}  # the storages are held by ``root`` while this runs, so their ids stay theirs
 
     def go(value: Any, name: str, region: Region, owner: Opaque | None, depth: int) -> Iterator[Found]:
         nonlocal visits
@@ -658,6 +670,11 @@ def walk(
             raise LimitExceeded(f"the pickle nests deeper than {max_depth} levels")
         if isinstance(value, TensorRef):
             yield Found(name, value, region, owner)
+        elif isinstance(value, StorageRef):
+            # torch.load returns a bare storage as a TypedStorage of its record's type: listed as one, so a policy sees it
+            if id(value) not in bare:  # one object under every name, as the storage is
+                bare[id(value)] = TensorRef(value, value.dtype, 0, (value.numel,), (1,), layout="storage")
+            yield Found(name, bare[id(value)], region, owner)
         elif isinstance(value, Opaque) and on_object is not None:
             on_object(value)
         inner: Region = "optimizer" if is_optimizer_state(value) else region
@@ -668,6 +685,45 @@ def walk(
             yield from go(child, f"{name}.{part}" if name else part, inner, this if is_state else None, depth + 1)
 
     yield from go(root, "", "model", None, 0)
+
+
+# Methods of torch.Tensor that a state's plain setattr would shadow on the loaded tensor: the casts and copies
+# that model code, .half()/.to() on a module, and conversion call (a shadowed one makes the tensor misbehave).
+SHADOWABLE_METHODS = frozenset(
+    {
+        "half", "float", "double", "bfloat16", "to", "type", "type_as", "cuda", "cpu", "int", "long", "short", "bool",
+        "byte", "char", "clone", "detach", "detach_", "copy_", "contiguous", "numpy", "tolist", "item", "view", "reshape",
+        "size", "dim", "numel", "element_size", "storage", "untyped_storage", "data_ptr", "requires_grad_",
+        "share_memory_", "pin_memory", "register_hook", "backward", "new_empty", "new_zeros", "new_ones", "new_tensor",
+        "new_full", "is_floating_point", "is_complex", "apply_", "map_", "__torch_function__", "__torch_dispatch__",
+        "__reduce_ex__", "__deepcopy__", "__setstate__", "__getstate__", "__repr__", "__format__", "__array__",
+        "__getattr__", "__getattribute__", "__setattr__", "__len__", "__iter__", "__getitem__", "__setitem__",
+    }
+)  # fmt: skip
+
+
+def shadow_findings(found: list[Found]) -> list[Finding]:
+    """A ``shadowed-method`` error per tensor whose state sets an attribute named like one of torch.Tensor's
+    methods: the loaded tensor would not behave as a plain tensor of its dtype (``p.half()`` doing something
+    else), so the file is not passed, and convert, which refuses a file with errors, never writes it again."""
+    out = []
+    seen: set[int] = set()
+    for f in found:
+        if id(f.tensor) in seen:
+            continue
+        seen.add(id(f.tensor))
+        shadowed = sorted(k for k in f.tensor.attrs if k in SHADOWABLE_METHODS)
+        if shadowed:
+            out.append(
+                Finding(
+                    "shadowed-method",
+                    "error",
+                    f"its state sets {', '.join(shadowed)}, shadowing torch.Tensor's own method: the loaded tensor does not behave "
+                    "as a plain tensor",
+                    tensor=f.name,
+                )
+            )
+    return out
 
 
 def module_findings(objects: list[Opaque]) -> list[Finding]:
@@ -741,7 +797,7 @@ def global_findings(
         out.append(
             Finding(
                 "loader-divergence",
-                "info",
+                "warning",
                 f"torch.load(weights_only=True) refuses this pickle ({', '.join(reasons)}); loading it takes "
                 "weights_only=False, CPython's full unpickler, which dtypeaudit models",
                 file=file,

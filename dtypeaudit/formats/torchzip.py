@@ -20,7 +20,17 @@ from .legacy import read_legacy
 from .locate import AnyPath
 from .picklevm import Global, Opaque, PickleVM
 from .source import Source
-from .torchpickle import Found, StorageRef, global_findings, module_findings, tensor_records, torch_vm, trailing_findings, walk
+from .torchpickle import (
+    Found,
+    StorageRef,
+    global_findings,
+    module_findings,
+    shadow_findings,
+    tensor_records,
+    torch_vm,
+    trailing_findings,
+    walk,
+)
 from .ziparchive import Entry, ZipArchive
 
 MAX_PICKLE_BYTES = 1 << 30
@@ -141,7 +151,8 @@ def read_zip(where: AnyPath | Source) -> Inventory:
         root, end = vm.load()
         objects: list[Opaque] = []
         found = list(walk(root, on_object=objects.append))
-        extra = trailing_findings(data, end, str(path)) + module_findings(objects) + _other_pickles(za, main, path, torchscript=torchscript)
+        extra = trailing_findings(data, end, str(path)) + module_findings(objects) + shadow_findings(found)
+        extra += _other_pickles(za, main, path, torchscript=torchscript)
         spans = _check_storages(za, prefix, storages, path)
         records = tuple(e.name[len(prefix) :] for e in za.entries if e != main and not e.name.startswith(prefix + "data/"))
         layout = Layout("zip", spans, archive_prefix=prefix, records=records)
@@ -159,7 +170,7 @@ def read_zip(where: AnyPath | Source) -> Inventory:
             findings.append(
                 Finding(
                     "loader-divergence",
-                    "info",
+                    "warning",
                     "a TorchScript archive: torch.load(weights_only=True) refuses it, and torch.jit.load (where torch.load "
                     "sends it otherwise) compiles and runs the code it carries; dtypeaudit reads its data.pkl",
                 )
