@@ -49,10 +49,48 @@ RULES: dict[str, Rule] = {
         ),
         Rule(
             "loader-divergence",
-            "info",
+            "warning",
             "A loader might read this file differently from dtypeaudit (for example torch.load(weights_only=True) refuses it).",
             "Loading it then takes weights_only=False, which trusts the file. Re-save with torch.save's defaults; "
             "scan --strict fails on this.",
+        ),
+        Rule(
+            "load-cast",
+            "warning",
+            "from_pretrained loads a tensor in another dtype than the one stored (the config's dtype, keep-in-fp32 modules).",
+            "The policy is checked against the dtypes the loaded model has; the stored dtype is reported beside it. Set the "
+            "config's dtype to what the weights hold, or convert the weights to what the config says.",
+        ),
+        Rule(
+            "duplicate-key",
+            "warning",
+            "A JSON file the loader reads (config.json, an index) lists a key twice; the loader keeps the last value.",
+            "dtypeaudit reads the value the loader keeps. Remove the duplicate so that every reader agrees.",
+        ),
+        Rule(
+            "keep-in-fp32-unknown",
+            "info",
+            "The model class named in config.json is not importable here, so its keep-in-fp32 modules are unknown.",
+            "Install transformers to audit the dtypes from_pretrained gives those modules.",
+        ),
+        Rule(
+            "left-out",
+            "info",
+            "Files in a folder that no modelled loader would read, or that --exclude names, were not scanned.",
+            "The note lists each file and why. Use --exclude only for files nobody loads.",
+        ),
+        Rule(
+            "followed-link",
+            "info",
+            "A symlink in the folder leads outside it; the file it leads to was read.",
+            "Loaders follow the link too. Copy the file into the folder to make the checkpoint self-contained.",
+        ),
+        Rule(
+            "shadowed-method",
+            "error",
+            "A tensor's pickled state sets an attribute named like a Tensor method (half, to, float ...).",
+            "Code that calls that method on the loaded tensor gets the attribute instead. convert refuses to carry it "
+            "forward; re-save the tensors without their state.",
         ),
         Rule(
             "unused-weights",

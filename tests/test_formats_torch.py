@@ -131,8 +131,8 @@ def test_torchscript_attribute_paths_kinds_and_modules(torchscript_pt: Path) -> 
     assert by["bn.running_mean"].module == "BatchNorm2d"
     assert by["conv.weight"].module == "Conv2d"
     assert by["scale"].module == "ScriptNet"
-    # torch.jit.load runs the archive's code: a note for strict gates, nothing more.
-    assert [(f.rule, f.severity) for f in inv.findings] == [("loader-divergence", "info")]
+    # torch.jit.load runs the archive's code and may build other dtypes than listed: a warning (an error under --strict).
+    assert [(f.rule, f.severity) for f in inv.findings] == [("loader-divergence", "warning")]
 
 
 class Boom:
