@@ -75,7 +75,7 @@ def read_checkpoint(path: str | AnyPath, *, label: str | None = None) -> Invento
 
 def _read(p: AnyPath, shown: str) -> Inventory:
     if not p.exists():
-        raise CheckpointError("no such file or directory", path=shown)
+        raise CheckpointError(source.missing_local_path(str(p)) if isinstance(p, Path) else "no such file or directory", path=shown)
     if p.is_dir():
         if (p / ".metadata").is_file():
             return dcp.read(p)
