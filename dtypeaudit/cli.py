@@ -40,6 +40,34 @@ app = typer.Typer(
 _state = {"debug": False}
 
 
+def _help_keeps_hyphenated_words() -> None:
+    """Click wraps help text with textwrap's default break_on_hyphens: '--keep-unsafe' and 'security-sensitive'
+    were split at their hyphens. Its wrapper class is looked up at each call (in the Click that Typer vendors as
+    ``typer._click``, and in Click itself), so a subclass here changes how help wraps and nothing else."""
+    from importlib import import_module
+
+    for name in ("typer._click._textwrap", "click._textwrap"):
+        try:
+            wrapping = import_module(name)
+        except ImportError:
+            continue
+        base = wrapping.TextWrapper
+        if getattr(base, "keeps_hyphenated_words", False):
+            continue
+
+        class KeepHyphenatedWords(base):  # type: ignore[misc, valid-type]
+            keeps_hyphenated_words = True
+
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                kwargs.setdefault("break_on_hyphens", False)
+                super().__init__(*args, **kwargs)
+
+        wrapping.TextWrapper = KeepHyphenatedWords  # type: ignore[attr-defined]
+
+
+_help_keeps_hyphenated_words()
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"dtypeaudit {__version__}")

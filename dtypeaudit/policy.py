@@ -550,7 +550,10 @@ def resolve_source(spec: str, *, relative_to: Path | None = None) -> Path:
     preset = PRESET_DIR / f"{spec}.yaml"
     if preset.is_file():
         return preset
-    raise PolicyError(f"unknown preset '{spec}'", hint=f"presets: {', '.join(preset_names())}; or give a path to a .yaml file")
+    raise PolicyError(
+        f"unknown preset '{spec}'",
+        hint=did_you_mean(spec, preset_names()) + f"presets: {', '.join(preset_names())}; or give a path to a .yaml file",
+    )
 
 
 def load_policy(spec: str) -> Policy:
@@ -689,7 +692,7 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool =
 
     for key in raw:
         if key not in TOP_KEYS:
-            raise fail((key,), f"unknown key '{key}'", hint=f"valid keys: {', '.join(TOP_KEYS)}")
+            raise fail((key,), f"unknown key '{key}'", hint=did_you_mean(key, TOP_KEYS) + f"valid keys: {', '.join(TOP_KEYS)}")
     version = raw.get("version", 1)
     if version != 1:
         raise fail(("version",), f"unsupported version {version!r}", hint="this dtypeaudit reads version: 1")
@@ -703,7 +706,11 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool =
         if isinstance(spec, dict):
             for key in spec:
                 if key not in ("dtype", "severity"):
-                    raise fail(("default", key), f"unknown key '{key}' in default", hint="valid keys: dtype, severity")
+                    raise fail(
+                        ("default", key),
+                        f"unknown key '{key}' in default",
+                        hint=did_you_mean(key, ("dtype", "severity")) + "valid keys: dtype, severity",
+                    )
             default = _dtypes(spec.get("dtype", "any"), ("default", "dtype"), fail)
             default_severity = _severity(spec.get("severity", "error"), ("default", "severity"), fail)
         else:
@@ -735,7 +742,11 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool =
             raise fail(where, "each rule must be a mapping with at least 'dtype'")
         for key in r:
             if key not in RULE_KEYS:
-                raise fail(where + (key,), f"unknown key '{key}' in rule", hint=f"valid keys: {', '.join(RULE_KEYS)}")
+                raise fail(
+                    where + (key,),
+                    f"unknown key '{key}' in rule",
+                    hint=did_you_mean(key, RULE_KEYS) + f"valid keys: {', '.join(RULE_KEYS)}",
+                )
         if "dtype" not in r:
             raise fail(where, "rule has no 'dtype' (a dtype, a list of dtypes, or any)")
         if not any(k in r for k in ("match", "ndim", "kind", "module", "region")):
@@ -751,11 +762,13 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool =
             kinds = r["kind"] if isinstance(r["kind"], list) else [r["kind"]]
             for k in kinds:
                 if k not in KINDS:
-                    raise fail(where + ("kind",), f"unknown kind {k!r}", hint=f"valid: {', '.join(KINDS)}")
+                    raise fail(where + ("kind",), f"unknown kind {k!r}", hint=did_you_mean(k, KINDS) + f"valid: {', '.join(KINDS)}")
             kind = frozenset(kinds)
         region = r.get("region")
         if region is not None and region not in REGIONS:
-            raise fail(where + ("region",), f"unknown region {region!r}", hint=f"valid: {', '.join(REGIONS)}")
+            raise fail(
+                where + ("region",), f"unknown region {region!r}", hint=did_you_mean(region, REGIONS) + f"valid: {', '.join(REGIONS)}"
+            )
         name = r.get("name")
         if name is not None and not isinstance(name, str):
             raise fail(where + ("name",), "name must be a string")
@@ -807,7 +820,9 @@ def _trace(value: Any, fail: Fail) -> TracePolicy:
         raise fail(("trace",), "trace must be a mapping", hint=f"valid keys: {', '.join(TRACE_KEYS)}")
     for key in value:
         if key not in TRACE_KEYS:
-            raise fail(("trace", key), f"unknown key '{key}' in trace", hint=f"valid keys: {', '.join(TRACE_KEYS)}")
+            raise fail(
+                ("trace", key), f"unknown key '{key}' in trace", hint=did_you_mean(key, TRACE_KEYS) + f"valid keys: {', '.join(TRACE_KEYS)}"
+            )
     fail_on = _severity(value["fail_on"], ("trace", "fail_on"), fail) if "fail_on" in value else None
     allow = _matchers(value.get("allow_promotion", []), ("trace", "allow_promotion"), fail)
     return TracePolicy(fail_on=fail_on, allow_promotion=allow)
@@ -823,7 +838,17 @@ def _target(value: Any, fail: Fail) -> str:
     try:
         return resolve(value).name
     except UsageError as exc:
-        raise fail(("target",), exc.message, hint=f"valid: {', '.join(names())}; or sm_XY") from None
+        raise fail(("target",), exc.message, hint=did_you_mean(value, names()) + f"valid: {', '.join(names())}; or sm_XY") from None
+
+
+def did_you_mean(word: object, choices: Iterable[str]) -> str:
+    """``"did you mean 'X'? "`` for the choice closest to a typo (difflib), else ``""``: a hint's first words."""
+    import difflib
+
+    if not isinstance(word, str):
+        return ""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'? " if close else ""
 
 
 def _dtypes(value: Any, where: tuple[object, ...], fail: Fail) -> frozenset[str] | None:
@@ -839,7 +864,8 @@ def _dtypes(value: Any, where: tuple[object, ...], fail: Fail) -> frozenset[str]
             raise fail(
                 where,
                 f"unknown dtype {item!r}",
-                hint="use torch's names (float32, float16, bfloat16, float8_e4m3fn, int64, ...), fp16/bf16/fp32, or any",
+                hint=did_you_mean(item, [*dtypes.DTYPES, *dtypes.ALIASES, "any"])
+                + "use torch's names (float32, float16, bfloat16, float8_e4m3fn, int64, ...), fp16/bf16/fp32, or any",
             )
         out.add(name)
     return frozenset(out)
@@ -847,7 +873,7 @@ def _dtypes(value: Any, where: tuple[object, ...], fail: Fail) -> frozenset[str]
 
 def _severity(value: Any, where: tuple[object, ...], fail: Fail) -> Severity:
     if value not in SEVERITIES:
-        raise fail(where, f"unknown severity {value!r}", hint="valid: error, warning, info")
+        raise fail(where, f"unknown severity {value!r}", hint=did_you_mean(value, SEVERITIES) + "valid: error, warning, info")
     return value
 
 

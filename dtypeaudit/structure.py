@@ -205,10 +205,10 @@ class Module:
         """How the kind is known, in words."""
         if self.confidence == "fact":
             if self.forward is not None:
-                return "module type from --model, its forward measured on the meta device"
-            return "module type from --model"
+                return "module type from the model, its forward measured on the meta device"
+            return "module type from the model"
         if self.type_name:
-            return f"a type from --model whose dtype rules are not known; kind guessed from its tensors, {self.confidence} confidence"
+            return f"a type from the model whose dtype rules are not known; kind guessed from its tensors, {self.confidence} confidence"
         return f"guessed from names and shapes, {self.confidence} confidence"
 
 

@@ -83,7 +83,7 @@ def test_forgotten_half_is_an_outlier(tmp_path: Path) -> None:
     # With module types as facts, the same finding is an error.
     typed = Inventory(inv.path, inv.format, tuple(t.with_(module=type(getattr(model, t.name.split(".")[0])).__name__) for t in inv.tensors))
     (finding,) = dtype_outliers(typed)
-    assert (finding.severity, finding.tensor) == ("error", "fc") and "Linear (module type from --model)" in finding.message
+    assert (finding.severity, finding.tensor) == ("error", "fc") and "Linear (module type from the model)" in finding.message
     assert _forward_fails(model)
 
 

@@ -650,7 +650,7 @@ def test_an_fp32_llama_rmsnorm_in_a_half_model_is_an_error_with_model(tmp_path: 
     assert guessed and {f.severity for f in guessed} == {"warning"}
     known = [f for f in scan([str(path)], checks=checks_for(None), model=f"{MODELS_PY}:llama").findings if f.rule == "dtype-outlier"]
     assert {f.tensor for f in known} == {f.tensor for f in guessed} and {f.severity for f in known} == {"error"}
-    assert "LlamaRMSNorm (module type from --model, its forward measured on the meta device) is float32 in a float16 model" in (
+    assert "LlamaRMSNorm (module type from the model, its forward measured on the meta device) is float32 in a float16 model" in (
         known[0].message
     )
     assert "returns float32 for float16 input" in known[0].message

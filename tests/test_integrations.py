@@ -331,7 +331,7 @@ def test_fail_on_warning(dtype_audit):
         [
             "*dtype audit of <Sequential> against *fp32.yaml",
             "*severity*rule*where*message*",
-            "*error*dtype-mismatch*0.weight, 0.bias*is float16, expected float32*",
+            "*error*dtype-mismatch ×6*0.weight*is float16, expected float32*",
             "*6 errors (failing at error)",
         ]
     )

@@ -96,3 +96,19 @@ def test_diff_matches_across_the_lightning_module_prefix(fitted: tuple[Path, Pat
         assert doc["compared"] == len(torch.load(bare, weights_only=True))  # every weight and buffer, values equal
     text = run_cli("diff", str(ckpt), str(bare)).stdout
     assert text.splitlines()[-1].startswith("0 added, ") and ", 0 changed" in text.splitlines()[-1]
+
+
+def test_the_callback_key_is_not_cut_inside_at_100_columns(fitted: tuple[Path, Path]) -> None:
+    ckpt, _ = fitted
+    (name,) = [f"callbacks.{k}.kth_value" for k in torch.load(ckpt, weights_only=True)["callbacks"] if k.startswith("ModelCheckpoint")]
+    lines = run_cli("scan", str(ckpt), "-f", "plain", env={"COLUMNS": "100"}).stdout.splitlines()
+    header = next(line for line in lines if line.startswith("name "))
+    dtype_at = header.index("dtype")
+    start = next(i for i, line in enumerate(lines) if line.startswith("callbacks."))
+    pieces = [lines[start][:dtype_at].rstrip()]
+    for line in lines[start + 1 :]:
+        if line[dtype_at:].strip():
+            break
+        pieces.append(line.rstrip())
+    assert len(pieces) > 1 and all(p.endswith((".", ",", ":")) for p in pieces[:-1]), pieces
+    assert "".join(p if p.endswith(".") else p + " " for p in pieces[:-1]) + pieces[-1] == name

@@ -123,6 +123,7 @@ def test_help_rewraps_paragraphs_and_shows_brackets() -> None:
     for text in (scan_help, convert_help):
         assert [line for line in text.splitlines() if line != line.rstrip()] == []
     assert "│" not in convert_help and "\\b" not in convert_help
+    assert [line for line in convert_help.splitlines() if re.search(r"\w-$", line)] == []  # never --keep-/unsafe
 
 
 def test_an_unreadable_input_is_reported_once(tmp_path: Path) -> None:

@@ -114,7 +114,7 @@ def test_module_types_from_the_model_are_facts() -> None:
     assert (found["h.0.odd"].kind, found["h.0.odd"].confidence) == ("embedding", "low")
     assert found["h.0.odd"].label == "MyProjection, Embedding-like" and "not known" in found["h.0.odd"].provenance
     assert (found["h.0.inorm"].kind, found["h.0.inorm"].confidence) == ("norm", "fact")  # statistics of any dtype
-    assert found["h.0.ln"].label == "LayerNorm" and "--model" in found["h.0.ln"].provenance
+    assert found["h.0.ln"].label == "LayerNorm" and found["h.0.ln"].provenance == "module type from the model"
     # A type that is not PyTorch's own also gets the type its shape suggests, for policies' module: selectors.
     assert found["h.0.norm"].guessed_type == "RMSNorm" and found["h.0.ln"].guessed_type is None
     assert found["h.0.c_fc"].guessed_type is None and found["h.0.odd"].guessed_type is None  # a low guess names nothing

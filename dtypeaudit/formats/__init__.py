@@ -77,7 +77,7 @@ def read_checkpoint(path: str | AnyPath, *, label: str | None = None, exclude: t
 
 def _read(p: AnyPath, shown: str, exclude: tuple[str, ...] = ()) -> Inventory:
     if not p.exists():
-        raise CheckpointError("no such file or directory", path=shown)
+        raise CheckpointError(source.missing_local_path(str(p)) if isinstance(p, Path) else "no such file or directory", path=shown)
     if p.is_dir():
         is_dcp = (p / ".metadata").is_file() and not directory.excluded_by(".metadata", exclude)
         if is_dcp and directory.is_model_directory(p):

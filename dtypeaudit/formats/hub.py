@@ -83,7 +83,8 @@ def is_hub_id(target: str) -> bool:
         return False
     if m.group("repo").lower().endswith(_FILE_SUFFIXES) or os.path.lexists(target):
         return False
-    return True
+    # A local folder named like the organisation: a typo in a local path (hf/gtp2 beside hf/gpt2), said as one.
+    return not os.path.isdir(m.group("repo").split("/")[0])
 
 
 def parse(target: str) -> HubRef:

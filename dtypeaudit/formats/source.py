@@ -204,3 +204,26 @@ class SourceFile:
 
     def close(self) -> None:
         pass
+
+
+def missing_local_path(path: str) -> str:
+    """Why a local ``path`` cannot be read, for the one-line error: it does not exist, and where the deepest
+    folder of it that does exist holds a close name (a typo: ``hf/gtp2`` beside ``hf/gpt2``), that name."""
+    import difflib
+
+    p = Path(path)
+    parts = p.parts
+    for depth in range(len(parts) - 1, -1, -1):
+        parent = Path(*parts[:depth]) if depth else Path(".")
+        if not parent.is_dir():
+            continue
+        wanted = parts[depth]
+        try:
+            names = sorted(os.listdir(parent))
+        except OSError:
+            break
+        close = difflib.get_close_matches(wanted, names, n=1, cutoff=0.6)
+        if close:
+            return f"no such file or directory (did you mean {str(Path(*parts[:depth], close[0]))!r}?)"
+        break
+    return "no such file or directory"
