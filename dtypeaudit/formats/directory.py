@@ -378,4 +378,6 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory]) -> Inventory:
     dtype = cfg.get("torch_dtype", cfg.get("dtype"))
     if isinstance(dtype, str):
         metadata["config_dtype"] = dtype
+    if isinstance(cfg.get("quantization_config"), dict):
+        metadata["quantization_config"] = cfg["quantization_config"]  # read by dtypeaudit.quant.group
     return Inventory(str(path), "hf-directory", link_shared_storage(tensors), tuple(findings), metadata)
