@@ -1,0 +1,357 @@
+"""``convert --to bf16|fp16|fp32`` on a quantized checkpoint: every logical weight dequantized on the CPU.
+
+Shard by shard, a tensor at a time: each output shard is the source shard with its quantized storage
+(packed values, scales, zero points, group indices, quant states) replaced by the dequantized weights at
+their logical names, every other floating tensor cast to the target and the rest copied. config.json loses
+its ``quantization_config`` and names the target dtype, so that a plain ``from_pretrained`` loads the result
+as the model it was. Memory stays bounded by the largest single weight (its storage, its float32
+dequantization and its cast), never the shard. Anything that cannot be dequantized exactly is refused
+before the output appears (the output is written to a temporary and renamed only when verified).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import zlib
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import dtypes
+from ..errors import ConversionError, UsageError
+from ..formats import directory as hfdir
+from ..formats import read_checkpoint
+from ..inventory import Inventory, TensorRecord
+from . import model as qm
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..conversion import Result
+    from ..conversion.plan import Plan
+    from ..conversion.source import Progress, Source
+    from ..policy import Policy
+
+DEQUANTIZE = "dequantize"
+"""The plan action of a logical weight written dequantized (its storage tensors are dropped)."""
+DROP_REASON = "quantized storage, replaced by its dequantized weight"
+
+
+@dataclass
+class _Entry:
+    """One tensor of an output shard: a source tensor (cast or copied) or a dequantized logical weight."""
+
+    name: str
+    target: str
+    shape: tuple[int, ...]
+    tensor: TensorRecord | None = None
+    weight: qm.LogicalWeight | None = None
+
+
+@dataclass
+class _Shard:
+    label: str
+    entries: list[_Entry] = field(default_factory=list)
+
+
+def supported(view: qm.QuantView) -> None:
+    """Refuse, before anything is read, what no dequantizer here reads exactly."""
+    for w in view.weights:
+        if w.missing:
+            raise ConversionError(
+                f"'{w.name}' ({w.scheme.name}) lacks its {', '.join(w.missing)}: the loader would leave it at random; refused"
+            )
+        fam = w.scheme.family
+        if fam == qm.MXFP4 and "blocks" not in w.storage:
+            raise ConversionError(f"'{w.name}': compressed-tensors mxfp4-pack-quantized is not dequantized yet; refused")
+        if fam == qm.AWQ:
+            version = str(view.config.get("version", "gemm")).lower()
+            if version != "gemm":
+                raise ConversionError(f"'{w.name}': AWQ version '{version}' packs differently from GEMM; refused")
+        if fam not in qm.FAMILIES:
+            raise ConversionError(f"'{w.name}': no dequantizer for the {fam} family ({w.scheme.name}); refused")
+
+
+def _raw(src: Source, t: TensorRecord) -> torch.Tensor:
+    """A storage tensor as the dtype its file declares (GGUF's quantized blocks as bytes)."""
+    from ..conversion.source import materialize
+    from ..torchcast import frombuffer
+
+    if src.inv.format == "gguf" or t.dtype not in dtypes.DTYPES:
+        start = src.spans[t.name].offset if t.name in src.spans else t.offset
+        return frombuffer(src.mm, "uint8", t.nbytes, start)
+    if t.storage is None and t.name in src.spans:  # safetensors: the tensor's own contiguous bytes
+        return frombuffer(src.mm, t.dtype, t.numel, src.spans[t.name].offset).reshape(t.shape)
+    return materialize(src, t)
+
+
+def _storage(weight: qm.LogicalWeight, inv: Inventory, sources: dict[str, Source]) -> dict[str, torch.Tensor]:
+    by = inv.by_name()
+    out = {}
+    for role, name in weight.storage.items():
+        t = by[name]
+        out[role] = _raw(sources[t.file], t)
+    return out
+
+
+def logical_shape(weight: qm.LogicalWeight, inv: Inventory, sources: dict[str, Source]) -> tuple[int, ...]:
+    """The shape the dequantized weight has: from the small tensors that record it where there are some
+    (compressed-tensors' ``weight_shape``, bitsandbytes' quant state), else from the grouping."""
+    from . import dequant
+
+    by = inv.by_name()
+    if "shape" in weight.storage:
+        t = by[weight.storage["shape"]]
+        return tuple(int(x) for x in _raw(sources[t.file], t).tolist())
+    if weight.scheme.family == qm.BNB4 and "quant_state" in weight.storage:
+        t = by[weight.storage["quant_state"]]
+        shape = dequant.bnb_quant_state(_raw(sources[t.file], t)).get("shape")
+        if isinstance(shape, list) and all(isinstance(d, int) for d in shape):
+            return tuple(shape)
+    if weight.shape is None:
+        raise ConversionError(f"'{weight.name}' ({weight.scheme.name}): its logical shape is not known; refused")
+    return tuple(weight.shape)
+
+
+def make_dequant_plan(inv: Inventory, view: qm.QuantView, target: str, sources: dict[str, Source]) -> tuple[Plan, list[_Shard]]:
+    """What each tensor becomes, and the output shards in the source's order."""
+    from ..conversion.plan import CASTABLE, Plan, TensorPlan
+
+    owner = view.by_storage()
+    emitted: set[str] = set()
+    plans: list[TensorPlan] = []
+    shards: dict[str, _Shard] = {}
+    for t in inv.tensors:
+        shard = shards.setdefault(t.file, _Shard(t.file))
+        w = owner.get(t.name)
+        if w is not None:
+            plans.append(TensorPlan(t, t.dtype, "drop", DROP_REASON))
+            if w.name in emitted:
+                continue
+            emitted.add(w.name)
+            shape = logical_shape(w, inv, sources)
+            record = TensorRecord(w.name, w.scheme.value, shape, 0, kind="parameter", file=w.file or t.file, scheme=w.scheme.name)
+            plans.append(TensorPlan(record, target, DEQUANTIZE, f"{w.scheme.name} dequantized"))
+            shards.setdefault(w.file or t.file, _Shard(w.file or t.file)).entries.append(_Entry(w.name, target, shape, weight=w))
+            continue
+        if t.dtype in CASTABLE and t.layout == "strided":
+            action = "leave" if t.dtype == target else "cast"
+            plans.append(TensorPlan(t, target, action, f"already {target}" if action == "leave" else ""))
+            shard.entries.append(_Entry(t.name, target, t.shape, tensor=t))
+        else:
+            plans.append(TensorPlan(t, t.dtype, "leave", f"{t.dtype} tensors are left exactly as they are"))
+            shard.entries.append(_Entry(t.name, t.dtype, t.shape, tensor=t))
+    plan = Plan(inv, target, plans)
+    plan.notes.append(
+        f"{len(view.weights)} quantized weights ({', '.join(sorted({w.scheme.name for w in view.weights}))}) are dequantized "
+        f"to {target}; quantization_config is removed from config.json"
+    )
+    return plan, list(shards.values())
+
+
+def _cast(x: torch.Tensor, target: str, name: str) -> torch.Tensor:
+    import torch
+
+    y = x.to(getattr(torch, target))
+    if target == "float16" and x.is_floating_point():
+        # A dequantized value beyond float16's range would silently become inf: refuse instead.
+        overflow = int((torch.isinf(y) & torch.isfinite(x)).sum())
+        if overflow:
+            raise ConversionError(f"'{name}' has {overflow} dequantized values beyond float16's range; convert --to bf16 or fp32; refused")
+    return y
+
+
+def _write_shard(shard: _Shard, inv: Inventory, sources: dict[str, Source], out: Path, progress: Progress | None) -> dict[str, int]:
+    """One safetensors file, tensor by tensor; returns each tensor's CRC-32 for verification."""
+    from ..conversion.atomic import Writeback
+    from ..conversion.source import contiguous_span
+    from ..conversion.write import _stream, _tensor_bytes
+    from . import dequant
+
+    header: dict[str, Any] = {}
+    offset = 0
+    for e in shard.entries:
+        size = _numel(e.shape) * dtypes.get(e.target).itemsize
+        header[e.name] = {"dtype": dtypes.SAFETENSORS_CODE_OF[e.target], "shape": list(e.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    meta = {"format": "pt"}
+    text = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
+    text += b" " * ((-len(text)) % 8)
+    crcs: dict[str, int] = {}
+    with out.open("wb") as fh, Writeback(fh) as writeback:
+        fh.write(struct.pack("<Q", len(text)) + text)
+        for e in shard.entries:
+            crcs[e.name] = 0
+
+            def sink(data: Any, name: str = e.name) -> None:
+                fh.write(data)
+                crcs[name] = zlib.crc32(data, crcs[name])
+
+            if e.weight is not None:
+                w = e.weight
+                value = dequant.dequantize(w, _storage(w, inv, sources))
+                if tuple(value.shape) != e.shape:
+                    if value.numel() != _numel(e.shape):
+                        raise ConversionError(f"'{w.name}' dequantizes to {list(value.shape)}, not {list(e.shape)}; refused")
+                    value = value.reshape(e.shape)
+                y = _cast(value, e.target, w.name).contiguous()
+                del value
+                if y.numel():
+                    sink(_tensor_bytes(y))
+                if progress:
+                    progress(y.numel() * y.element_size())
+                del y
+            else:
+                t = e.tensor
+                assert t is not None
+                src = sources[t.file]
+                span = contiguous_span(src, t) if t.dtype in dtypes.DTYPES else None
+                _stream(src, span, t.dtype, e.target, sink, progress, clamp=False, tensor=t)
+            writeback()
+    return crcs
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _verify(shard: _Shard, out: Path, crcs: dict[str, int]) -> None:
+    """Re-read the written file: every planned name with its dtype and shape, and its bytes' CRC-32 as handed over."""
+    import mmap
+
+    from ..formats import safetensors as st_reader
+
+    got = read_checkpoint(out).by_name()
+    header, start = st_reader.read_header(out)
+    with out.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        for e in shard.entries:
+            t = got.get(e.name)
+            if t is None or t.dtype != e.target or t.shape != e.shape:
+                have = f"{t.dtype}{list(t.shape)}" if t else "missing"
+                raise ConversionError(f"verification failed: '{e.name}' is {have}, planned {e.target}{list(e.shape)}", path=str(out))
+            lo, hi = header[e.name]["data_offsets"]
+            if zlib.crc32(mm[start + lo : start + hi]) != crcs[e.name]:
+                raise ConversionError(f"verification failed: '{e.name}' bytes differ from what was written", path=str(out))
+
+
+def _config_out(config: dict[str, Any], target: str) -> dict[str, Any]:
+    out = {k: v for k, v in config.items() if k != "quantization_config"}
+    # transformers 5 reads dtype (and torch_dtype where dtype is absent); 4 reads torch_dtype.
+    keys = [k for k in ("torch_dtype", "dtype") if k in out] or ["torch_dtype"]
+    out.update(dict.fromkeys(keys, target))
+    return out
+
+
+def _write_directory(
+    shards: list[_Shard], inv: Inventory, src_dir: Path, sources: dict[str, Source], tmp: Path, target: str, progress: Progress | None
+) -> None:
+    from ..conversion.write import _confined, _mode
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    for shard in shards:
+        out = tmp / shard.label
+        crcs = _write_shard(shard, inv, sources, out, progress)
+        _verify(shard, out, crcs)
+        os.chmod(out, _mode(sources[shard.label].path))
+        for e in shard.entries:
+            weight_map[e.name] = shard.label
+            total += _numel(e.shape) * dtypes.get(e.target).itemsize
+    for item in sorted(src_dir.iterdir()):
+        if item.name in sources or item.name.startswith(".") or item.name in hfdir.INDEX_NAMES:
+            continue
+        dest = tmp / item.name
+        _confined(src_dir, item)
+        if item.name == "config.json" and item.is_file():
+            config = json.loads(item.read_text(encoding="utf-8"))
+            dest.write_text(json.dumps(_config_out(config, target), indent=2) + "\n", encoding="utf-8")
+            os.chmod(dest, _mode(item))
+        elif item.is_dir():
+            for inner in item.rglob("*"):
+                _confined(src_dir, inner)
+            shutil.copytree(item, dest, symlinks=False)
+        else:
+            shutil.copy2(item, dest)
+    index = next((src_dir / n for n in hfdir.INDEX_NAMES if (src_dir / n).is_file()), None)
+    if index is not None:
+        doc = json.loads(index.read_text(encoding="utf-8"))
+        doc.setdefault("metadata", {})["total_size"] = total
+        doc["weight_map"] = weight_map
+        (tmp / index.name).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        os.chmod(tmp / index.name, _mode(index))
+
+
+def convert_quantized(
+    src_path: Path,
+    inv: Inventory,
+    view: qm.QuantView,
+    to: str,
+    *,
+    output: str | Path | None,
+    policy: Policy | None,
+    dry_run: bool,
+    force: bool,
+    in_place: bool,
+    progress_factory: Callable[[str, int], Progress] | None,
+) -> Result:
+    """Dequantize ``inv`` (a quantized directory, safetensors file or GGUF file) to ``to``."""
+    from ..check import check
+    from ..conversion import Result
+    from ..conversion.atomic import atomic_output, check_destination, default_output
+    from ..conversion.plan import TARGETS
+    from ..conversion.source import Source, source_files
+
+    target = TARGETS.get(to, dtypes.canonical(to) or to)
+    if target not in TARGETS.values():
+        raise UsageError(f"--to must be fp16, bf16 or fp32, not '{to}'")
+    if in_place:
+        raise UsageError("--in-place cannot dequantize: the output replaces the quantized files with larger ones; give -o")
+    supported(view)
+    with ExitStack() as stack:
+        files = source_files(src_path, inv)
+        sources = {label: Source(path, sub, stack) for label, (path, sub) in files.items()}
+        if inv.format == "gguf":
+            for src in sources.values():
+                src.spans = {t.name: _span(t) for t in inv.tensors}
+        plan, shards = make_dequant_plan(inv, view, target, sources)
+        is_dir = src_path.is_dir()
+        plan.config_dtype = target if is_dir else None
+        out_inv = plan.output_inventory()
+        out_inv = replace(out_inv, metadata={k: v for k, v in out_inv.metadata.items() if k != "quantization_config"})
+        plan.findings = check(out_inv, policy, strict=bool(policy and policy.strict))
+        if plan.failing(policy):
+            return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
+        if dry_run:
+            return Result(plan, None, [], dry_run=True)
+        if is_dir:
+            dest = Path(output) if output else default_output(src_path, target)
+        else:
+            dest = Path(output) if output else default_output(src_path, target, "safetensors")
+            if dest.suffix != ".safetensors":
+                raise UsageError("a dequantized file is written as safetensors; give -o NAME.safetensors")
+        check_destination(src_path, dest, force=force, in_place=False)
+        total = plan.bytes_after
+        progress = progress_factory("writing", total) if progress_factory else None
+        if is_dir:
+            with atomic_output(dest, mode_from=src_path, is_dir=True) as tmp:
+                _write_directory(shards, inv, src_path, sources, tmp, target, progress)
+        else:
+            (shard,) = shards if shards else (_Shard(""),)
+            with atomic_output(dest, mode_from=src_path) as tmp:
+                crcs = _write_shard(shard, inv, sources, tmp, progress)
+                _verify(shard, tmp, crcs)
+    return Result(plan, dest, [])
+
+
+def _span(t: TensorRecord) -> Any:
+    from ..formats.storage import Span
+
+    return Span(t.offset, t.nbytes)
