@@ -26,10 +26,11 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .. import dtypes
-from ..inventory import Inventory, TensorRecord
+from ..inventory import Inventory, TensorRecord, unique_tensors
 from . import model
 from .model import LogicalWeight, QuantScheme, QuantView
 
@@ -37,6 +38,7 @@ FLOAT8 = frozenset({"float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e
 _FP8_SHORT = {"float8_e4m3fn": "fp8-e4m3", "float8_e4m3fnuz": "fp8-e4m3fnuz", "float8_e5m2": "fp8-e5m2", "float8_e5m2fnuz": "fp8-e5m2fnuz"}
 _BNB_STATE = re.compile(r"^(?P<w>.+)\.quant_state\.bitsandbytes__(?P<type>nf4|fp4)$")
 _GGUF_METHOD = "gguf"
+_BNB4_PARTS = (".absmax", ".quant_map", ".quant_state.bitsandbytes__nf4", ".quant_state.bitsandbytes__fp4")
 
 
 def _config(inv: Inventory) -> dict[str, Any]:
@@ -163,7 +165,7 @@ class _Grouper:
         module = t.name[: -len(".weight")]
         scale_inv = self.get(module + ".weight_scale_inv")
         scale = self.get(module + ".weight_scale")
-        if t.dtype == "uint8" and self.get(t.name + ".absmax") is not None:
+        if t.dtype == "uint8" and any(self.get(t.name + part) is not None for part in _BNB4_PARTS):
             return self.bnb4(t, module)
         if t.dtype == "int8" and (self.get(module + ".SCB") is not None or (self.method == "bitsandbytes" and scale is None)):
             return self.bnb8(t, module)
@@ -499,3 +501,36 @@ def policy_records(inv: Inventory, quant: QuantView | None = None) -> tuple[Tens
             nbytes = sum(by[n].nbytes for n in w.storage.values() if n in by)
             out.append(t.with_(name=w.name, dtype=w.dequantizes_to, shape=shape, nbytes=nbytes, layout="quantized", scheme=w.scheme.name))
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class SchemeTotals:
+    """Per-scheme totals for a summary line."""
+
+    scheme: str
+    weights: int
+    """Logical weights in this scheme."""
+    numel: int
+    """Their logical elements (0 where a shape is unknown and no count is)."""
+    nbytes: int
+    """Bytes of all their storage, scales included."""
+    bits_per_weight: float
+    share: float
+    """Fraction of the checkpoint's bytes."""
+
+
+def scheme_summary(inv: Inventory, quant: QuantView) -> list[SchemeTotals]:
+    """Totals by scheme, largest first; unquantized tensors are the dtype summary's business."""
+    by = inv.by_name()
+    total = sum(t.nbytes for t in unique_tensors(inv.tensors)) or 1
+    acc: dict[str, list[int]] = {}
+    for w in quant.weights:
+        nbytes = sum(by[n].nbytes for n in w.storage.values() if n in by)
+        # bitsandbytes 4-bit keeps its shape in quant_state's bytes: the count it was grouped with gives it back
+        numel = math.prod(w.shape) if w.shape is not None else (round(nbytes * 8 / w.bits_per_weight) if w.bits_per_weight else 0)
+        row = acc.setdefault(w.scheme.name, [0, 0, 0])
+        row[0] += 1
+        row[1] += numel
+        row[2] += nbytes
+    rows = [SchemeTotals(s, c[0], c[1], c[2], round(c[2] * 8 / c[1], 3) if c[1] else 0.0, c[2] / total) for s, c in acc.items()]
+    return sorted(rows, key=lambda r: (-r.nbytes, r.scheme))

@@ -67,6 +67,11 @@ class QuantScheme:
         return rest[1] if len(rest) == 2 and rest[0] == self.value_short else ""
 
     @property
+    def display(self) -> str:
+        """How a table shows it: ``int4 (gptq g128 sym)``, ``fp8-e4m3 (block 128x128)``, ``Q4_K``."""
+        return f"{self.value_short} ({self.label})" if self.label else self.name
+
+    @property
     def value_short(self) -> str:
         """The value type as the name starts with it (``fp8-e4m3`` for ``float8_e4m3fn``)."""
         return self.name.split(" ", 1)[0]
