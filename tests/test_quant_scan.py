@@ -519,3 +519,15 @@ def test_scheme_selector_and_logical_dtype(fp8: Any, tmp_path: Path) -> None:
     records = policy_records(inv)
     assert sum(1 for r in records if r.scheme) == 14 and len(records) == len(inv.tensors) - 14
     assert math.isclose(sum(r.nbytes for r in records), sum(t.nbytes for t in inv.tensors))
+
+
+def test_quant_rules_are_in_the_catalogue() -> None:
+    from dtypeaudit.rules import RULES
+
+    assert {r: RULES[r].severity for r in QUANT_RULES} == {
+        "quant-missing-scale": "error",
+        "quant-scale-shape": "error",
+        "quant-scale-dtype": "warning",
+        "quant-ignored-module": "error",
+        "quant-config-mismatch": "error",
+    }
