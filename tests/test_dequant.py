@@ -67,6 +67,20 @@ def test_fp8_partial_edge_blocks_match_transformers() -> None:
     assert mine[150, 290] == q[150, 290].float() * s[1, 2]
 
 
+@pytest.mark.parametrize("target", ["bfloat16", "float16", "float32"])
+def test_fp8_block_by_table_equals_the_products(target: str) -> None:
+    """convert's fast path (one lookup per code in a per-block table of results) against the element-wise
+    products: every one of the 256 codes (NaN, +-0, subnormals), partial edge blocks, tiny and huge scales."""
+    g = torch.Generator().manual_seed(13)
+    q = torch.randint(0, 256, (300, 260), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    s = torch.rand(3, 3, generator=g) * 1e-3
+    s[0, 0], s[2, 2] = 1e-30, 300.0  # results that underflow float16 and that overflow it
+    want = dq.fp8_block(q, s, (128, 128)).to(getattr(torch, target))
+    got = dq.fp8_block_cast(q, s, (128, 128), target)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_fp8_per_tensor_and_bad_scale_shape() -> None:
     q = (torch.randn(8, 16) * 10).to(torch.float8_e4m3fn)
     s = torch.tensor([0.5])

@@ -15,10 +15,10 @@ import json
 import os
 import shutil
 import struct
-import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -171,7 +171,7 @@ def _write_shard(shard: _Shard, inv: Inventory, sources: dict[str, Source], out:
     from ..conversion.atomic import Writeback
     from ..conversion.source import contiguous_span
     from ..conversion.write import _stream, _tensor_bytes
-    from . import dequant
+    from ..formats.zipwrite import crc32
 
     header: dict[str, Any] = {}
     offset = 0
@@ -190,22 +190,15 @@ def _write_shard(shard: _Shard, inv: Inventory, sources: dict[str, Source], out:
 
             def sink(data: Any, name: str = e.name) -> None:
                 fh.write(data)
-                crcs[name] = zlib.crc32(data, crcs[name])
+                crcs[name] = crc32(data, crcs[name])
 
             if e.weight is not None:
-                w = e.weight
-                value = dequant.dequantize(w, _storage(w, inv, sources))
-                if tuple(value.shape) != e.shape:
-                    if value.numel() != _numel(e.shape):
-                        raise ConversionError(f"'{w.name}' dequantizes to {list(value.shape)}, not {list(e.shape)}; refused")
-                    value = value.reshape(e.shape)
-                y = _cast(value, e.target, w.name).contiguous()
-                del value
-                if y.numel():
-                    sink(_tensor_bytes(y))
-                if progress:
-                    progress(y.numel() * y.element_size())
-                del y
+                for y in _in_order(_piece_tasks(e.weight, e.shape, e.target, inv, sources)):
+                    if y.numel():
+                        sink(_tensor_bytes(y))
+                    if progress:
+                        progress(y.numel() * y.element_size())
+                    del y
             else:
                 t = e.tensor
                 assert t is not None
@@ -214,6 +207,68 @@ def _write_shard(shard: _Shard, inv: Inventory, sources: dict[str, Source], out:
                 _stream(src, span, t.dtype, e.target, sink, progress, clamp=False, tensor=t)
             writeback()
     return crcs
+
+
+def _piece_tasks(
+    w: qm.LogicalWeight, shape: tuple[int, ...], target: str, inv: Inventory, sources: dict[str, Source]
+) -> Iterator[Callable[[], torch.Tensor]]:
+    """The dequantized weight, cast to ``target``, in row order, as tasks that compute one piece each: FP8 a few
+    blocks of rows at a time (its float32 products stay in cache, memory stays bounded by a chunk, and the
+    pieces compute in parallel), every other scheme whole (a weight at a time)."""
+    from ..values import CHUNK_BYTES
+    from . import dequant
+
+    storage = _storage(w, inv, sources)
+    group = tuple(w.scheme.group or ())
+    if w.scheme.family == qm.FP8 and len(shape) == 2 and len(group) == 2 and {"weight", "scale"} <= set(storage):
+        weight, scale = storage["weight"], storage["scale"]
+        bm = group[0]
+        if scale.ndim == 2 and scale.shape[0] == -(-shape[0] // bm) and tuple(weight.shape) == shape:
+            step = max(1, (4 * CHUNK_BYTES) // max(1, shape[1] * 4) // bm) * bm
+            for r0 in range(0, shape[0], step):
+                part, part_scale = weight[r0 : r0 + step], scale[r0 // bm : (r0 + step) // bm]
+                yield partial(_fp8_piece, part, part_scale, group, target, w.name)
+            return
+
+    def whole() -> torch.Tensor:
+        value = dequant.dequantize(w, storage)
+        if tuple(value.shape) != shape:
+            if value.numel() != _numel(shape):
+                raise ConversionError(f"'{w.name}' dequantizes to {list(value.shape)}, not {list(shape)}; refused")
+            value = value.reshape(shape)
+        return _cast(value, target, w.name)
+
+    yield whole
+
+
+def _fp8_piece(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], target: str, name: str) -> torch.Tensor:
+    import torch
+
+    from . import dequant
+
+    y = dequant.fp8_block_cast(weight, scale, block, target)
+    if target == "float16" and bool(torch.isinf(y).any()):
+        # a product beyond float16's range, or an inf code: the general path tells which
+        return _cast(dequant.fp8_block(weight, scale, block), target, name)
+    return y
+
+
+def _in_order(tasks: Iterator[Callable[[], torch.Tensor]]) -> Iterator[torch.Tensor]:
+    """Run ``tasks`` on a few threads (torch and numpy release the GIL), results in order, at most two per
+    thread in flight (memory stays bounded by a few pieces). Each task's torch ops run on one thread: under
+    load, torch's own intra-op threads on a small piece spin far more than they compute."""
+    import torch
+
+    from .parallel import ordered
+
+    threads = torch.get_num_threads()
+    workers = max(1, min(4, threads))
+    torch.set_num_threads(1)
+    try:
+        for y in ordered(tasks, workers):
+            yield y.contiguous()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -226,20 +281,32 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _verify(shard: _Shard, out: Path, crcs: dict[str, int]) -> None:
     """Re-read the written file: every planned name with its dtype and shape, and its bytes' CRC-32 as handed over."""
     import mmap
+    from concurrent.futures import ThreadPoolExecutor
 
+    from ..conversion.verify import _crc
     from ..formats import safetensors as st_reader
+    from ..formats.storage import Span
 
     got = read_checkpoint(out).by_name()
     header, start = st_reader.read_header(out)
+    for e in shard.entries:
+        t = got.get(e.name)
+        if t is None or t.dtype != e.target or t.shape != e.shape:
+            have = f"{t.dtype}{list(t.shape)}" if t else "missing"
+            raise ConversionError(f"verification failed: '{e.name}' is {have}, planned {e.target}{list(e.shape)}", path=str(out))
+    spans = {e.name: Span(start + header[e.name]["data_offsets"][0], t_len(header[e.name])) for e in shard.entries}
     with out.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        for e in shard.entries:
-            t = got.get(e.name)
-            if t is None or t.dtype != e.target or t.shape != e.shape:
-                have = f"{t.dtype}{list(t.shape)}" if t else "missing"
-                raise ConversionError(f"verification failed: '{e.name}' is {have}, planned {e.target}{list(e.shape)}", path=str(out))
-            lo, hi = header[e.name]["data_offsets"]
-            if zlib.crc32(mm[start + lo : start + hi]) != crcs[e.name]:
-                raise ConversionError(f"verification failed: '{e.name}' bytes differ from what was written", path=str(out))
+        # the CRC releases the GIL: two threads read the file back at twice the speed (as conversion.verify does)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            got_crcs = dict(zip(spans, pool.map(lambda span: _crc(mm, span), spans.values()), strict=True))
+    for name, crc in got_crcs.items():
+        if crc != crcs[name]:
+            raise ConversionError(f"verification failed: '{name}' bytes differ from what was written", path=str(out))
+
+
+def t_len(entry: dict[str, Any]) -> int:
+    lo, hi = entry["data_offsets"]
+    return int(hi) - int(lo)
 
 
 def _config_out(config: dict[str, Any], target: str) -> dict[str, Any]:

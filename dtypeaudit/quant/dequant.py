@@ -36,6 +36,22 @@ def _refuse(name: str, why: str) -> ConversionError:
 
 
 # ---------------------------------------------------------------------------------------------- FP8
+def to_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x.to(torch.float32)``, for float8 through a 256-entry table that torch's own conversion fills: the same
+    values (NaN included), three times faster than torch's element-wise float8 conversion on CPU."""
+    import torch
+
+    if x.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+        return x.to(torch.float32)
+    import numpy as np
+
+    table = torch.arange(256, dtype=torch.uint8).view(x.dtype).to(torch.float32).numpy()
+    codes = x.contiguous().view(torch.uint8).numpy()
+    out = np.empty(codes.shape, dtype=np.float32)
+    np.take(table, codes, out=out)
+    return torch.from_numpy(out)
+
+
 def fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int] | None) -> torch.Tensor:
     """transformers' ``fp8`` method (DeepSeek-V3 layout): ``weight`` float8 ``[..., rows, cols]`` times
     ``weight_scale_inv`` float32 ``[..., ceil(rows/bm), ceil(cols/bn)]``, one scale per block, the edge
@@ -44,7 +60,7 @@ def fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int
     multiplies every element."""
     import torch
 
-    w = weight.to(torch.float32)
+    w = to_float32(weight)
     s = scale_inv.to(torch.float32)
     if block is None or s.numel() == 1:
         return w.mul_(s.reshape(()) if s.numel() == 1 else s)
@@ -62,6 +78,37 @@ def fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int
     if rem:
         w[..., full * bn :].mul_(s[..., full:])
     return w
+
+
+def fp8_block_cast(weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int], target: str) -> torch.Tensor:
+    """``fp8_block(weight, scale_inv, block).to(target)`` for a 2-D weight, computed by table: within one block
+    every element is ``float32(code) * scale`` rounded to the target, so a block's 256 possible results are
+    computed once, exactly as :func:`fp8_block` computes each element, and each code looked up. Bit-equal to
+    it (NaN codes included), and one pass over the codes instead of four over float32 products."""
+    import numpy as np
+    import torch
+
+    bm, bn = int(block[0]), int(block[1])
+    rows, cols = weight.shape
+    nr, nc = math.ceil(rows / bm), math.ceil(cols / bn)
+    if scale_inv.shape != (nr, nc):
+        raise _refuse(
+            "weight", f"weight_scale_inv has shape {list(scale_inv.shape)}, blocks of {bm}x{bn} over {list(weight.shape)} need {[nr, nc]}"
+        )
+    dtype = getattr(torch, target)
+    values = torch.arange(256, dtype=torch.uint8).view(weight.dtype).to(torch.float32)
+    # tables[i, j, code]: block (i, j)'s result for each code, in the target dtype, as its raw bits
+    tables = (values * scale_inv.to(torch.float32).unsqueeze(-1)).to(dtype)
+    bits = {1: np.uint8, 2: np.uint16, 4: np.uint32}[tables.element_size()]
+    raw = tables.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[tables.element_size()]).numpy().view(bits)
+    codes = weight.contiguous().view(torch.uint8).numpy()
+    out = np.empty((rows, cols), dtype=bits)
+    for i in range(nr):
+        r0, r1 = i * bm, min(rows, (i + 1) * bm)
+        for j in range(nc):
+            c0, c1 = j * bn, min(cols, (j + 1) * bn)
+            out[r0:r1, c0:c1] = raw[i, j][codes[r0:r1, c0:c1]]
+    return torch.from_numpy(out).view(dtype)
 
 
 # -------------------------------------------------------------------------------- compressed-tensors
