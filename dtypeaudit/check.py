@@ -317,6 +317,8 @@ def dtype_outliers(inv: Inventory) -> list[Finding]:
 def module_consistency(inv: Inventory) -> list[Finding]:
     """``module-dtype-mix`` and ``dtype-outlier``, over one inference of the model's structure (of the logical
     weights: a quantized Linear computes in the dtype it dequantizes to, not in its storage's)."""
+    if inv.format == "gguf":
+        return []  # llama.cpp computes each op in its tensors' own types; transformers' GGUF loader casts all to one dtype
     return _module_findings(logical(inv))
 
 

@@ -13,7 +13,7 @@ import struct
 from typing import IO, Any
 
 from ..errors import CheckpointError, LimitExceeded
-from . import safetensors, source
+from . import gguf, safetensors, source
 from .legacy import LEGACY_MAGIC, is_legacy_magic
 from .source import AnyPath, RemoteError, Source, SourceFile
 
@@ -45,7 +45,6 @@ _NOT_CHECKPOINTS: tuple[tuple[bytes, str], ...] = (
     (b"GIF8", "a GIF image, not a checkpoint"),
     (b"%PDF", "a PDF document, not a checkpoint"),
     (b"\x1f\x8b", "gzip-compressed data; decompress it first"),
-    (b"GGUF", "a GGUF file (llama.cpp), not a PyTorch checkpoint"),
     (b"\x89HDF", "an HDF5 file (Keras?), not a PyTorch checkpoint"),
     (b"\x93NUMPY", "a NumPy .npy array, not a PyTorch checkpoint"),
 )
@@ -191,7 +190,7 @@ def _both(name: str, formats: list[str]) -> CheckpointError:
 
 
 def sniff(path: AnyPath | Source) -> str:
-    """``zip``, ``legacy``, ``safetensors`` or ``pickle``; anything else raises a one-line CheckpointError."""
+    """``zip``, ``legacy``, ``safetensors``, ``gguf`` or ``pickle``; anything else raises a one-line CheckpointError."""
     if not isinstance(path, Source):
         with _open(path) as src:
             return sniff(src)
@@ -224,6 +223,8 @@ def sniff(path: AnyPath | Source) -> str:
         raise CheckpointError("is a tar archive (torch.save's pre-0.4 format, not supported); re-save it with a current torch", path=name)
     if formats:
         return formats[0]
+    if gguf.is_gguf(head):
+        return "gguf"  # llama.cpp's gguf_init_from_file checks these four bytes
     if plausible:
         return "safetensors"
     if not isinstance(first, _NoPickle):
@@ -279,7 +280,7 @@ def _candidate(src: Source) -> bool:
         return _zip_may_hold_pickles(src)
     if head[0] == 0x80 and len(head) > 1 and head[1] <= 5:
         return True  # a pickle with a protocol header: legacy torch.save or a bare pickle
-    if _safetensors_plausible(head, size) or _tar_block(head):
+    if _safetensors_plausible(head, size) or _tar_block(head) or gguf.is_gguf(head):
         return True
     if head[:1] not in _PICKLE_OPCODES:
         return False

@@ -451,7 +451,7 @@ def _gguf_weights(inv: Inventory) -> list[LogicalWeight]:
                 name=t.name,
                 module=t.name.rsplit(".", 1)[0] if "." in t.name else t.name,
                 scheme=scheme,
-                storage={"blocks": t.name},
+                storage={"weight": t.name},
                 shape=shape,
                 dequantizes_to="float32",  # gguf.quants.dequantize and llama.cpp's dequantize_row_* give float32
                 bits_per_weight=_bits([t], numel),
@@ -466,20 +466,30 @@ def _gguf_value_bits(type_name: str) -> int:
     return int(m.group(1)) if m else 8
 
 
+_recent: list[tuple[Inventory, QuantView]] = []
+"""The last two inventories grouped (a scan's and its annotated copy), held so that their ids stay theirs:
+the checks and renderers of one checkpoint ask for its view several times."""
+
+
 def view(inv: Inventory) -> QuantView:
     """The logical weights of ``inv``; :data:`.model.EMPTY` for a checkpoint with none (the usual case, found
     without building anything when no name or dtype hints at quantization)."""
+    for seen, quant in list(_recent):
+        if seen is inv:
+            return quant
     if not _config(inv) and inv.format != _GGUF_METHOD and not any(_hint(t) for t in inv.tensors):
-        return model.EMPTY
-    return _Grouper(inv).run()
+        quant = model.EMPTY
+    else:
+        quant = _Grouper(inv).run()
+    _recent[:] = [(inv, quant), *_recent[:1]]
+    return quant
+
+
+_HINT_SUFFIXES = (".qweight", ".weight_packed", "_blocks", ".SCB", ".absmax", ".quant_map")
 
 
 def _hint(t: TensorRecord) -> bool:
-    return (
-        t.dtype in FLOAT8
-        or t.name.endswith((".qweight", ".weight_packed", "_blocks", ".SCB", ".absmax"))
-        or (t.dtype == "int8" and t.name.endswith(".weight"))
-    )
+    return t.dtype in FLOAT8 or t.name.endswith(_HINT_SUFFIXES) or (t.dtype == "int8" and t.name.endswith(".weight"))
 
 
 def policy_records(inv: Inventory, quant: QuantView | None = None) -> tuple[TensorRecord, ...]:
