@@ -410,6 +410,7 @@ def test_gptq_bits_the_tensors_contradict(tmp_path: Path) -> None:
 # -- bitsandbytes 4-bit, written by its CPU backend ----------------------------------------------
 
 
+@pytest.mark.slow  # importing bitsandbytes takes seconds
 def test_bitsandbytes_nf4(tmp_path: Path) -> None:
     bnb = pytest.importorskip("bitsandbytes")
     layer = bnb.nn.Linear4bit(128, 64, bias=False, quant_type="nf4", compress_statistics=True)
@@ -434,6 +435,28 @@ def test_bitsandbytes_nf4(tmp_path: Path) -> None:
     assert rules(path) == []
     broken = write_dir(tmp_path / "broken", {k: v for k, v in state.items() if not k.endswith(".absmax")}, config)
     assert rules(broken) == [("quant-missing-scale", "model.fc.weight")]
+
+
+@pytest.mark.slow  # importing bitsandbytes takes seconds
+def test_bitsandbytes_int8(tmp_path: Path) -> None:
+    bnb = pytest.importorskip("bitsandbytes")
+    layer = bnb.nn.Linear8bitLt(128, 64, bias=True, has_fp16_weights=False)
+    layer.load_state_dict(torch.nn.Linear(128, 64).state_dict())
+    layer = layer.to("cpu")  # Int8Params quantizes on the move, on bitsandbytes' CPU backend
+    state = {f"model.fc.{k}": v for k, v in layer.state_dict().items()}
+    assert state["model.fc.weight"].dtype == torch.int8 and state["model.fc.SCB"].shape == (64,)
+    config = {"torch_dtype": "float32", "quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}}
+    path = write_dir(tmp_path / "int8", state, config)
+    (w,) = view(read_checkpoint(str(path))).weights
+    assert (w.name, w.scheme.name, w.shape, dict(w.storage), w.dequantizes_to) == (
+        "model.fc.weight",
+        "int8 bnb",
+        (64, 128),
+        {"weight": "model.fc.weight", "scale": "model.fc.SCB", "weight_format": "model.fc.weight_format"},
+        "float32",
+    )
+    assert rules(path) == []
+    assert rules(write_dir(tmp_path / "bad", {**state, "model.fc.SCB": torch.ones(32)}, config)) == [("quant-scale-shape", "model.fc.SCB")]
 
 
 # -- MXFP4 (gpt-oss): the documented layout, built by hand ---------------------------------------
