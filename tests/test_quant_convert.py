@@ -272,3 +272,123 @@ def test_dequantize_refuses_options_that_do_not_apply(fp8_dir: Path, tmp_path: P
     proc = run_cli("convert", str(fp8_dir), "--to", "bf16", "-o", str(tmp_path / "o"), "--keep", "lm_head*")
     assert proc.returncode == 2 and "dequantizing takes no --keep" in proc.stderr
     assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- compressed-tensors, MXFP4
+
+
+def _ct_dir(base: Path, fmt: str, args: dict[str, Any]) -> Path:
+    """A tiny Llama whose Linear layers compressed-tensors' own compressor wrote (per module, as
+    ModelCompressor does), with the quantization_config its QuantizationConfig serialises."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    _tiny_llama(base / "bf16")
+    state = load_file(base / "bf16" / "model.safetensors")
+    qargs = QuantizationArgs(**args)
+    scheme = QuantizationScheme(targets=["Linear"], weights=qargs)
+    compressor = BaseCompressor.load_from_registry(fmt)
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        if not (k.endswith(".weight") and any(p in k for p in LINEAR)):
+            out[k] = v
+            continue
+        x = v.float()
+        if qargs.strategy == "group":
+            x = x.unflatten(-1, (-1, qargs.group_size))
+        lo, hi = x.amin(-1), x.amax(-1)
+        if qargs.strategy == "channel":
+            lo, hi = lo.unsqueeze(-1), hi.unsqueeze(-1)
+        scale, zero = calculate_qparams(lo.to(v.dtype), hi.to(v.dtype), qargs)
+        module = k[: -len(".weight")]
+        packed = compressor.compress({"weight": v, "weight_scale": scale, "weight_zero_point": zero}, scheme)
+        out.update({f"{module}.{n}": t for n, t in packed.items()})
+    path = base / "ct"
+    path.mkdir()
+    save_file(out, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((base / "bf16" / "config.json").read_text())
+    qconfig = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed", ignore=["lm_head"])
+    config["quantization_config"] = json.loads(qconfig.model_dump_json(exclude_none=True))
+    config["quantization_config"]["quant_method"] = "compressed-tensors"
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def _same_model(reference: Any, mine: Any) -> None:
+    ref_state, my_state = reference.state_dict(), mine.state_dict()
+    assert set(ref_state) == set(my_state)
+    for k, v in my_state.items():
+        assert torch.equal(v, ref_state[k]), k
+    ids = torch.arange(1, 17).reshape(1, 16)
+    with torch.no_grad():
+        assert torch.equal(mine(ids).logits, reference(ids).logits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fmt", "args"),
+    [
+        ("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 64}),
+        ("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}),
+    ],
+)
+def test_compressed_tensors_dir_matches_transformers(tmp_path: Path, fmt: str, args: dict[str, Any]) -> None:
+    """The reference: transformers' compressed-tensors quantizer decompressing on load (dequantize=True)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    src = _ct_dir(tmp_path, fmt, args)
+    out = tmp_path / "bf16-out"
+    result = convert(src, "bf16", output=out)
+    assert result.plan.counts() == {"drop": 56 if fmt == "pack-quantized" else 28, "dequantize": 14, "leave": 7}
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    reference = AutoModelForCausalLM.from_pretrained(src, device_map="cpu", quantization_config=CompressedTensorsConfig(dequantize=True))
+    _same_model(reference, AutoModelForCausalLM.from_pretrained(out, device_map="cpu"))
+
+
+@pytest.mark.slow
+def test_mxfp4_gpt_oss_matches_transformers(tmp_path: Path) -> None:
+    """gpt-oss's layout (experts' ``*_blocks`` / ``*_scales``); no MXFP4 writer runs on CPU, so the blocks are
+    random bytes and the scales e8m0 exponents near 1. The reference: transformers' Mxfp4Config(dequantize=True)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM, Mxfp4Config
+
+    cfg = GptOssConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    GptOssForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    g = torch.Generator().manual_seed(1)
+    state = {}
+    for k, v in load_file(tmp_path / "bf16" / "model.safetensors").items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, rows, cols = v.shape  # the parameter is [E, in, out]; its blocks are [E, out, in/32, 16]
+            state[k + "_blocks"] = torch.randint(0, 256, (experts, cols, rows // 32, 16), dtype=torch.uint8, generator=g)
+            state[k + "_scales"] = torch.randint(118, 128, (experts, cols, rows // 32), dtype=torch.uint8, generator=g)
+        else:
+            state[k] = v
+    src = tmp_path / "mxfp4"
+    src.mkdir()
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    }
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    result = convert(src, "bf16", output=out)
+    assert result.plan.counts()["dequantize"] == 4 and result.plan.counts()["drop"] == 8
+    reference = AutoModelForCausalLM.from_pretrained(src, device_map="cpu", quantization_config=Mxfp4Config(dequantize=True))
+    _same_model(reference, AutoModelForCausalLM.from_pretrained(out, device_map="cpu"))
