@@ -156,3 +156,52 @@ def test_malformed_files_are_refused_in_one_line(tmp_path: Path, content: bytes,
     assert proc.returncode == 2
     assert words in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+_NO_TORCH = """
+import sys
+class Block:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "numpy", "safetensors", "gguf"):
+            raise ImportError("blocked: " + name)
+        return None
+sys.meta_path.insert(0, Block)
+from dtypeaudit.cli import main
+sys.argv = ["dtypeaudit", "scan", *ARGS, "--format", "json"]
+main()
+"""
+
+
+def test_quantized_scans_need_neither_torch_nor_numpy(tmp_path: Path) -> None:
+    """The light install (no torch, numpy, safetensors or gguf) groups logical weights and reads GGUF the same."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import save_file
+
+    gguf_path = write_gguf(tmp_path / "tiny.gguf")
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    save_file(
+        {"l.weight": torch.ones(128, 128).to(torch.float8_e4m3fn), "l.weight_scale_inv": torch.ones(1, 1)}, str(fp8 / "model.safetensors")
+    )
+    (fp8 / "config.json").write_text(
+        json.dumps({"torch_dtype": "bfloat16", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    )
+    args = [str(gguf_path), str(fp8)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "NO_COLOR": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH.replace("ARGS", repr(args))], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    code, full, _ = json_report("scan", *args)
+    assert code == 0
+    light = json.loads(proc.stdout)
+    for c in (*light["checkpoints"], *full["checkpoints"]):
+        c.pop("bytes_read")
+    assert light == full
+    assert [len(c["quantized"]) for c in light["checkpoints"]] == [5, 1]
