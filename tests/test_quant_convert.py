@@ -392,3 +392,29 @@ def test_mxfp4_gpt_oss_matches_transformers(tmp_path: Path) -> None:
     assert result.plan.counts()["dequantize"] == 4 and result.plan.counts()["drop"] == 8
     reference = AutoModelForCausalLM.from_pretrained(src, device_map="cpu", quantization_config=Mxfp4Config(dequantize=True))
     _same_model(reference, AutoModelForCausalLM.from_pretrained(out, device_map="cpu"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["nf4", "fp4", "int8"])
+def test_bitsandbytes_dir_matches_transformers(tmp_path: Path, kind: str) -> None:
+    """bitsandbytes' CPU backend is the writer (transformers quantizes on load and save_pretrained serialises
+    the quant state); the reference is transformers loading that directory and ``model.dequantize()``."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    _tiny_llama(tmp_path / "bf16")
+    if kind == "int8":
+        qconfig = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        qconfig = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=kind == "nf4", bnb_4bit_compute_dtype=torch.bfloat16
+        )
+    AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", quantization_config=qconfig, device_map="cpu").save_pretrained(tmp_path / kind)
+    out = tmp_path / "out"
+    result = convert(tmp_path / kind, "bf16", output=out)
+    storage_per_weight = {"nf4": 6, "fp4": 4, "int8": 3}[
+        kind
+    ]  # weight, absmax, quant_map, quant_state (+ nested_*); int8: weight, SCB, weight_format
+    assert result.plan.counts() == {"drop": 14 * storage_per_weight, "dequantize": 14, "leave": 7}
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / kind, device_map="cpu")
+    reference.dequantize()
+    _same_model(reference, AutoModelForCausalLM.from_pretrained(out, device_map="cpu"))
