@@ -418,3 +418,40 @@ def test_bitsandbytes_dir_matches_transformers(tmp_path: Path, kind: str) -> Non
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / kind, device_map="cpu")
     reference.dequantize()
     _same_model(reference, AutoModelForCausalLM.from_pretrained(out, device_map="cpu"))
+
+
+# ------------------------------------------------------------------------------------------------- GGUF
+
+
+def test_gguf_to_safetensors_matches_gguf_dequantize(tmp_path: Path) -> None:
+    """GGUF -> safetensors: every tensor under its GGUF name, quantized ones through gguf.quants.dequantize
+    (Q8_0, Q4_0 from gguf's quantizer; Q4_K, Q5_K, Q6_K as random blocks), plain ones cast."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from .test_gguf import TENSORS, write_gguf
+
+    src = write_gguf(tmp_path / "tiny.gguf")
+    out = tmp_path / "tiny.fp32.safetensors"
+    proc = run_cli("convert", str(src), "--to", "fp32", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    got = _read_file(out)
+    assert set(got) == set(TENSORS)
+    reader = gguf.GGUFReader(str(src))
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        expected = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, t.tensor_type), dtype=np.float32))
+        mine = got[t.name]
+        assert mine.dtype == torch.float32 and tuple(mine.shape) == TENSORS[t.name][1], t.name
+        assert torch.equal(mine.reshape(expected.shape), expected) or torch.allclose(
+            mine.reshape(expected.shape), expected, equal_nan=True, rtol=0, atol=0
+        ), t.name
+    bad = tmp_path / "tiny.pt"
+    proc = run_cli("convert", str(src), "--to", "bf16", "-o", str(bad))
+    assert proc.returncode == 2 and "written as safetensors" in proc.stderr and not bad.exists()
+
+
+def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
