@@ -455,3 +455,36 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(path)
+
+
+def test_issue_fp8_example_no_longer_casts_scales(tmp_path: Path) -> None:
+    """Issue 17's example: one float8_e4m3fn weight with its weight_scale_inv, a bf16 norm, quantization_config
+    fp8 [128, 128]. convert used to cast the fp32 scale to bf16, keep the FP8 weight and write float8_e4m3fn into
+    config.json. Now: the weight dequantized (scale applied per block), the scale gone, the config plain bf16."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(3)
+    src = tmp_path / "fp8"
+    src.mkdir()
+    weight = (torch.randn(256, 384, generator=g) * 50).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 3, generator=g) * 1e-3
+    save_file(
+        {"layer.weight": weight, "layer.weight_scale_inv": scale, "norm.weight": torch.ones(384, dtype=torch.bfloat16)},
+        src / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    config = {
+        "model_type": "llama",
+        "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    }
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    proc = run_cli("convert", str(src), "--to", "bf16", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    got = load_file(out / "model.safetensors")
+    assert set(got) == {"layer.weight", "norm.weight"}
+    expected = (weight.float().reshape(2, 128, 3, 128) * scale[:, None, :, None]).reshape(256, 384).to(torch.bfloat16)
+    assert torch.equal(got["layer.weight"], expected)
+    written = json.loads((out / "config.json").read_text())
+    assert written == {"model_type": "llama", "torch_dtype": "bfloat16"}
