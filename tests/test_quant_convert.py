@@ -282,7 +282,7 @@ def _ct_dir(base: Path, fmt: str, args: dict[str, Any]) -> Path:
     ModelCompressor does), with the quantization_config its QuantizationConfig serialises."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
-    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
     from safetensors.torch import load_file, save_file
 
     _tiny_llama(base / "bf16")
@@ -296,14 +296,18 @@ def _ct_dir(base: Path, fmt: str, args: dict[str, Any]) -> Path:
             out[k] = v
             continue
         x = v.float()
-        if qargs.strategy == "group":
+        global_scale = generate_gparam(x.amin(), x.amax()) if qargs.strategy == "tensor_group" else None
+        if qargs.strategy in ("group", "tensor_group"):
             x = x.unflatten(-1, (-1, qargs.group_size))
         lo, hi = x.amin(-1), x.amax(-1)
         if qargs.strategy == "channel":
             lo, hi = lo.unsqueeze(-1), hi.unsqueeze(-1)
-        scale, zero = calculate_qparams(lo.to(v.dtype), hi.to(v.dtype), qargs)
+        scale, zero = calculate_qparams(lo.to(v.dtype), hi.to(v.dtype), qargs, global_scale=global_scale)
         module = k[: -len(".weight")]
-        packed = compressor.compress({"weight": v, "weight_scale": scale, "weight_zero_point": zero}, scheme)
+        state = {"weight": v, "weight_scale": scale, "weight_zero_point": zero}
+        if global_scale is not None:
+            state["weight_global_scale"] = global_scale
+        packed = compressor.compress(state, scheme)
         out.update({f"{module}.{n}": t for n, t in packed.items()})
     path = base / "ct"
     path.mkdir()
@@ -332,6 +336,7 @@ def _same_model(reference: Any, mine: Any) -> None:
     [
         ("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 64}),
         ("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}),
+        ("nvfp4-pack-quantized", {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16}),
     ],
 )
 def test_compressed_tensors_dir_matches_transformers(tmp_path: Path, fmt: str, args: dict[str, Any]) -> None:
@@ -342,7 +347,8 @@ def test_compressed_tensors_dir_matches_transformers(tmp_path: Path, fmt: str, a
     src = _ct_dir(tmp_path, fmt, args)
     out = tmp_path / "bf16-out"
     result = convert(src, "bf16", output=out)
-    assert result.plan.counts() == {"drop": 56 if fmt == "pack-quantized" else 28, "dequantize": 14, "leave": 7}
+    storage = {"pack-quantized": 4, "float-quantized": 2, "nvfp4-pack-quantized": 3}[fmt]  # values, scale(s), zero/shape
+    assert result.plan.counts() == {"drop": 14 * storage, "dequantize": 14, "leave": 7}
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     reference = AutoModelForCausalLM.from_pretrained(src, device_map="cpu", quantization_config=CompressedTensorsConfig(dequantize=True))
     _same_model(reference, AutoModelForCausalLM.from_pretrained(out, device_map="cpu"))

@@ -325,6 +325,8 @@ def _write_directory(
     weight_map: dict[str, str] = {}
     total = 0
     for shard in shards:
+        if not shard.entries:
+            continue  # a shard that held only storage of weights written elsewhere (scales of another shard's weights)
         out = tmp / shard.label
         crcs = _write_shard(shard, inv, sources, out, progress)
         _verify(shard, out, crcs)
