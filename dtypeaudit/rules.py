@@ -238,10 +238,10 @@ RULES: dict[str, Rule] = {
         ),
         Rule(
             "quant-ignored-module",
-            "error",
+            "warning",
             "A module quantization_config keeps unquantized is stored quantized, or one it quantizes is stored unquantized.",
-            "The loader builds the layer the config says and loads the other kind of tensor into it. Fix ignore / "
-            "modules_to_not_convert, or re-export the module.",
+            "The config and the tensors disagree on what the layer is; a loader that follows the config loads the other "
+            "kind of tensor into it. Fix ignore / modules_to_not_convert, or re-export the module.",
         ),
         Rule(
             "quant-config-mismatch",

@@ -264,6 +264,35 @@ def test_ignored_module_that_is_quantized_and_the_reverse(fp8: Any, tmp_path: Pa
     assert rules(path) == [("quant-ignored-module", "model.layers.1.mlp.up_proj.weight")]
 
 
+def test_ignored_module_findings_and_what_transformers_does_on_cpu(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    state, config = fp8_state(hidden=256)
+    qc = {**config["quantization_config"], "modules_to_not_convert": ["lm_head", "model.layers.0.self_attn.o_proj"]}
+    path = write_dir(tmp_path / "ignored", state, {**config, "quantization_config": qc})
+    assert rules(path) == [("quant-ignored-module", "model.layers.0.self_attn.o_proj.weight")]
+    (finding,) = [f for f in check(read_checkpoint(str(path))) if f.rule == "quant-ignored-module"]
+    assert finding.severity == "warning" and "dequantizes it anyway" in finding.message
+    # what the finding says of transformers on CPU: it dequantizes the listed module all the same, silently
+    model, info = AutoModelForCausalLM.from_pretrained(str(path), output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    scale = state["model.layers.0.self_attn.o_proj.weight_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
+    want = (state["model.layers.0.self_attn.o_proj.weight"].float() * scale).to(torch.bfloat16)
+    assert torch.equal(model.model.layers[0].self_attn.o_proj.weight, want)
+    # and the reverse, a Linear the fp8 config quantizes stored bf16: loaded as stored, also silently
+    unquant = {k: v for k, v in state.items() if not k.startswith("model.layers.1.mlp.up_proj")}
+    unquant["model.layers.1.mlp.up_proj.weight"] = torch.randn(512, 256).to(torch.bfloat16)
+    path = write_dir(tmp_path / "reverse", unquant, config)
+    (finding,) = [f for f in check(read_checkpoint(str(path))) if f.rule == "quant-ignored-module"]
+    assert (finding.severity, finding.tensor) == (
+        "warning",
+        "model.layers.1.mlp.up_proj.weight",
+    ) and "loads it as stored" in finding.message
+    model, info = AutoModelForCausalLM.from_pretrained(str(path), output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, unquant["model.layers.1.mlp.up_proj.weight"])
+
+
 def test_config_scheme_the_tensors_contradict(fp8: Any, tmp_path: Path) -> None:
     state, config = fp8
     path = write_dir(tmp_path / "gptq", state, {**config, "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}})
@@ -331,6 +360,13 @@ def test_compressed_tensors_logical_weights(preset: str, tmp_path: Path) -> None
     ]
     assert quant.method == "compressed-tensors" and quant.not_converted == ("lm_head",)
     assert rules(path) == []
+
+
+def test_fp8_serving_on_compressed_tensors_output(tmp_path: Path) -> None:
+    assert run_cli("scan", str(compressed("FP8_BLOCK", tmp_path)), "--policy", "fp8-serving").returncode == 0
+    code, report, _ = json_report("scan", str(compressed("FP8", tmp_path)), "--policy", "fp8-serving")
+    (finding,) = report["checkpoints"][0]["findings"]
+    assert code == 1 and finding["tensor"] == "proj.weight" and "no-other-scheme" in finding["message"]
 
 
 def test_compressed_tensors_broken(tmp_path: Path) -> None:
@@ -551,6 +587,6 @@ def test_quant_rules_are_in_the_catalogue() -> None:
         "quant-missing-scale": "error",
         "quant-scale-shape": "error",
         "quant-scale-dtype": "warning",
-        "quant-ignored-module": "error",
+        "quant-ignored-module": "warning",
         "quant-config-mismatch": "error",
     }

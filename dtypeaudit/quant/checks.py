@@ -199,10 +199,10 @@ def scale_dtypes(inv: Inventory, quant: QuantView) -> list[Finding]:
 
 
 def ignored_modules(inv: Inventory, quant: QuantView) -> list[Finding]:
-    """Modules the config keeps unquantized (``ignore`` / ``modules_to_not_convert``) whose tensors are quantized:
-    the loader builds a plain layer there, casts the quantized values as if they were weights and drops the scales
-    as unexpected keys. And the reverse for transformers' ``fp8``: a Linear the quantizer replaces whose weight is
-    stored unquantized, so FP8Linear casts it to float8 without a scale."""
+    """Modules the config keeps unquantized (``ignore`` / ``modules_to_not_convert``) whose tensors are quantized,
+    and for transformers' ``fp8`` the reverse: a Linear its quantizer replaces, stored unquantized. Warnings: the
+    config and the tensors disagree, yet transformers dequantizing FP8 on CPU loads both as the tensors say
+    (tests/test_quant_scan.py loads them)."""
     if not quant.config:
         return []
     out = []
@@ -212,9 +212,10 @@ def ignored_modules(inv: Inventory, quant: QuantView) -> list[Finding]:
             out.append(
                 Finding(
                     "quant-ignored-module",
-                    "error",
-                    f"{w.module} is listed in quantization_config.{listed} but stored {w.scheme.name}; the loader builds a plain "
-                    "layer, loads the quantized values as if they were weights and drops the scales",
+                    "warning",
+                    f"{w.module} is listed in quantization_config.{listed} but stored {w.scheme.name}: the config and the "
+                    "tensors disagree on what this layer is (transformers dequantizing FP8 on CPU dequantizes it anyway; "
+                    "a loader that honours the list builds a plain layer for the quantized values)",
                     tensor=w.name,
                     file=w.file or None,
                 )
@@ -237,9 +238,10 @@ def ignored_modules(inv: Inventory, quant: QuantView) -> list[Finding]:
                 out.append(
                     Finding(
                         "quant-ignored-module",
-                        "error",
+                        "warning",
                         f"{module} is stored {t.dtype}, but quantization_config (fp8) quantizes every Linear not in "
-                        "modules_to_not_convert; FP8Linear casts this weight to float8 and finds no weight_scale_inv",
+                        "modules_to_not_convert: FP8Linear (the GPU path) allocates a float8 weight and a weight_scale_inv "
+                        "this checkpoint does not hold (transformers dequantizing on CPU loads it as stored)",
                         tensor=t.name,
                         file=t.file or None,
                     )
