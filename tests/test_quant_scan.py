@@ -221,7 +221,8 @@ def test_unquantized_reports_are_unchanged(tmp_path: Path) -> None:
 # -- consistency findings on broken FP8 checkpoints ----------------------------------------------
 
 
-def test_missing_scale_fires_and_the_loader_really_loads_it_unscaled(tmp_path: Path) -> None:
+@pytest.mark.slow  # three from_pretrained loads
+def test_scale_findings_against_what_transformers_loads(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     state, config = fp8_state(hidden=256)  # transformers' CPU Fp8Dequantize takes only shapes the blocks divide
@@ -237,6 +238,18 @@ def test_missing_scale_fires_and_the_loader_really_loads_it_unscaled(tmp_path: P
     assert torch.equal(k, state["model.layers.0.self_attn.k_proj.weight"].to(torch.bfloat16))
     q = model.model.layers[0].self_attn.q_proj.weight  # its neighbour, with a scale, is scaled
     assert not torch.equal(q, state["model.layers.0.self_attn.q_proj.weight"].to(torch.bfloat16))
+    # scale grids that do not fit the 128x128 blocks: quant-scale-shape. One the weight divides is applied to the
+    # wrong blocks (a [1, 2] grid over [512, 256] scales 512x128 blocks); one it does not divide is refused.
+    gate = "model.layers.0.mlp.gate_proj.weight"
+    wrong = {**state, gate + "_scale_inv": torch.full((1, 2), 2.0)}
+    path = write_dir(tmp_path / "wrong", wrong, config)
+    assert rules(path) == [("quant-scale-shape", gate + "_scale_inv")]
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    assert torch.equal(model.model.layers[0].mlp.gate_proj.weight, (state[gate].float() * 2).to(torch.bfloat16))
+    path = write_dir(tmp_path / "refused", {**state, gate + "_scale_inv": torch.ones(3, 2)}, config)
+    assert rules(path) == [("quant-scale-shape", gate + "_scale_inv")]
+    with pytest.raises(RuntimeError, match="conversion of the weights"):
+        AutoModelForCausalLM.from_pretrained(str(path))
 
 
 def test_scale_shape_and_dtype_findings(fp8: Any, tmp_path: Path) -> None:
@@ -264,6 +277,7 @@ def test_ignored_module_that_is_quantized_and_the_reverse(fp8: Any, tmp_path: Pa
     assert rules(path) == [("quant-ignored-module", "model.layers.1.mlp.up_proj.weight")]
 
 
+@pytest.mark.slow  # two from_pretrained loads
 def test_ignored_module_findings_and_what_transformers_does_on_cpu(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
