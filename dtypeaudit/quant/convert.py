@@ -77,6 +77,17 @@ def supported(view: qm.QuantView) -> None:
             raise ConversionError(f"'{w.name}': no dequantizer for the {fam} family ({w.scheme.name}); refused")
 
 
+_RECORDS: list[tuple[Inventory, dict[str, TensorRecord]]] = []
+
+
+def _records(inv: Inventory) -> dict[str, TensorRecord]:
+    """``inv.by_name()``, built once per inventory: every weight looks its storage up in it, and a large MoE
+    checkpoint has tens of thousands of tensors."""
+    if not _RECORDS or _RECORDS[0][0] is not inv:
+        _RECORDS[:] = [(inv, inv.by_name())]
+    return _RECORDS[0][1]
+
+
 def _raw(src: Source, t: TensorRecord) -> torch.Tensor:
     """A storage tensor as the dtype its file declares (GGUF's quantized blocks as bytes)."""
     from ..conversion.source import materialize
@@ -91,7 +102,7 @@ def _raw(src: Source, t: TensorRecord) -> torch.Tensor:
 
 
 def _storage(weight: qm.LogicalWeight, inv: Inventory, sources: dict[str, Source]) -> dict[str, torch.Tensor]:
-    by = inv.by_name()
+    by = _records(inv)
     out = {}
     for role, name in weight.storage.items():
         t = by[name]
@@ -104,7 +115,7 @@ def logical_shape(weight: qm.LogicalWeight, inv: Inventory, sources: dict[str, S
     (compressed-tensors' ``weight_shape``, bitsandbytes' quant state), else from the grouping."""
     from . import dequant
 
-    by = inv.by_name()
+    by = _records(inv)
     if "shape" in weight.storage:
         t = by[weight.storage["shape"]]
         return tuple(int(x) for x in _raw(sources[t.file], t).tolist())
@@ -205,8 +216,28 @@ def _write_shard(shard: _Shard, inv: Inventory, sources: dict[str, Source], out:
                 src = sources[t.file]
                 span = contiguous_span(src, t) if t.dtype in dtypes.DTYPES else None
                 _stream(src, span, t.dtype, e.target, sink, progress, clamp=False, tensor=t)
+            _release(inv, sources, e)
             writeback()
     return crcs
+
+
+def _release(inv: Inventory, sources: dict[str, Source], e: _Entry) -> None:
+    """Unmap the source pages an entry read (they stay in the page cache): a read-only mapping's pages would
+    otherwise count in the process's RSS until the whole shard is done."""
+    import mmap
+
+    by = _records(inv)
+    names = list(e.weight.storage.values()) if e.weight is not None else [e.name]
+    for name in names:
+        t = by.get(name)
+        src = sources.get(t.file) if t is not None else None
+        if src is None or not isinstance(src.mm, mmap.mmap) or name not in src.spans or not hasattr(mmap, "MADV_DONTNEED"):
+            continue
+        span = src.spans[name]
+        start = span.offset - span.offset % mmap.PAGESIZE
+        end = min(len(src.mm), span.offset + span.length)
+        if end > start:
+            src.mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _piece_tasks(
@@ -280,10 +311,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _verify(shard: _Shard, out: Path, crcs: dict[str, int]) -> None:
     """Re-read the written file: every planned name with its dtype and shape, and its bytes' CRC-32 as handed over."""
-    import mmap
     from concurrent.futures import ThreadPoolExecutor
 
-    from ..conversion.verify import _crc
     from ..formats import safetensors as st_reader
     from ..formats.storage import Span
 
@@ -295,13 +324,34 @@ def _verify(shard: _Shard, out: Path, crcs: dict[str, int]) -> None:
             have = f"{t.dtype}{list(t.shape)}" if t else "missing"
             raise ConversionError(f"verification failed: '{e.name}' is {have}, planned {e.target}{list(e.shape)}", path=str(out))
     spans = {e.name: Span(start + header[e.name]["data_offsets"][0], t_len(header[e.name])) for e in shard.entries}
-    with out.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        # the CRC releases the GIL: two threads read the file back at twice the speed (as conversion.verify does)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        # pread, not mmap: what is read back stays out of the process's RSS. The CRC releases the GIL, so two
+        # threads read the file back at twice the speed (as conversion.verify does).
         with ThreadPoolExecutor(max_workers=2) as pool:
-            got_crcs = dict(zip(spans, pool.map(lambda span: _crc(mm, span), spans.values()), strict=True))
+            got_crcs = dict(zip(spans, pool.map(lambda span: _pread_crc(fd, span), spans.values()), strict=True))
+    finally:
+        os.close(fd)
     for name, crc in got_crcs.items():
         if crc != crcs[name]:
             raise ConversionError(f"verification failed: '{name}' bytes differ from what was written", path=str(out))
+
+
+def _pread_crc(fd: int, span: Any) -> int:
+    from ..conversion.verify import CRC_CHUNK_BYTES
+    from ..formats.zipwrite import crc32
+
+    crc = 0
+    buf = bytearray(min(CRC_CHUNK_BYTES, max(1, span.length)))
+    view = memoryview(buf)
+    done = 0
+    while done < span.length:
+        n = os.preadv(fd, [view[: min(len(buf), span.length - done)]], span.offset + done)
+        if n <= 0:
+            raise ConversionError("verification failed: the output is shorter than its header says")
+        crc = crc32(view[:n], crc)
+        done += n
+    return crc
 
 
 def t_len(entry: dict[str, Any]) -> int:
