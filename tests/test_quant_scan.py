@@ -147,6 +147,7 @@ def test_issue_fp8_example_gets_no_config_dtype_mismatch(tmp_path: Path) -> None
             "group": [128, 128],
             "symmetric": True,
             "logical_shape": [256, 256],
+            "numel": 65536,
             "dequantizes_to": "bfloat16",
             "bits_per_weight": round((65536 + 16) * 8 / 65536, 3),
             "file": "model.safetensors",
@@ -482,7 +483,12 @@ def test_bitsandbytes_nf4(tmp_path: Path) -> None:
         (),
     )
     assert w.bits_per_weight == round(sum(v.numel() * v.element_size() for v in state.values()) * 8 / (64 * 128), 3)
+    assert w.numel == 64 * 128  # the shape is in quant_state's bytes; the count is in the packing
     assert rules(path) == []
+    row = next(
+        line for line in run_cli("scan", str(path), env={"COLUMNS": "200"}).stdout.splitlines() if line.startswith("model.fc.weight ")
+    )
+    assert " ".join(row.split()[:8]) == "model.fc.weight nf4 (blocksize 64 double-quant) → float16 [8192]"
     broken = write_dir(tmp_path / "broken", {k: v for k, v in state.items() if not k.endswith(".absmax")}, config)
     assert rules(broken) == [("quant-missing-scale", "model.fc.weight")]
 

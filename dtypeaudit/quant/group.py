@@ -135,6 +135,7 @@ class _Grouper:
             bits_per_weight=_bits(list(present.values()), count),
             file=anchor.file,
             missing=tuple(r for r in required if r not in present),
+            elements=count if shape is None else None,
         )
         self.taken.update(weight.storage.values())
         self.out.append(weight)
@@ -507,7 +508,7 @@ def policy_records(inv: Inventory, quant: QuantView | None = None) -> tuple[Tens
         if w is None:
             out.append(t)
         elif t.name == next(iter(w.storage.values())):
-            shape = w.shape if w.shape is not None else t.shape
+            shape = w.shape if w.shape is not None else (w.numel,)  # a flat count where the shape is in the bytes
             nbytes = sum(by[n].nbytes for n in w.storage.values() if n in by)
             out.append(t.with_(name=w.name, dtype=w.dequantizes_to, shape=shape, nbytes=nbytes, layout="quantized", scheme=w.scheme.name))
     return tuple(out)
@@ -536,8 +537,7 @@ def scheme_summary(inv: Inventory, quant: QuantView) -> list[SchemeTotals]:
     acc: dict[str, list[int]] = {}
     for w in quant.weights:
         nbytes = sum(by[n].nbytes for n in w.storage.values() if n in by)
-        # bitsandbytes 4-bit keeps its shape in quant_state's bytes: the count it was grouped with gives it back
-        numel = math.prod(w.shape) if w.shape is not None else (round(nbytes * 8 / w.bits_per_weight) if w.bits_per_weight else 0)
+        numel = w.numel
         row = acc.setdefault(w.scheme.name, [0, 0, 0])
         row[0] += 1
         row[1] += numel

@@ -7,6 +7,7 @@ storage tensors' bytes and give back the weight in ``dequantizes_to``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -102,8 +103,15 @@ class LogicalWeight:
     file: str = ""
     """The file that holds its quantized values, relative to the checkpoint (``""`` for a single file)."""
     missing: tuple[str, ...] = ()
-    """Roles the scheme requires that the checkpoint lacks (``scale``, ``zero``): the loader would leave
-    them at their initial values."""
+    """Roles the scheme requires that the checkpoint lacks (``scale``, ``zero``)."""
+    elements: int | None = None
+    """Logical elements where ``shape`` is None but the packing tells the count (bitsandbytes 4-bit keeps its
+    shape in quant_state's bytes: two values per stored byte)."""
+
+    @property
+    def numel(self) -> int:
+        """Logical elements: the product of ``shape``, else ``elements``, else 0."""
+        return math.prod(self.shape) if self.shape is not None else (self.elements or 0)
 
     @property
     def storage_names(self) -> tuple[str, ...]:

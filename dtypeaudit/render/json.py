@@ -69,6 +69,7 @@ def weight_dict(w: LogicalWeight) -> dict[str, Any]:
         "group": list(s.group) if s.group is not None else None,
         "symmetric": s.symmetric,
         "logical_shape": list(w.shape) if w.shape is not None else None,
+        "numel": w.numel,
         "dequantizes_to": w.dequantizes_to,
         "bits_per_weight": w.bits_per_weight,
         "file": w.file or None,
