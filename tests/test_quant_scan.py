@@ -610,3 +610,20 @@ def test_quant_rules_are_in_the_catalogue() -> None:
         "quant-ignored-module": "warning",
         "quant-config-mismatch": "error",
     }
+
+
+def test_policy_scheme_and_none_validation(tmp_path: Path) -> None:
+    from dtypeaudit.errors import PolicyError
+
+    good = tmp_path / "good.yaml"
+    good.write_text("version: 1\nrules:\n  - scheme: ['int4 *', none]\n    dtype: none\n")
+    (rule,) = load_policy(str(good)).rules
+    assert rule.dtypes == frozenset() and [m.text for m in rule.scheme] == ["int4 *", "none"]
+    assert rule.selectors() == "scheme: int4 *, none"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\ndefault: none\n")
+    with pytest.raises(PolicyError, match="unknown dtype 'none'"):
+        load_policy(str(bad))  # the default cannot forbid everything
+    bad.write_text("version: 1\nrules:\n  - dtype: any\n")
+    with pytest.raises(PolicyError, match="give match, ndim, kind, module, region or scheme"):
+        load_policy(str(bad))
