@@ -358,7 +358,7 @@ CT_CASES = {
     "W4A16_ASYM": ("int4 compressed g128 asym", {"packed", "scale", "shape", "zero"}),
     "W8A16": ("int8 compressed g128", {"packed", "scale", "shape"}),
     "W8A8": ("int8 compressed per-channel", {"weight", "scale"}),
-    "FP8": ("fp8-e4m3 compressed per-tensor", {"weight", "scale"}),
+    "FP8": ("fp8-e4m3 compressed per-tensor", {"weight", "scale", "input_scale"}),  # static activations
     "FP8_BLOCK": ("fp8-e4m3 compressed block 128x128", {"weight", "scale"}),
     "NVFP4A16": ("nvfp4", {"packed", "scale", "global_scale"}),
     "MXFP4A16": ("mxfp4", {"packed", "scale"}),

@@ -38,6 +38,9 @@ FLOAT8 = frozenset({"float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e
 _FP8_SHORT = {"float8_e4m3fn": "fp8-e4m3", "float8_e4m3fnuz": "fp8-e4m3fnuz", "float8_e5m2": "fp8-e5m2", "float8_e5m2fnuz": "fp8-e5m2fnuz"}
 _BNB_STATE = re.compile(r"^(?P<w>.+)\.quant_state\.bitsandbytes__(?P<type>nf4|fp4)$")
 _GGUF_METHOD = "gguf"
+# A static activation scale belongs to its quantized Linear (compressed-tensors' input_scale, FP8Linear's
+# activation_scale): a dequantized plain Linear has no such parameter.
+_ACTIVATION_SCALES = (".input_scale", ".activation_scale")
 _BNB4_PARTS = (".absmax", ".quant_map", ".quant_state.bitsandbytes__nf4", ".quant_state.bitsandbytes__fp4")
 
 
@@ -123,6 +126,10 @@ class _Grouper:
         to: str | None = None,
     ) -> None:
         present = {role: t for role, t in roles.items() if t is not None}
+        for suffix in _ACTIVATION_SCALES:
+            act = self.get(module + suffix)
+            if act is not None and act.numel <= 1:
+                present.setdefault("input_scale", act)
         anchor = next(iter(present.values()))
         count = numel if numel is not None else (math.prod(shape) if shape is not None else 0)
         weight = LogicalWeight(

@@ -93,7 +93,8 @@ class LogicalWeight:
     unpacked), ``qweight``/``packed``/``blocks`` (packed values), ``scale`` (any scale, whatever the file calls
     it: ``weight_scale_inv``, ``scales``, ``weight_scale``, ``SCB``), ``global_scale``, ``zero``, ``g_idx``,
     ``absmax``, ``quant_map``, ``quant_state``, ``nested_absmax``, ``nested_quant_map``, ``shape`` (a stored
-    logical shape, compressed-tensors' ``weight_shape``)."""
+    logical shape, compressed-tensors' ``weight_shape``), ``input_scale`` (a static activation scale: the module's,
+    not needed to dequantize the weight, dropped with it)."""
     shape: tuple[int, ...] | None
     """The logical shape (``[out_features, in_features]`` for a Linear); None where the storage does not say."""
     dequantizes_to: str
