@@ -158,9 +158,11 @@ def make_dequant_plan(inv: Inventory, view: qm.QuantView, target: str, sources: 
             plans.append(TensorPlan(t, t.dtype, "leave", f"{t.dtype} tensors are left exactly as they are"))
             shard.entries.append(_Entry(t.name, t.dtype, t.shape, tensor=t))
     plan = Plan(inv, target, plans)
+    n = len(view.weights)
+    schemes = ", ".join(sorted({w.scheme.name for w in view.weights}))
     plan.notes.append(
-        f"{len(view.weights)} quantized weights ({', '.join(sorted({w.scheme.name for w in view.weights}))}) are dequantized "
-        f"to {target}; quantization_config is removed from config.json"
+        f"{n} quantized weight{'s' if n != 1 else ''} ({schemes}) {'are' if n != 1 else 'is'} dequantized to {target}; "
+        "quantization_config is removed from config.json"
     )
     return plan, list(shards.values())
 
