@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Literal
 
 from . import dtypes, kernels, structure
 from .inventory import Finding, Inventory
+from .quant.checks import quant_consistency
+from .quant.group import policy_records, view
 from .structure import Module
 
 if TYPE_CHECKING:  # the policy module (and YAML) load only when a policy is in use
@@ -33,10 +35,19 @@ def _expected_text(expected: frozenset[str] | None) -> str:
 
 def decision_message(d: Decision) -> str:
     origin = f"rule {d.rule.label}" if d.rule else "the policy's default"
-    text = f"is {d.tensor.dtype}, expected {_expected_text(d.expected)} ({origin})"
+    what = f"{d.tensor.dtype} (quantized {d.tensor.scheme})" if d.tensor.scheme else d.tensor.dtype
+    expected = "no tensor here" if d.expected is not None and not d.expected else _expected_text(d.expected)
+    text = f"is {what}, expected {expected} ({origin})"
     if d.rule and d.rule.reason:
         text += f": {d.rule.reason}"
     return text
+
+
+def logical(inv: Inventory) -> Inventory:
+    """``inv`` as the loaded model holds it: each quantized logical weight one tensor in the dtype it dequantizes
+    to (``quant.group.policy_records``), its scales and zeros folded into it; ``inv`` itself when nothing is quantized."""
+    records = policy_records(inv)
+    return inv if records is inv.tensors else replace(inv, tensors=records)
 
 
 def policy_findings(inv: Inventory, policy: Policy) -> list[Finding]:
@@ -44,7 +55,7 @@ def policy_findings(inv: Inventory, policy: Policy) -> list[Finding]:
 
     out = []
     loaded = loaded_dtype(inv)  # a Hugging Face folder is held to the dtypes from_pretrained gives its tensors
-    for stored in inv.tensors:
+    for stored in logical(inv).tensors:
         t = stored.with_(dtype=loaded[stored.name]) if stored.name in loaded else stored
         d = decide(policy, t)
         if not d.ok:
@@ -382,8 +393,11 @@ def dtype_outliers(inv: Inventory) -> list[Finding]:
 
 
 def module_consistency(inv: Inventory) -> list[Finding]:
-    """``module-dtype-mix`` and ``dtype-outlier``, over one inference of the model's structure."""
-    return _module_findings(inv)
+    """``module-dtype-mix`` and ``dtype-outlier``, over one inference of the model's structure (of the logical
+    weights: a quantized Linear computes in the dtype it dequantizes to, not in its storage's)."""
+    if inv.format == "gguf":
+        return []  # llama.cpp computes each op in its tensors' own types; transformers' GGUF loader casts all to one dtype
+    return _module_findings(logical(inv))
 
 
 def loaded_dtype(inv: Inventory) -> dict[str, str]:
@@ -408,8 +422,13 @@ def config_dtype(inv: Inventory) -> list[Finding]:
     if not isinstance(declared, str) or declared == "auto":
         return []
     name = dtypes.canonical(declared)
+    # The config dtype is what from_pretrained builds the unquantized parts in; quantized weights and their
+    # scales stay as the quantizer keeps them (FP8Linear's float8 weight and float32 weight_scale_inv).
+    quantized = view(inv).consumed
     weights = Counter()  # type: Counter[str]
     for t in inv.tensors:
+        if t.name in quantized:
+            continue
         if t.dtype in dtypes.DTYPES and dtypes.get(t.dtype).is_floating:
             weights[t.dtype] += t.nbytes
     if not weights or name is None:
@@ -431,7 +450,7 @@ def config_dtype(inv: Inventory) -> list[Finding]:
 
 def checks_for(policy: Policy | None) -> list[Check]:
     """Every check to run: the policy-free ones, plus the policy's when there is one (and its hardware ``target``)."""
-    checks: list[Check] = [module_consistency, config_dtype, loaded_dtype_findings]
+    checks: list[Check] = [module_consistency, config_dtype, loaded_dtype_findings, quant_consistency]
     if policy is not None:
         # partials, not closures: checks travel to worker processes and Dask workers (fleet.py) by pickle
         checks += [partial(policy_findings, policy=policy), partial(tied_conflicts, policy=policy)]

@@ -679,6 +679,14 @@ def convert(
             "metadata alias, which safetensors.torch.load_model (or strict=False plus tie_weights()) restores.",
         ),
     ] = False,
+    keep_quantized: Annotated[
+        bool,
+        typer.Option(
+            "--keep-quantized",
+            help="On a quantized checkpoint: keep its quantized weights (values, scales, quantization_config) byte for byte "
+            "and cast only the rest, instead of dequantizing them.",
+        ),
+    ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show the plan and the value checks; write nothing.")] = False,
     target: Annotated[
         Optional[str],
@@ -707,12 +715,15 @@ def convert(
     scan with the same policy and every built-in check, or nothing is written (exit 1). Values are checked next: overflow, NaN/Inf or heavy
     underflow refuse the conversion (exit 1) unless --clamp or --keep-unsafe. The output is written
     to a temporary file, verified against torch's own cast of the source, then renamed into place.
-    The source is never touched.
+    The source is never touched. A quantized checkpoint (FP8, compressed-tensors, MXFP4, GPTQ, AWQ,
+    bitsandbytes, GGUF) is dequantized on the CPU, shard by shard: scales and zero points are dropped and
+    config.json loses its quantization_config; a scheme that cannot be dequantized exactly is refused (exit 2).
 
     \b
     Examples:
       dtypeaudit convert model.pt --to fp16
       dtypeaudit convert ./llama-dir --to bf16 -o ./llama-bf16
+      dtypeaudit convert ./qwen3-fp8 --to bf16 -o ./qwen3-bf16
       dtypeaudit convert model.bin --to fp16 -o model.safetensors
       dtypeaudit convert model.pt --to fp16 --preset fp16-mixed
       dtypeaudit convert model.pt --to fp16 --dry-run
@@ -748,6 +759,7 @@ def convert(
             "max_shard_size": max_shard_size,
             "model": model,
             "materialize_ties": materialize_ties,
+            "keep_quantized": keep_quantized,
         }
         if len(sources) > 1 or jobs is not None or cluster is not None:
             if target is not None:

@@ -57,6 +57,9 @@ class TensorRecord:
     """The module type its names and shapes suggest (``BatchNorm``, ``LayerNorm``, ``RMSNorm``, ``Linear``,
     ``Conv2d``, ``Embedding``), where ``module`` is unknown or not one of PyTorch's own types and the guess is
     sure; None otherwise. Filled by ``structure.annotate``; policy ``module:`` selectors match it too."""
+    scheme: str | None = None
+    """The quantization scheme of a logical weight (``int4 gptq g128 sym``) in the records policies judge
+    (``quant.group.policy_records``); None for a stored tensor."""
 
     @property
     def numel(self) -> int:

@@ -13,7 +13,7 @@ A policy says which dtype each tensor should have::
     ignore: ["optimizer.*"]      # never checked
     rules:                       # first match wins
       - match: "*norm*"          # glob, or "re:<regex>"; a list means any of them
-        ndim: "<=1"              # also: kind, module, region
+        ndim: "<=1"              # also: kind, module, region, scheme
         dtype: float32           # a dtype, a list of them, or "any"
         severity: error
         reason: LayerNorm is unstable in fp16
@@ -29,6 +29,12 @@ Module types. ``module:`` globs match the owning module's type name: the one ``-
 (``TensorRecord.module``, a fact), or the one the structure guesses from names and shapes where the type is
 unknown or not one of PyTorch's own (``module_guess``: ``BatchNorm``, ``LayerNorm``, ``RMSNorm``, ``Linear``,
 ``Conv2d``, ``Embedding``; see ``structure.annotate``). Either matching is enough.
+
+Quantized checkpoints. A quantized weight meets the rules once, as its logical weight (its scales and zeros
+folded into it): its name is the weight's (``q_proj.weight``), its dtype the one it dequantizes to, and
+``scheme:`` globs match its scheme's name (``fp8-e4m3 block 128x128``, ``int4 gptq g128 sym``); ``scheme: none``
+selects unquantized tensors. ``dtype: none`` allows nothing, so ``scheme: "*"`` with ``dtype: none`` forbids
+quantizing what the rule selects.
 
 Dtype scope. A rule holds floating-point tensors to its dtypes; integer and bool tensors meet only
 the rules whose ``dtype`` names an integer or bool dtype (or ``any``), and only with
@@ -52,6 +58,7 @@ from typing import Any
 from . import dtypes
 from .errors import PolicyError
 from .inventory import SEVERITIES, Finding, Inventory, Severity, TensorRecord
+from .quant.group import policy_records
 
 MAX_POLICY_BYTES = 1 << 20
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -256,8 +263,11 @@ class Rule:
     kind: frozenset[str] | None = None
     module: tuple[Matcher, ...] = ()
     region: str | None = None
+    scheme: tuple[Matcher, ...] = ()
+    """Quantization schemes (globs over ``int4 gptq g128 sym``, ``fp8-e4m3 block 128x128``); ``none`` selects
+    unquantized tensors, any other pattern only quantized logical weights."""
     dtypes: frozenset[str] | None = None
-    """None means any dtype."""
+    """None means any dtype; empty (written ``none``) allows nothing: every tensor the rule selects is a finding."""
     severity: Severity = "error"
     reason: str | None = None
     optional: bool = False
@@ -286,6 +296,8 @@ class Rule:
             parts.append("module: " + ", ".join(m.text for m in self.module))
         if self.region is not None:
             parts.append(f"region: {self.region}")
+        if self.scheme:
+            parts.append("scheme: " + ", ".join(m.text for m in self.scheme))
         return "; ".join(parts)
 
     def applies(self, t: TensorRecord) -> bool:
@@ -300,7 +312,14 @@ class Rule:
             return False
         if self.module and self.module_via(t) is None:
             return False
+        if self.scheme and not self.scheme_matches(t):
+            return False
         return self.region is None or t.region == self.region
+
+    def scheme_matches(self, t: TensorRecord) -> bool:
+        if t.scheme is None:
+            return any(m.text == "none" for m in self.scheme)
+        return any(m.text != "none" and m(t.scheme) for m in self.scheme)
 
     def module_via(self, t: TensorRecord) -> str | None:
         """``module`` or ``guess``: which of ``t``'s module types a ``module:`` selector matches; None for neither."""
@@ -327,6 +346,8 @@ class Rule:
                 return f"module {module_text(t)} is not {', '.join(m.text for m in self.module)}"
         if self.region is not None and t.region != self.region:
             return f"region {t.region} is not {self.region}"
+        if self.scheme and not self.scheme_matches(t):
+            return f"scheme {t.scheme or 'none (not quantized)'} is not {', '.join(m.text for m in self.scheme)}"
         return None
 
     def how(self, t: TensorRecord) -> str:
@@ -412,7 +433,7 @@ class Policy:
         ignored = [0] * len(self.ignore)
         have_modules = have_guesses = False
         for inv in invs:
-            for t in inv.tensors:
+            for t in policy_records(inv):
                 have_modules = have_modules or t.module is not None
                 have_guesses = have_guesses or t.module_guess is not None
                 hit = next((i for i, m in enumerate(self.ignore) if m(t.name)), None)
@@ -679,7 +700,7 @@ TOP_KEYS = (
     "trace",
 )
 TRACE_KEYS = ("fail_on", "allow_promotion")
-RULE_KEYS = ("name", "match", "ndim", "kind", "module", "region", "dtype", "severity", "reason", "optional")
+RULE_KEYS = ("name", "match", "ndim", "kind", "module", "region", "scheme", "dtype", "severity", "reason", "optional")
 
 
 def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool = False) -> Policy:
@@ -749,8 +770,8 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool =
                 )
         if "dtype" not in r:
             raise fail(where, "rule has no 'dtype' (a dtype, a list of dtypes, or any)")
-        if not any(k in r for k in ("match", "ndim", "kind", "module", "region")):
-            raise fail(where, "rule selects nothing: give match, ndim, kind, module or region")
+        if not any(k in r for k in ("match", "ndim", "kind", "module", "region", "scheme")):
+            raise fail(where, "rule selects nothing: give match, ndim, kind, module, region or scheme")
         ndim = None
         if "ndim" in r:
             m = _NDIM.match(str(r["ndim"])) if isinstance(r["ndim"], (int, str)) and not isinstance(r["ndim"], bool) else None
@@ -788,7 +809,8 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool =
                 kind=kind,
                 module=_matchers(r.get("module", []), where + ("module",), fail),
                 region=region,
-                dtypes=_dtypes(r["dtype"], where + ("dtype",), fail),
+                scheme=_matchers(r.get("scheme", []), where + ("scheme",), fail),
+                dtypes=_dtypes(r["dtype"], where + ("dtype",), fail, allow_none=True),
                 severity=_severity(r.get("severity", "error"), where + ("severity",), fail),
                 reason=reason,
                 optional=optional or builtin,
@@ -851,10 +873,12 @@ def did_you_mean(word: object, choices: Iterable[str]) -> str:
     return f"did you mean '{close[0]}'? " if close else ""
 
 
-def _dtypes(value: Any, where: tuple[object, ...], fail: Fail) -> frozenset[str] | None:
+def _dtypes(value: Any, where: tuple[object, ...], fail: Fail, *, allow_none: bool = False) -> frozenset[str] | None:
     items = value if isinstance(value, list) else [value]
     if not items:
-        raise fail(where, "an empty list of dtypes allows nothing", hint="write 'any' to allow every dtype")
+        raise fail(where, "an empty list of dtypes allows nothing", hint="write 'any' to allow every dtype, or 'none' to allow none")
+    if allow_none and value == "none":
+        return frozenset()  # a rule that forbids what it selects (``scheme: "*"`` with ``dtype: none``)
     out = set()
     for item in items:
         if item == "any":

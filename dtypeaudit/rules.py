@@ -254,6 +254,39 @@ RULES: dict[str, Rule] = {
             "It keeps the dtype the factory gave it. load_state_dict(strict=True) refuses such a checkpoint; check that the "
             "factory builds the model the checkpoint was saved from.",
         ),
+        Rule(
+            "quant-missing-scale",
+            "error",
+            "A quantized weight's scale, zero point or quantization state is not stored.",
+            "Nothing can dequantize it correctly: transformers dequantizing an FP8 checkpoint on CPU casts the float8 values "
+            "unscaled and reports no missing key. Re-export the checkpoint with every companion tensor.",
+        ),
+        Rule(
+            "quant-scale-shape",
+            "error",
+            "A scale, zero-point or index tensor does not fit the scheme's block or group size and the weight's shape.",
+            "The loader refuses it (a size mismatch) or scales the wrong blocks. Check weight_block_size / group_size in "
+            "quantization_config against the tensors.",
+        ),
+        Rule(
+            "quant-scale-dtype",
+            "warning",
+            "A scale or packed tensor is stored in a dtype the scheme's loader does not allocate.",
+            "The loader casts it on load (a scale already rounded to half precision stays rounded) or misreads packed bits.",
+        ),
+        Rule(
+            "quant-ignored-module",
+            "warning",
+            "A module quantization_config keeps unquantized is stored quantized, or one it quantizes is stored unquantized.",
+            "The config and the tensors disagree on what the layer is; a loader that follows the config loads the other "
+            "kind of tensor into it. Fix ignore / modules_to_not_convert, or re-export the module.",
+        ),
+        Rule(
+            "quant-config-mismatch",
+            "error",
+            "config.json's quantization_config names a method or parameters the stored tensors contradict.",
+            "from_pretrained builds layers for the config's scheme and cannot read the tensors as stored.",
+        ),
     )
 }
 

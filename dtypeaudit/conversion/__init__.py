@@ -100,6 +100,7 @@ def convert(
     max_shard_size: str | None = None,
     model: str | None = None,
     materialize_ties: bool = False,
+    keep_quantized: bool = False,
 ) -> Result:
     """Plan, check the planned output, check values, write atomically and verify.
 
@@ -132,6 +133,7 @@ def convert(
                 "keep_unsafe": keep_unsafe,
                 "progress_factory": progress_factory,
                 "materialize_ties": materialize_ties,
+                "keep_quantized": keep_quantized,
             },
         )
     if isinstance(output, str) and is_url(output) and not output.lower().startswith("file://"):
@@ -147,6 +149,29 @@ def convert(
         # make_plan owns what --to means; an empty inventory asks it only that.
         target = make_plan(Inventory(inv.path, "torch-zip", ()), to).target
         return Result(Plan(inv, target, []), None, [], dry_run=dry_run, refused=refused)
+    from ..quant.group import view as quant_view
+
+    quant = quant_view(inv)
+    if quant and not keep_quantized:
+        from ..quant.convert import convert_quantized
+
+        if keep or include_optimizer or strip_optimizer or clamp or keep_unsafe or max_shard_size or model:
+            raise UsageError(
+                "dequantizing takes no --keep, --include-optimizer, --strip-optimizer, --clamp, --keep-unsafe, "
+                "--max-shard-size or --model; convert the dequantized output again for those"
+            )
+        return convert_quantized(
+            src_path,
+            inv,
+            quant,
+            to,
+            output=output,
+            policy=policy,
+            dry_run=dry_run,
+            force=force,
+            in_place=in_place,
+            progress_factory=progress_factory,
+        )
     if model is not None:
         from ..formats import factory
 
@@ -158,6 +183,7 @@ def convert(
         "include_optimizer": include_optimizer,
         "strip_optimizer": strip_optimizer,
         "clamp": clamp,
+        "quantized": quant.consumed,
     }
     make_plan(inv, to, **options)  # what --to and --keep mean, before anything is opened
     with ExitStack() as stack:

@@ -23,6 +23,7 @@ from ..values import ValueStats
 
 CASTABLE = frozenset({"float64", "float32", "float16", "bfloat16"})
 TARGETS = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+QUANTIZED_KEPT = "quantized storage kept byte for byte (--keep-quantized)"
 # Where a policy allows several dtypes and not the target: the widest half-precision-safe one first.
 PREFERENCE = ("float32", "bfloat16", "float16", "float64")
 
@@ -35,7 +36,8 @@ class TensorPlan:
     target: str
     """The dtype it will have (its own when left or kept)."""
     action: str
-    """``cast``, ``keep`` (a rule or --keep holds it), ``leave`` (not convertible or already there), ``drop``."""
+    """``cast``, ``keep`` (a rule or --keep holds it), ``leave`` (not convertible or already there), ``drop``,
+    ``dequantize`` (a quantized logical weight written in the target dtype, see quant/convert.py)."""
     reason: str = ""
 
     def nbytes_as(self, dtype: str) -> int:
@@ -72,7 +74,8 @@ class Plan:
 
     @property
     def bytes_before(self) -> int:
-        return sum(p.nbytes_as(p.tensor.dtype) for p in self._unique())
+        # A dequantized weight had no bytes of its own: its quantized storage (dropped) held them.
+        return sum(p.nbytes_as(p.tensor.dtype) for p in self._unique() if p.action != "dequantize")
 
     @property
     def bytes_after(self) -> int:
@@ -137,11 +140,14 @@ def make_plan(
     clamp: bool = False,
     hold: Iterable[str] = (),
     stripped: dict[str, tuple[tuple[str, ...], ...]] | None = None,
+    quantized: frozenset[str] = frozenset(),
 ) -> Plan:
     """Decide every tensor: first on its own (--keep, the policy, the target), then with its module and ties.
 
     ``hold``: units (see ``unit_of``) kept as they are because of their values (--keep-unsafe).
     ``stripped``: file label -> the entries (key paths) --strip-optimizer removes; tensors under them are dropped.
+    ``quantized``: storage tensors of quantized weights that --keep-quantized keeps byte for byte; they take no
+    part in module or tie decisions (a float32 scale does not pull its Linear's bias to float32).
     """
     target = TARGETS.get(to, dtypes.canonical(to) or to)
     if target not in TARGETS.values():
@@ -172,6 +178,9 @@ def make_plan(
         if key is not None:
             what = "optimizer state" if t.region == "optimizer" else "training state"
             plans.append(TensorPlan(t, t.dtype, "drop", f"{what} stripped (--strip-optimizer)"))
+            continue
+        if t.name in quantized:
+            plans.append(TensorPlan(t, t.dtype, "keep", QUANTIZED_KEPT))
             continue
         if strip_optimizer and t.region == "optimizer":
             plans.append(TensorPlan(t, t.dtype, "leave", "optimizer state inside a list or an object: --strip-optimizer cannot remove it"))
@@ -365,6 +374,10 @@ def plan_config_dtype(plan: Plan) -> str | None:
     from ..checks import check
 
     out = plan.output_inventory(config_dtype="float32")
+    # The config dtype applies to what the loader does not quantize: quantized storage kept as it is does not count.
+    held = {p.tensor.name for p in plan.tensors if p.reason == QUANTIZED_KEPT}
+    if held:
+        out = replace(out, tensors=tuple(t for t in out.tensors if t.name not in held))
     candidates = [weights_dtype(out)]
     weights: Counter[str] = Counter()
     for t in out.tensors:

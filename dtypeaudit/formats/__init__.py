@@ -14,7 +14,7 @@ from pathlib import Path
 from ..errors import CheckpointError, DtypeAuditError
 from ..inventory import Inventory
 from ..redact import redact
-from . import dcp, directory, locate, safetensors, source, torchzip
+from . import dcp, directory, gguf, locate, safetensors, source, torchzip
 from .locate import AnyPath
 from .sniff import sniff
 from .source import Source
@@ -30,6 +30,8 @@ def read_file(path: AnyPath | Source) -> Inventory:
             return torchzip.read_legacy(src)
         if kind == "safetensors":
             return safetensors.read(src)
+        if kind == "gguf":
+            return gguf.read(src)
         return torchzip.read_pickle(src)
 
 

@@ -488,6 +488,14 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory], *, exclude: tuple
     if not res.from_pretrained:
         metadata["from_pretrained"] = "finds no weights file here"
     cfg = _config(path)
+    if isinstance(cfg.get("quantization_config"), dict):
+        # read by dtypeaudit.quant.group; the config's dtype then applies to the unquantized parts only
+        metadata["quantization_config"] = cfg["quantization_config"]
+        from .hfload import config_dtype_value
+
+        declared = config_dtype_value(cfg)
+        if isinstance(declared, str):
+            metadata["config_dtype"] = declared
     if res.from_pretrained:
         findings.extend(_load_dtype(path, res, cfg, first_tensors, metadata))
     return Inventory(str(path), "hf-directory", link_shared_storage(tensors), tuple(findings), metadata)

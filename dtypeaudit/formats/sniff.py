@@ -13,7 +13,7 @@ import struct
 from typing import IO, Any
 
 from ..errors import CheckpointError, LimitExceeded
-from . import locate, safetensors
+from . import gguf, locate, safetensors
 from .legacy import LEGACY_MAGIC, is_legacy_magic
 from .locate import AnyPath
 from .remote import RemoteError
@@ -47,7 +47,6 @@ _NOT_CHECKPOINTS: tuple[tuple[bytes, str], ...] = (
     (b"GIF8", "a GIF image, not a checkpoint"),
     (b"%PDF", "a PDF document, not a checkpoint"),
     (b"\x1f\x8b", "gzip-compressed data; decompress it first"),
-    (b"GGUF", "a GGUF file (llama.cpp), not a PyTorch checkpoint"),
     (b"\x89HDF", "an HDF5 file (Keras?), not a PyTorch checkpoint"),
     (b"\x93NUMPY", "a NumPy .npy array, not a PyTorch checkpoint"),
 )
@@ -195,7 +194,7 @@ def _both(name: str, formats: list[str]) -> CheckpointError:
 
 
 def sniff(path: AnyPath | Source) -> str:
-    """``zip``, ``legacy``, ``safetensors`` or ``pickle``; anything else raises a one-line CheckpointError."""
+    """``zip``, ``legacy``, ``safetensors``, ``gguf`` or ``pickle``; anything else raises a one-line CheckpointError."""
     if not isinstance(path, Source):
         with _open(path) as src:
             return sniff(src)
@@ -228,6 +227,8 @@ def sniff(path: AnyPath | Source) -> str:
         raise CheckpointError("is a tar archive (torch.save's pre-0.4 format, not supported); re-save it with a current torch", path=name)
     if formats:
         return formats[0]
+    if gguf.is_gguf(head):
+        return "gguf"  # llama.cpp's gguf_init_from_file checks these four bytes
     if plausible:
         return "safetensors"
     if not isinstance(first, _NoPickle):
@@ -300,7 +301,7 @@ def _left_out(src: Source) -> str | None:
         return _zip_left_out(src)
     if head[0] == 0x80:
         return None  # PROTO, whatever the number: torch.load's weights_only unpickler reads protocol 6 and up too
-    if _safetensors_plausible(head, size) or _tar_block(head):
+    if _safetensors_plausible(head, size) or _tar_block(head) or gguf.is_gguf(head):
         return None
     if head[:1] in _PICKLE_OPCODES:
         more, size = _head(src, HEAD_BYTES)
@@ -310,8 +311,8 @@ def _left_out(src: Source) -> str | None:
         if head.startswith(magic):
             return what.split(";")[0]
     if head[:1] in _PICKLE_OPCODES:
-        return "not a pickle, zip, tar or safetensors file (its first bytes do not unpickle)"
-    return "not a pickle, zip, tar or safetensors file"
+        return "not a pickle, zip, tar, safetensors or GGUF file (its first bytes do not unpickle)"
+    return "not a pickle, zip, tar, safetensors or GGUF file"
 
 
 # Bytes a pickle can start with (pickletools' opcode codes, protocols 0 to 5).

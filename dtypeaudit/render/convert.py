@@ -56,7 +56,13 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
     counts = plan.counts()
     parts = [
         f"{counts[a]} {label}"
-        for a, label in (("cast", "cast"), ("keep", "kept by rule"), ("leave", "left as they are"), ("drop", "dropped"))
+        for a, label in (
+            ("dequantize", "dequantized"),
+            ("cast", "cast"),
+            ("keep", "kept by rule"),
+            ("leave", "left as they are"),
+            ("drop", "dropped"),
+        )
         if counts.get(a)
     ]
     before, after = plan.bytes_before, plan.bytes_after
@@ -94,7 +100,9 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
     if not result.failed:
         for f in plan.findings:
             lines.append(f"{f.severity}: the output will show {f.rule}: {f.tensor + ': ' if f.tensor else ''}{f.message}")
-    if result.output and not result.dry_run:
+    if result.output and not result.dry_run and counts.get("dequantize"):
+        lines.append("verified: names, shapes and dtypes as planned, and the bytes read back equal the dequantized weights written")
+    elif result.output and not result.dry_run:
         lines.append("verified: names, shapes, dtypes, ties and bytes equal torch's own cast of the source")
     return "\n".join(lines) + "\n"
 

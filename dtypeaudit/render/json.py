@@ -8,6 +8,8 @@ from typing import Any
 
 from .._version import __version__
 from ..inventory import CheckpointReport, Finding, Report, TensorRecord, dtype_summary, unique_tensors
+from ..quant.group import scheme_summary, view
+from ..quant.model import LogicalWeight, QuantView
 
 SCHEMA = "dtypeaudit.report/1"
 
@@ -54,9 +56,67 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def weight_dict(w: LogicalWeight) -> dict[str, Any]:
+    """A quantized logical weight; ``storage`` lists its tensors by role (each also in ``tensors``)."""
+    s = w.scheme
+    return {
+        "name": w.name,
+        "module": w.module,
+        "scheme": s.name,
+        "family": s.family,
+        "value": s.value,
+        "bits": s.bits,
+        "group": list(s.group) if s.group is not None else None,
+        "symmetric": s.symmetric,
+        "logical_shape": list(w.shape) if w.shape is not None else None,
+        "numel": w.numel,
+        "dequantizes_to": w.dequantizes_to,
+        "bits_per_weight": w.bits_per_weight,
+        "file": w.file or None,
+        "storage": [{"role": role, "name": name} for role, name in w.storage.items()],
+        "missing": list(w.missing),
+    }
+
+
+def _quant_fields(c: CheckpointReport, quant: QuantView) -> dict[str, Any]:
+    """Added only for quantized checkpoints, so an unquantized one's JSON is unchanged."""
+    if not quant or c.inventory is None:
+        return {}
+    return {
+        "quantized": [weight_dict(w) for w in quant.weights],
+        "by_scheme": [
+            {
+                "scheme": r.scheme,
+                "weights": r.weights,
+                "numel": r.numel,
+                "nbytes": r.nbytes,
+                "bits_per_weight": r.bits_per_weight,
+                "share": round(r.share, 6),
+            }
+            for r in scheme_summary(c.inventory, quant)
+        ],
+    }
+
+
+def _tensor_dicts(tensors: tuple[TensorRecord, ...], quant: QuantView) -> list[dict[str, Any]]:
+    if not quant:
+        return [tensor_dict(t) for t in tensors]
+    owner = quant.by_storage()
+    out = []
+    for t in tensors:
+        d = tensor_dict(t)
+        w = owner.get(t.name)
+        if w is not None:
+            role = next(r for r, n in w.storage.items() if n == t.name)
+            d["quant"] = {"weight": w.name, "role": role, "scheme": w.scheme.name}
+        out.append(d)
+    return out
+
+
 def checkpoint_dict(c: CheckpointReport) -> dict[str, Any]:
     tensors = c.tensors
     unique = unique_tensors(tensors)
+    quant = view(c.inventory) if c.inventory else QuantView(())
     return {
         "path": c.path,
         "format": c.format,
@@ -71,7 +131,8 @@ def checkpoint_dict(c: CheckpointReport) -> dict[str, Any]:
                 for r in dtype_summary(tensors)
             ],
         },
-        "tensors": [tensor_dict(t) for t in tensors],
+        "tensors": _tensor_dicts(tensors, quant),
+        **_quant_fields(c, quant),
         "findings": [finding_dict(f) for f in c.findings],
         "metadata": _jsonable(dict(c.inventory.metadata)) if c.inventory else {},
     }
@@ -90,7 +151,7 @@ def report_dict(report: Report) -> dict[str, Any]:
 
 # Lists whose items are written one per line: readable at 10 tensors, and fast at a million, since each
 # line comes from json's C encoder (an indented dump goes through its pure-Python encoder instead).
-ONE_PER_LINE = frozenset({"tensors", "findings", "by_dtype"})
+ONE_PER_LINE = frozenset({"tensors", "findings", "by_dtype", "quantized", "by_scheme"})
 _encode = json.JSONEncoder(ensure_ascii=False).encode
 
 

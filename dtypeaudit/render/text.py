@@ -9,7 +9,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..inventory import CheckpointReport, Report, dtype_summary, severity_rank, unique_tensors
+from ..inventory import CheckpointReport, Report, TensorRecord, dtype_summary, severity_rank, unique_tensors
+from ..quant.group import policy_records, scheme_summary, view
+from ..quant.model import QuantView
 from .humanize import FindingGroup, group_findings, group_tensors, human_bytes, human_count, name_parts, shape_text, wrap_name
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
@@ -75,10 +77,14 @@ def _checkpoint(console: Console, c: CheckpointReport, *, verbose: bool, quiet: 
         console.print()
         _findings(console, c, verbose=verbose)
     if tensors and not quiet:
+        quant = view(c.inventory) if c.inventory else QuantView(())
         console.print()
         _summary(console, c)
+        if quant:
+            console.print()
+            _scheme_summary(console, c, quant)
         console.print()
-        _tensors(console, c, verbose=verbose)
+        _tensors(console, c, verbose=verbose, quant=quant)
 
 
 def _findings(console: Console, c: CheckpointReport, *, verbose: bool) -> None:
@@ -143,11 +149,37 @@ def _summary(console: Console, c: CheckpointReport) -> None:
     console.print(table)
 
 
-def _tensors(console: Console, c: CheckpointReport, *, verbose: bool) -> None:
-    tensors = c.tensors
+def _scheme_summary(console: Console, c: CheckpointReport, quant: QuantView) -> None:
+    assert c.inventory is not None
+    table = Table(box=box.SIMPLE_HEAD, title="By scheme", title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
+    for name, justify in (("scheme", "left"), ("weights", "right"), ("elements", "right"), ("bytes", "right"), ("bits/weight", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    table.add_column("share", justify="right")
+    for row in scheme_summary(c.inventory, quant):
+        table.add_row(
+            row.scheme, str(row.weights), human_count(row.numel), human_bytes(row.nbytes), f"{row.bits_per_weight:g}", f"{row.share:.1%}"
+        )
+    console.print(table)
+
+
+def _logical_rows(c: CheckpointReport, quant: QuantView) -> list[TensorRecord]:
+    """The tensors as the model holds them: each quantized weight once, its dtype cell ``int4 (gptq g128) → float16``."""
+    assert c.inventory is not None
+    schemes = {w.name: w.scheme for w in quant.weights}
+    out = []
+    for t in policy_records(c.inventory, quant):
+        scheme = schemes.get(t.name) if t.scheme else None
+        out.append(t.with_(dtype=f"{scheme.display} → {t.dtype}") if scheme is not None else t)
+    return out
+
+
+def _tensors(console: Console, c: CheckpointReport, *, verbose: bool, quant: QuantView | None = None) -> None:
+    tensors: tuple[TensorRecord, ...] | list[TensorRecord] = _logical_rows(c, quant) if quant else c.tensors
     fold = not verbose and len(tensors) > FULL_LISTING_LIMIT
     groups = group_tensors(tensors) if fold else None
-    title = "Tensors" + (f" ({len(tensors)}, repeated layers folded; --verbose lists each)" if fold else "")
+    title = ("Weights (quantized ones with their scales; JSON lists the storage)" if quant else "Tensors") + (
+        f" ({len(tensors)}, repeated layers folded; --verbose lists each)" if fold else ""
+    )
     show_file = any(t.file for t in tensors)
     rows: list[tuple[str, str, str, str, str, str]] = []
     if groups is not None:

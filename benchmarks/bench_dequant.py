@@ -1,0 +1,155 @@
+"""dtypeaudit convert --to bf16 on an FP8 block-scaled checkpoint versus the script users write today, in one run.
+
+The checkpoint: a Llama-shaped directory in DeepSeek-V3 / transformers ``fp8`` layout (float8_e4m3fn Linear
+weights, a float32 ``weight_scale_inv`` per 128x128 block, bf16 embeddings and norms,
+``quantization_config: {quant_method: fp8, weight_block_size: [128, 128]}``), ~2 GB, one shard, made once
+under benchmarks/_work.
+
+Baseline: what people adapt from DeepSeek's ``fp8_cast_bf16.py`` when they have no GPU for its Triton kernel:
+``safetensors.torch.load_file`` the shard, dequantize each weight with a CPU loop over its 128x128 blocks,
+``save_file`` the result, and write config.json without ``quantization_config``.
+Targets (issue 17): wall time <= 0.5x the baseline, peak anonymous memory <= 0.25x of it. dtypeaudit fsyncs its
+output before renaming it into place; the script leaves 4 GB dirty in the page cache. So a third row runs the
+script followed by ``os.sync()``: the same bytes, durable, as the like-for-like time.
+Both run as whole processes, interleaved, ``--repeat`` times each: medians of wall time, peaks of memory.
+
+    python benchmarks/bench_dequant.py              # ~2 GB
+    python benchmarks/bench_dequant.py --layers 4   # a quick ~0.4 GB run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from common import WORK, measure_all, python
+
+NAIVE = """
+import json, sys, torch
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+
+def weight_dequant(x, s, block_size=128):
+    # the CPU port of fp8_cast_bf16.py's weight_dequant kernel: one block at a time
+    M, N = x.shape
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    for i in range(0, M, block_size):
+        for j in range(0, N, block_size):
+            block = x[i:i + block_size, j:j + block_size].float() * s[i // block_size, j // block_size]
+            y[i:i + block_size, j:j + block_size] = block.to(torch.bfloat16)
+    return y
+
+src, out = Path(sys.argv[1]), Path(sys.argv[2])
+out.mkdir(parents=True, exist_ok=True)
+for shard in sorted(src.glob("*.safetensors")):
+    state = load_file(shard)
+    new = {}
+    for name, t in state.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            new[name] = weight_dequant(t, state[name + "_scale_inv"])
+        else:
+            new[name] = t
+    save_file(new, out / shard.name, metadata={"format": "pt"})
+config = json.loads((src / "config.json").read_text())
+config.pop("quantization_config", None)
+config["torch_dtype"] = "bfloat16"
+(out / "config.json").write_text(json.dumps(config))
+"""
+
+
+def make_fp8_checkpoint(path: Path, *, hidden: int, layers: int, vocab: int = 32000) -> Path:
+    """Made in a child process, so that this one (whose children are measured) stays small."""
+    if not (path / "config.json").exists():
+        subprocess.run([sys.executable, __file__, "--make", str(path), str(hidden), str(layers), str(vocab)], check=True)
+    return path
+
+
+def _write_fp8(path: Path, hidden: int, layers: int, vocab: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    state: dict[str, torch.Tensor] = {"model.embed_tokens.weight": (torch.randn(vocab, hidden, generator=g) * 0.02).bfloat16()}
+
+    def fp8(name: str, rows: int, cols: int) -> None:
+        state[name] = (torch.randn(rows, cols, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        state[name + "_scale_inv"] = torch.rand(-(-rows // 128), -(-cols // 128), generator=g) * 1e-4 + 1e-5
+
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        state[f"{p}.input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            fp8(f"{p}.self_attn.{name}.weight", hidden, hidden)
+        state[f"{p}.post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        fp8(f"{p}.mlp.gate_proj.weight", 4 * hidden, hidden)
+        fp8(f"{p}.mlp.up_proj.weight", 4 * hidden, hidden)
+        fp8(f"{p}.mlp.down_proj.weight", hidden, 4 * hidden)
+    state["model.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    state["lm_head.weight"] = (torch.randn(vocab, hidden, generator=g) * 0.02).bfloat16()
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": 4 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": hidden // 128,
+        "num_key_value_heads": hidden // 128,
+        "vocab_size": vocab,
+        "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    }
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tmp.rename(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=28, help="28 layers of hidden 2048: 2.1 GB")
+    args = parser.parse_args()
+    src = make_fp8_checkpoint(WORK / f"fp8_h{args.hidden}_l{args.layers}", hidden=args.hidden, layers=args.layers)
+    ours_out, naive_out = WORK / "dequant_ours", WORK / "dequant_naive"
+    shard = "model.safetensors"
+    for d in (ours_out, naive_out):
+        shutil.rmtree(d, ignore_errors=True)
+    naive_cmd = [python(), "-c", NAIVE, str(src), str(naive_out)]
+    synced_cmd = [python(), "-c", NAIVE + "import os\nos.sync()\n", str(src), str(naive_out)]
+    ours_cmd = [python(), "-m", "dtypeaudit", "convert", str(src), "--to", "bf16", "-o", str(ours_out), "--force"]
+    commands = {"ours": (ours_cmd, ours_out / shard), "naive": (naive_cmd, naive_out / shard), "synced": (synced_cmd, naive_out / shard)}
+    runs = measure_all(commands, repeat=args.repeat)
+    ours, naive, synced = runs["ours"], runs["naive"], runs["synced"]
+    size = (src / shard).stat().st_size
+    sizes = f"{size / 1e9:.2f} GB fp8 -> {ours.output_bytes / 1e9:.2f} GB bf16; baseline wrote {naive.output_bytes / 1e9:.2f} GB"
+    print(f"checkpoint: {src.name} ({sizes})")
+    print(f"{'':40}{'wall s':>9}{'peak RSS MB':>13}{'peak anon MB':>14}")
+    rows = (
+        ("naive load_file + block loop + save_file", naive),
+        ("the same, then os.sync()", synced),
+        ("dtypeaudit convert --to bf16", ours),
+    )
+    for label, m in rows:
+        print(f"{label:40}{m.wall_s:9.2f}{m.peak_rss_mb:13.0f}{m.peak_anon_mb:14.0f}")
+    print(f"wall ratio        {ours.wall_s / naive.wall_s:.3f}x   (target <= 0.5x)")
+    print(f"anon memory ratio {ours.peak_anon_mb / naive.peak_anon_mb:.3f}x   (target <= 0.25x)")
+    print(f"RSS ratio         {ours.peak_rss_mb / naive.peak_rss_mb:.3f}x")
+    print(f"wall ratio against the synced script {ours.wall_s / synced.wall_s:.3f}x")
+    for d in (ours_out, naive_out):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--make":
+        _write_fp8(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    else:
+        main()
