@@ -153,7 +153,7 @@ def convert(
 
     quant = quant_view(inv)
     if quant and not keep_quantized:
-        from ..quant.convert import convert_quantized
+        from .dequantize import convert_quantized
 
         if keep or include_optimizer or strip_optimizer or clamp or keep_unsafe or max_shard_size or model:
             raise UsageError(

@@ -27,15 +27,15 @@ from ..errors import ConversionError, UsageError
 from ..formats import directory as hfdir
 from ..formats import read_checkpoint
 from ..inventory import Inventory, TensorRecord
-from . import model as qm
+from ..quant import model as qm
 
 if TYPE_CHECKING:
     import torch
 
-    from ..conversion import Result
-    from ..conversion.plan import Plan
-    from ..conversion.source import Progress, Source
     from ..policy import Policy
+    from . import Result
+    from .plan import Plan
+    from .source import Progress, Source
 
 DEQUANTIZE = "dequantize"
 """The plan action of a logical weight written dequantized (its storage tensors are dropped)."""
@@ -90,8 +90,8 @@ def _records(inv: Inventory) -> dict[str, TensorRecord]:
 
 def _raw(src: Source, t: TensorRecord) -> torch.Tensor:
     """A storage tensor as the dtype its file declares (GGUF's quantized blocks as bytes)."""
-    from ..conversion.source import materialize
     from ..torchcast import frombuffer
+    from .source import materialize
 
     if src.inv.format == "gguf" or t.dtype not in dtypes.DTYPES:
         start = src.spans[t.name].offset if t.name in src.spans else t.offset
@@ -113,7 +113,7 @@ def _storage(weight: qm.LogicalWeight, inv: Inventory, sources: dict[str, Source
 def logical_shape(weight: qm.LogicalWeight, inv: Inventory, sources: dict[str, Source]) -> tuple[int, ...]:
     """The shape the dequantized weight has: from the small tensors that record it where there are some
     (compressed-tensors' ``weight_shape``, bitsandbytes' quant state), else from the grouping."""
-    from . import dequant
+    from ..quant import dequant
 
     by = _records(inv)
     if "shape" in weight.storage:
@@ -131,7 +131,7 @@ def logical_shape(weight: qm.LogicalWeight, inv: Inventory, sources: dict[str, S
 
 def make_dequant_plan(inv: Inventory, view: qm.QuantView, target: str, sources: dict[str, Source]) -> tuple[Plan, list[_Shard]]:
     """What each tensor becomes, and the output shards in the source's order."""
-    from ..conversion.plan import CASTABLE, Plan, TensorPlan
+    from .plan import CASTABLE, Plan, TensorPlan
 
     owner = view.by_storage()
     emitted: set[str] = set()
@@ -181,10 +181,10 @@ def _cast(x: torch.Tensor, target: str, name: str) -> torch.Tensor:
 
 def _write_shard(shard: _Shard, inv: Inventory, sources: dict[str, Source], out: Path, progress: Progress | None) -> dict[str, int]:
     """One safetensors file, tensor by tensor; returns each tensor's CRC-32 for verification."""
-    from ..conversion.atomic import Writeback
-    from ..conversion.source import contiguous_span
-    from ..conversion.write import _stream, _tensor_bytes
     from ..formats.zipwrite import crc32
+    from .atomic import Writeback
+    from .source import contiguous_span
+    from .write import _stream, _tensor_bytes
 
     header: dict[str, Any] = {}
     offset = 0
@@ -248,8 +248,8 @@ def _piece_tasks(
     """The dequantized weight, cast to ``target``, in row order, as tasks that compute one piece each: FP8 a few
     blocks of rows at a time (its float32 products stay in cache, memory stays bounded by a chunk, and the
     pieces compute in parallel), every other scheme whole (a weight at a time)."""
+    from ..quant import dequant
     from ..values import CHUNK_BYTES
-    from . import dequant
 
     storage = _storage(w, inv, sources)
     group = tuple(w.scheme.group or ())
@@ -277,7 +277,7 @@ def _piece_tasks(
 def _fp8_piece(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], target: str, name: str) -> torch.Tensor:
     import torch
 
-    from . import dequant
+    from ..quant import dequant
 
     y = dequant.fp8_block_cast(weight, scale, block, target)
     if target == "float16" and bool(torch.isinf(y).any()):
@@ -292,7 +292,7 @@ def _in_order(tasks: Iterator[Callable[[], torch.Tensor]]) -> Iterator[torch.Ten
     load, torch's own intra-op threads on a small piece spin far more than they compute."""
     import torch
 
-    from .parallel import ordered
+    from ..quant.parallel import ordered
 
     threads = torch.get_num_threads()
     workers = max(1, min(4, threads))
@@ -340,8 +340,8 @@ def _verify(shard: _Shard, out: Path, crcs: dict[str, int]) -> None:
 
 
 def _pread_crc(fd: int, span: Any) -> int:
-    from ..conversion.verify import CRC_CHUNK_BYTES
     from ..formats.zipwrite import crc32
+    from .verify import CRC_CHUNK_BYTES
 
     crc = 0
     buf = bytearray(min(CRC_CHUNK_BYTES, max(1, span.length)))
@@ -372,7 +372,7 @@ def _config_out(config: dict[str, Any], target: str) -> dict[str, Any]:
 def _write_directory(
     shards: list[_Shard], inv: Inventory, src_dir: Path, sources: dict[str, Source], tmp: Path, target: str, progress: Progress | None
 ) -> None:
-    from ..conversion.write import _confined, _mode
+    from .write import _confined, _mode
 
     weight_map: dict[str, str] = {}
     total = 0
@@ -425,10 +425,10 @@ def convert_quantized(
 ) -> Result:
     """Dequantize ``inv`` (a quantized directory, safetensors file or GGUF file) to ``to``."""
     from ..checks import check
-    from ..conversion import Result
-    from ..conversion.atomic import atomic_output, check_destination, default_output
-    from ..conversion.plan import TARGETS
-    from ..conversion.source import Source, source_files
+    from . import Result
+    from .atomic import atomic_output, check_destination, default_output
+    from .plan import TARGETS
+    from .source import Source, source_files
 
     target = TARGETS.get(to, dtypes.canonical(to) or to)
     if target not in TARGETS.values():
