@@ -17,7 +17,7 @@ _DIGITS = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 
 
 def _is_floating(t: TensorRecord) -> bool:
-    return t.dtype in dtypes.DTYPES and dtypes.get(t.dtype).is_floating
+    return dtypes.is_floating(t.dtype)
 
 
 def _literal(name: str) -> str:
@@ -57,19 +57,24 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def baseline(inv: Inventory) -> dict[str, object]:
-    """The policy as data: default = the commonest floating dtype, one rule per other dtype."""
-    floating = [t for t in inv.tensors if _is_floating(t)]
+    """The policy as data: default = the commonest floating dtype, one rule per other dtype. Written for the tensors
+    as a policy sees them (quantized weights as their logical weights, a folder's dtypes as from_pretrained loads
+    them), so that the checkpoint passes its own baseline."""
+    from .checks import as_policies_see_it
+
+    tensors = as_policies_see_it(inv)
+    floating = [t for t in tensors if _is_floating(t)]
     counts = Counter(t.dtype for t in floating)
     default = max(counts, key=lambda d: (counts[d], d)) if counts else None
     patterns: dict[str, list[str]] = {}
-    for t in inv.tensors:
+    for t in tensors:
         if t.dtype == default and _is_floating(t):
             continue
         covered = patterns.get(t.dtype, [])
         if any(_matches(p, t.name) for p in covered):
             continue
         for pattern in _candidates(t.name):
-            claimed = [o for o in inv.tensors if _matches(pattern, o.name)]
+            claimed = [o for o in tensors if _matches(pattern, o.name)]
             if all(o.dtype == t.dtype for o in claimed):
                 patterns.setdefault(t.dtype, []).append(pattern)
                 break
@@ -80,7 +85,7 @@ def baseline(inv: Inventory) -> dict[str, object]:
     rules: list[dict[str, object]] = [
         {"name": f"baseline-{dtype}", "match": pats if len(pats) > 1 else pats[0], "dtype": dtype} for dtype, pats in patterns.items()
     ]
-    if not any(t.region == "optimizer" for t in inv.tensors):
+    if not any(t.region == "optimizer" for t in tensors):
         # Nothing here says what an optimizer's state should be: the same model in a training checkpoint
         # (Adam moments in each parameter's dtype, float32 steps) must not fail on state this file never had.
         rules.insert(0, OPTIMIZER_UNBASELINED)

@@ -14,7 +14,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 from . import dtypes, kernels, structure
-from .inventory import Finding, Inventory
+from .inventory import Finding, Inventory, TensorRecord
 from .quant.checks import quant_consistency
 from .quant.group import policy_records, view
 from .structure import Module
@@ -50,16 +50,22 @@ def logical(inv: Inventory) -> Inventory:
     return inv if records is inv.tensors else replace(inv, tensors=records)
 
 
+def as_policies_see_it(inv: Inventory) -> tuple[TensorRecord, ...]:
+    """The tensors a policy is checked against: each quantized weight as its logical weight (``logical``), and in a
+    Hugging Face folder each tensor in the dtype ``from_pretrained`` gives it. Scans and ``policy init`` alike."""
+    loaded = loaded_dtype(inv)
+    return tuple(t.with_(dtype=loaded[t.name]) if t.name in loaded else t for t in logical(inv).tensors)
+
+
 def policy_findings(inv: Inventory, policy: Policy) -> list[Finding]:
     from .policy import decide
 
     out = []
-    loaded = loaded_dtype(inv)  # a Hugging Face folder is held to the dtypes from_pretrained gives its tensors
-    for stored in logical(inv).tensors:
-        t = stored.with_(dtype=loaded[stored.name]) if stored.name in loaded else stored
+    stored = {t.name: t.dtype for t in logical(inv).tensors}
+    for t in as_policies_see_it(inv):
         d = decide(policy, t)
         if not d.ok:
-            cast = f" (as from_pretrained loads it; stored as {stored.dtype})" if t is not stored else ""
+            cast = f" (as from_pretrained loads it; stored as {stored[t.name]})" if stored[t.name] != t.dtype else ""
             out.append(
                 Finding(
                     "dtype-mismatch",

@@ -430,8 +430,10 @@ def _progress_callback():
 
 def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:
     from . import structure
+    from .checks import as_policies_see_it
     from .formats import factory
     from .pipeline import expand, read_target
+    from .policy import decide
     from .redact import redact
     from .render import explain as explain_render
 
@@ -447,13 +449,12 @@ def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:
             for f in inv.findings:
                 if f.rule == "model-mismatch":
                     typer.echo(f"dtypeaudit: error: {path}: {f.message}", err=True)
-        t = structure.annotate(inv).by_name().get(name)
+        # The tensor as the policy sees it: a quantized weight as its logical weight, a folder's as from_pretrained loads it
+        t = {r.name: r for r in as_policies_see_it(structure.annotate(inv))}.get(name)
         if t is None:
             continue
         found = True
         sys.stdout.write(f"{redact(path)}\n" + explain_render.render(pol, t))
-        from .policy import decide
-
         if not decide(pol, t).ok:
             code = exitcodes.FINDINGS
     if not found:
