@@ -271,6 +271,10 @@ def describe(obj: Any, *, max_visits: int = 200_000) -> tuple[list[Entry], set[f
             found = 1
             attrs = getattr(value, "__dict__", None) or {}
             inner = sum(go(v, join(name, k), on_path) for k, v in list(attrs.items()))
+            # torch's rebuild functions set the pickled backward_hooks on the tensor: what they hold is loaded too
+            hooks = getattr(value, "_backward_hooks", None)
+            if hooks is not None and id(hooks) not in on_path:
+                inner += go(hooks, join(name, "_backward_hooks"), on_path | {id(value)})
             if inner:
                 flags.add("tensor-attribute")
             return found + inner

@@ -99,7 +99,9 @@ def _findings(console: Console, c: CheckpointReport, *, verbose: bool) -> None:
     rule_w = max(len("rule"), *(len(_rule_cell(g)) for g in groups))
     rest = max(console.width - severity_w - rule_w - 3 * GAP, MIN_NAME_WIDTH)
     longest = max((len(part) for names, _ in places.values() for n in names for part in name_parts(n)), default=0)
-    where_w = max(rest * 2 // 5, min(longest, rest - MIN_MESSAGE_WIDTH))
+    # as wide as the names need, up to two fifths of what is left (more only for one long dotted component)
+    full = max((len(n) for names, _ in places.values() for n in names), default=0)
+    where_w = max(len("where"), min(full, max(rest * 2 // 5, min(longest, rest - MIN_MESSAGE_WIDTH))))
     if longest > where_w:
         _findings_list(console, groups, places)
         return
