@@ -521,14 +521,14 @@ def render_findings(findings: Iterable[Finding], *, title: str, fail_on: Severit
     from rich.text import Text
 
     from .inventory import CheckpointReport
-    from .render.text import _findings, console_for
+    from .render.text import console_for, findings_section
 
     items = tuple(findings)
     buffer = io.StringIO()
     console = console_for(buffer, color=False, width=width)
     console.print(Text(title, style="bold"))
     if items:
-        _findings(console, CheckpointReport(title, LIVE_FORMAT, None, None, items), verbose=False)
+        findings_section(console, CheckpointReport(title, LIVE_FORMAT, None, None, items), verbose=False)
     failing = [f for f in items if severity_rank(f.severity) >= severity_rank(fail_on)]
     counts = Counter(f.severity for f in items)
     summary = (

@@ -519,3 +519,41 @@ def test_an_lstm_traces_as_it_runs() -> None:
     fake = [(o.op, o.inputs, o.outputs) for o in summary.ops]
     rnn = [r for r in real if "rnn" in r[0]]
     assert rnn and rnn == [f for f in fake if "rnn" in f[0]], (real, fake)
+
+
+class _DeeplyNamedEncoderStack(nn.Module):
+    """Long module paths and long type names: what a narrow terminal must show whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder_with_a_long_name = nn.ModuleDict(
+            {"transformer_encoder_layers": nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True))}
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder_with_a_long_name["transformer_encoder_layers"](x)
+
+
+def deeply_named() -> nn.Module:
+    return _DeeplyNamedEncoderStack()
+
+
+@pytest.mark.parametrize("columns", ["80", "100"])
+def test_narrow_terminals_cut_neither_type_names_nor_module_names(columns: str) -> None:
+    """Issue 19 item 8: at 80 and 100 columns, type names stay whole and module names break only after a dot."""
+    proc = run_cli("trace", "tests.test_trace:deeply_named", "--input", "1x4x8", "-f", "plain", env={"COLUMNS": columns}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= int(columns)
+    start = next(i for i, line in enumerate(lines) if line.startswith("Modules"))
+    section = lines[start : next(i for i in range(start + 1, len(lines)) if not lines[i].strip())]
+    words = {w.strip(".,") for line in section for w in line.split()}
+    for type_name in ("_DeeplyNamedEncoderStack", "Sequential", "TransformerEncoderLayer"):
+        assert type_name in words, "\n".join(section)
+    # every dotted component of every module name is on one line, whole
+    for name in ("encoder_with_a_long_name.transformer_encoder_layers.0",):
+        for component in filter(None, name.split(".")):
+            assert any(component in line.split() or f"{component}." in line or f".{component}" in line for line in section), (
+                component,
+                "\n".join(section),
+            )

@@ -45,7 +45,7 @@ class TensorGroup:
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)")
 
 
-def _label(names: list[str]) -> str:
+def fold_label(names: list[str]) -> str:
     if len(names) == 1:
         return names[0]
     parts = [n.split(".") for n in names]
@@ -76,7 +76,7 @@ def group_tensors(tensors: Iterable[TensorRecord]) -> list[TensorGroup]:
         first = members[0]
         groups.append(
             TensorGroup(
-                label=_label([m.name for m in members]),
+                label=fold_label([m.name for m in members]),
                 dtype=first.dtype,
                 shape=first.shape,
                 kind=first.kind,

@@ -44,7 +44,7 @@ def render(report: Report, *, color: bool = True, width: int = 120, verbose: boo
     for i, checkpoint in enumerate(shown):
         if i:
             console.print()
-        _checkpoint(console, checkpoint, verbose=verbose, quiet=quiet)
+        checkpoint_section(console, checkpoint, verbose=verbose, quiet=quiet)
     if shown and (len(report.checkpoints) > 1 or report.findings):
         console.print()
     console.print(_verdict(report))
@@ -53,7 +53,7 @@ def render(report: Report, *, color: bool = True, width: int = 120, verbose: boo
     return text if color else "\n".join(line.rstrip() for line in text.split("\n"))
 
 
-def _checkpoint(console: Console, c: CheckpointReport, *, verbose: bool, quiet: bool = False) -> None:
+def checkpoint_section(console: Console, c: CheckpointReport, *, verbose: bool, quiet: bool = False) -> None:
     title = Text(c.path, style="bold")
     if c.error:
         console.print(Text.assemble(title, "  ", ("unreadable", "bold red")))
@@ -75,7 +75,7 @@ def _checkpoint(console: Console, c: CheckpointReport, *, verbose: bool, quiet: 
     )
     if c.findings:
         console.print()
-        _findings(console, c, verbose=verbose)
+        findings_section(console, c, verbose=verbose)
     if tensors and not quiet:
         quant = view(c.inventory) if c.inventory else QuantView(())
         console.print()
@@ -87,7 +87,7 @@ def _checkpoint(console: Console, c: CheckpointReport, *, verbose: bool, quiet: 
         _tensors(console, c, verbose=verbose, quant=quant)
 
 
-def _findings(console: Console, c: CheckpointReport, *, verbose: bool) -> None:
+def findings_section(console: Console, c: CheckpointReport, *, verbose: bool) -> None:
     """Findings, worst first; findings that share a rule and a cause share one row, with a count and the first names.
 
     A table where the names' longest dotted component fits its column; on a terminal too narrow for that, a list

@@ -9,13 +9,14 @@ from __future__ import annotations
 import io
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ..inventory import Report, dtype_summary, severity_rank
 from ..trace.result import ModuleSummary, OpRecord, TraceCheckpointReport, TraceSummary
 from . import OutputFormat, Renderer
 from . import renderer_for as scan_renderer_for
-from .humanize import _label, human_bytes, human_count
+from .humanize import fold_label, human_bytes, human_count, name_parts, wrap_name
 
 TRACE_LISTS = frozenset({"ops", "modules", "grads", "activations", "inputs"})
 """Lists of the trace section written one item per line."""
@@ -90,27 +91,20 @@ def render_text(report: Report, *, color: bool = True, width: int = 120, verbose
 
     for c, summary in zip(report.checkpoints, _traces(report), strict=True):
         if c.error or summary is None:
-            text._checkpoint(console, c, verbose=verbose)
+            text.checkpoint_section(console, c, verbose=verbose)
             continue
         console.print(Text.assemble((c.path, "bold"), ("  trace", "dim"), f"  {headline(summary)}"))
         for line in settings_lines(summary):
             console.print(Text(f"  {line}", style="dim"))
         if c.findings:
             console.print()
-            text._findings(console, c, verbose=verbose)
+            text.findings_section(console, c, verbose=verbose)
         rows = module_rows(summary.modules, verbose)
         if rows:
             console.print()
             folded = len(rows) < len(summary.modules)
-            t = table("Modules" + (" (repeated layers folded, figures of the first; --verbose lists each)" if folded else ""))
-            t.add_column("module", overflow="fold", ratio=4)
-            t.add_column("type", overflow="fold", ratio=2)
-            for name in ("in", "compute", "out"):
-                t.add_column(name, overflow="fold", ratio=1)
-            t.add_column("activations", justify="right", overflow="fold", ratio=2)
-            for label, m in rows:
-                t.add_row(label, m.type, _short(m.inputs), _short(m.compute), _short(m.outputs), _bytes(m.activation_bytes))
-            console.print(t)
+            title = "Modules" + (" (repeated layers folded, figures of the first; --verbose lists each)" if folded else "")
+            _modules_section(console, title, rows, table)
         if summary.activations:
             console.print()
             t = table("Activations by dtype")
@@ -145,6 +139,43 @@ def render_text(report: Report, *, color: bool = True, width: int = 120, verbose
     console.print()
     console.print(Text(verdict(report), style="bold red" if _failing(report) else "green"))
     return buffer.getvalue()
+
+
+def _modules_section(console: Any, title: str, rows: list[tuple[str, ModuleSummary]], table: Callable[[str], Any]) -> None:
+    """The per-module table. Type names are never cut; dtype lists wrap between their items only where the line is
+    too narrow for them whole; module names break after a dot, never inside a name. Where even that does not fit,
+    a list: each module's name, then its type and dtypes indented."""
+    from rich.text import Text
+
+    from . import text
+
+    cells = [(label, m.type, _short(m.inputs), _short(m.compute), _short(m.outputs), _bytes(m.activation_bytes)) for label, m in rows]
+    headers = ("module", "type", "in", "compute", "out", "activations")
+    whole = [max(len(headers[i]), *(len(r[i]) for r in cells)) for i in range(2, 6)]
+    parts = [max(len(headers[i]), *(len(p) + 1 for r in cells for p in r[i].split(", "))) for i in range(2, 6)]  # p + ","
+    type_w = max(len("type"), *(len(r[1]) for r in cells))
+    longest = max(len(r[0]) for r in cells)
+    component = max(len(part) for r in cells for part in name_parts(r[0]))
+    gaps = text.GAP * (len(headers) - 1)
+    widths = whole if console.width - type_w - sum(whole) - gaps >= min(longest, 24) else parts
+    module_w = min(console.width - type_w - sum(widths) - gaps, longest)
+    if module_w < component:
+        console.print(Text(title, style="bold"))
+        for label, type_name, inputs, compute, outputs, activations in cells:
+            console.print(Text(wrap_name(label, console.width)), overflow="fold")
+            console.print(
+                Text(f"    {type_name}  in {inputs}  compute {compute}  out {outputs}  activations {activations}"), overflow="fold"
+            )
+        return
+    t = table(title)
+    t.add_column("module", width=module_w, overflow="fold")
+    t.add_column("type", width=type_w, no_wrap=True)
+    for name, w in zip(("in", "compute", "out"), widths, strict=False):
+        t.add_column(name, width=w)
+    t.add_column("activations", justify="right", width=widths[3])
+    for label, *rest in cells:
+        t.add_row(wrap_name(label, module_w), *rest)
+    console.print(t)
 
 
 def headline(s: TraceSummary) -> str:
@@ -199,7 +230,7 @@ def module_rows(modules: Iterable[ModuleSummary], verbose: bool) -> list[tuple[s
         buckets.setdefault(key, []).append(m)
     rows = []
     for members in buckets.values():
-        label = _label([m.module for m in members]) or "(root)"
+        label = fold_label([m.module for m in members]) or "(root)"
         rows.append((f"{label}  ×{len(members)}" if len(members) > 1 else label, members[0]))
     return rows
 
