@@ -810,10 +810,8 @@ def _convert_many(
     the reports in the order given, one line on stderr per source that could not be converted. Exit code: the worst."""
     import json
 
-    from . import fleet
-    from .conversion import make_plan
+    from . import dtypes, fleet
     from .conversion.atomic import default_output
-    from .inventory import Inventory
     from .render.convert import refusal_lines, render_json, render_text
 
     unique = list(dict.fromkeys(sources))
@@ -825,7 +823,7 @@ def _convert_many(
         out_dir = Path(output)
         if not out_dir.is_dir():
             raise UsageError("with several SOURCEs, -o names an existing directory to write each output into", path=str(output))
-        target = make_plan(Inventory("", "torch-zip", ()), to).target  # what --to means, said by the planner
+        target = dtypes.conversion_target(to)
         for src in unique:
             dest = str(out_dir / default_output(Path(src), target).name)
             if dest in outputs.values():

@@ -79,13 +79,6 @@ GLOB_RULE = (
 )
 
 
-_FLOATING = frozenset(name for name, d in dtypes.DTYPES.items() if d.is_floating)
-
-
-def is_floating(dtype: str) -> bool:
-    return dtype in _FLOATING
-
-
 # -- matchers ------------------------------------------------------------------------------------
 
 
@@ -277,7 +270,7 @@ class Rule:
     """Whether integer and bool tensors meet this rule: only when its dtypes name one (or are ``any``)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "covers_integers", self.dtypes is None or any(not is_floating(d) for d in self.dtypes))
+        object.__setattr__(self, "covers_integers", self.dtypes is None or any(not dtypes.is_floating(d) for d in self.dtypes))
 
     @property
     def label(self) -> str:
@@ -302,7 +295,7 @@ class Rule:
 
     def applies(self, t: TensorRecord) -> bool:
         """Whether every selector holds for ``t`` (``why_not`` is None), without composing the reason."""
-        if not self.covers_integers and not is_floating(t.dtype):
+        if not self.covers_integers and not dtypes.is_floating(t.dtype):
             return False
         if self.match and not any(m(t.name) for m in self.match):
             return False
@@ -331,7 +324,7 @@ class Rule:
 
     def why_not(self, t: TensorRecord) -> str | None:
         """None when the rule applies to ``t``; otherwise the first selector that does not hold."""
-        if not self.covers_integers and not is_floating(t.dtype):
+        if not self.covers_integers and not dtypes.is_floating(t.dtype):
             return f"{t.dtype} is not floating-point, and the rule's dtypes ({_dtype_text(self.dtypes)}) name no integer type"
         if self.match and not any(m(t.name) for m in self.match):
             return f"name does not match {', '.join(m.text for m in self.match)}"
@@ -440,7 +433,7 @@ class Policy:
                 if hit is not None:
                     ignored[hit] += 1
                     continue
-                unchecked = not self.check_integers and not is_floating(t.dtype)
+                unchecked = not self.check_integers and not dtypes.is_floating(t.dtype)
                 winner: int | None = None
                 for i, r in enumerate(self.rules):
                     if (r.optional and winner is not None) or not r.applies(t):
@@ -508,7 +501,7 @@ def decide(policy: Policy, t: TensorRecord) -> Decision:
     for m in policy.ignore:
         if m(t.name):
             return Decision(t, None, None, "info", skipped=f"ignored by '{m.text}'")
-    floating = is_floating(t.dtype)
+    floating = dtypes.is_floating(t.dtype)
     if not floating and not policy.check_integers:
         return Decision(t, None, None, "info", skipped=f"{t.dtype} is not floating-point and check_integers is off")
     for r in policy.rules:
@@ -747,7 +740,7 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool =
     default_dtype = None
     if "default_dtype" in raw:
         default_dtype = dtypes.canonical(raw["default_dtype"]) if isinstance(raw["default_dtype"], str) else None
-        if default_dtype is None or not is_floating(default_dtype):
+        if default_dtype is None or not dtypes.is_floating(default_dtype):
             wrong = raw["default_dtype"]
             raise fail(("default_dtype",), f"default_dtype must be a floating dtype, not {wrong!r}", hint="float32, float64, ...")
     trace = _trace(raw["trace"], fail) if "trace" in raw else TracePolicy()

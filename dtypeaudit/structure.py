@@ -78,10 +78,6 @@ _STATS = ("running_mean", "running_var")
 _RNN_LEAF = re.compile(r"^(weight|bias)_(ih|hh|hr)_l\d+(_reverse)?$")
 
 
-def is_floating(dtype: str) -> bool:
-    return dtype in dtypes.DTYPES and dtypes.get(dtype).is_floating
-
-
 def strip_wrappers(name: str) -> str:
     """``model_state_dict.module.fc.weight`` -> ``fc.weight``: the name without the wrappers training code adds.
 
@@ -137,7 +133,7 @@ class Module:
     @property
     def floating(self) -> tuple[TensorRecord, ...]:
         """The tensors a floating-dtype rule applies to: integer and bool buffers (``num_batches_tracked``) never are."""
-        return tuple(t for t in self.tensors if is_floating(t.dtype) and not t.layout.startswith("sparse"))
+        return tuple(t for t in self.tensors if dtypes.is_floating(t.dtype) and not t.layout.startswith("sparse"))
 
     @property
     def floating_dtypes(self) -> frozenset[str]:
@@ -221,7 +217,7 @@ def _guess(prefix: str, leaves: dict[str, TensorRecord]) -> tuple[ModuleKind, Co
     w, b = leaves.get("weight"), leaves.get("bias")
     if w is None:
         return "unknown", "low"
-    extra = [t for leaf, t in leaves.items() if leaf not in ("weight", "bias") and is_floating(t.dtype)]
+    extra = [t for leaf, t in leaves.items() if leaf not in ("weight", "bias") and dtypes.is_floating(t.dtype)]
     if b is not None and b.ndim != 1:
         return "unknown", "low"
     name = prefix.rpartition(".")[2]
@@ -328,7 +324,7 @@ def dominant_dtype(inv: Inventory | Iterable[TensorRecord], modules: Iterable[Mo
     elements: Counter[str] = Counter()
     for m in mods:
         w = m.weight
-        if m.kind in COMPUTE_KINDS and w is not None and is_floating(w.dtype):
+        if m.kind in COMPUTE_KINDS and w is not None and dtypes.is_floating(w.dtype):
             votes[w.dtype] += 1
             elements[w.dtype] += w.numel
     if not votes:

@@ -23,7 +23,7 @@ from ..torchcast import load_torch
 from ..values import ValueStats
 from .atomic import atomic_output, check_destination, default_output, flushing
 from .checks import apply_value_policy, check_values, measure_errors, value_findings
-from .plan import CASTABLE, TARGETS, Plan, TensorPlan, make_plan, plan_findings, unit_of
+from .plan import Plan, TensorPlan, make_plan, plan_findings, unit_of
 from .source import Progress, Source, source_files
 from .verify import verify
 from .write import parse_size, strip_keys, strip_notes, write_directory, write_file
@@ -278,8 +278,6 @@ def _hold_unsafe(plan: Plan, inv: Inventory, to: str, options: dict[str, Any], s
 
 
 __all__ = [
-    "CASTABLE",
-    "TARGETS",
     "Plan",
     "Result",
     "TensorPlan",

@@ -12,13 +12,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from .. import dtypes
 from ..errors import ConversionError
 from ..temporaries import remove_stale, temporary_path
-from .plan import TARGETS
 
 
 def default_output(source: Path, target: str, out_format: str | None = None) -> Path:
-    short = {v: k for k, v in TARGETS.items()}[target]
+    short = dtypes.short_name(target)
     if source.is_dir():
         return source.with_name(f"{source.name}-{short}")
     suffix = ".safetensors" if out_format == "safetensors" else source.suffix

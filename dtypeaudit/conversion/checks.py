@@ -21,7 +21,7 @@ from ..values import (
     measures_errors,
     start_value_checks,
 )
-from .plan import CASTABLE, Plan, TensorPlan, make_plan, unit_of
+from .plan import Plan, TensorPlan, make_plan, unit_of
 from .source import Progress, Source, source_files
 
 # Top-level keys under which training code keeps its own state beside the weights: Lightning's ``callbacks``
@@ -100,7 +100,7 @@ def units_held(plan: Plan, sources: dict[str, Source]) -> dict[str, tuple[Source
         unit = unit_of(t)
         if p.action not in ("leave", "keep") or t.region != "model" or is_training_state(t):
             continue
-        if t.dtype not in CASTABLE or t.layout != "strided" or unit in cast:
+        if t.dtype not in dtypes.CASTABLE or t.layout != "strided" or unit in cast:
             continue
         if unit in units:
             units[unit][3].append(t.name)
@@ -168,7 +168,7 @@ def _nonfinite_elsewhere(plan: Plan, sources: dict[str, Source], checked: set[st
     for p in plan.tensors:
         t = p.tensor
         unit = unit_of(t)
-        if unit in seen or t.dtype not in CASTABLE or t.layout != "strided":
+        if unit in seen or t.dtype not in dtypes.CASTABLE or t.layout != "strided":
             continue
         seen.add(unit)
         src = sources[t.file]

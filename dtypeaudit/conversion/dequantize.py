@@ -131,7 +131,7 @@ def logical_shape(weight: qm.LogicalWeight, inv: Inventory, sources: dict[str, S
 
 def make_dequant_plan(inv: Inventory, view: qm.QuantView, target: str, sources: dict[str, Source]) -> tuple[Plan, list[_Shard]]:
     """What each tensor becomes, and the output shards in the source's order."""
-    from .plan import CASTABLE, Plan, TensorPlan
+    from .plan import Plan, TensorPlan
 
     owner = view.by_storage()
     emitted: set[str] = set()
@@ -150,7 +150,7 @@ def make_dequant_plan(inv: Inventory, view: qm.QuantView, target: str, sources: 
             plans.append(TensorPlan(record, target, DEQUANTIZE, f"{w.scheme.name} dequantized"))
             shards.setdefault(w.file or t.file, _Shard(w.file or t.file)).entries.append(_Entry(w.name, target, shape, weight=w))
             continue
-        if t.dtype in CASTABLE and t.layout == "strided":
+        if t.dtype in dtypes.CASTABLE and t.layout == "strided":
             action = "leave" if t.dtype == target else "cast"
             plans.append(TensorPlan(t, target, action, f"already {target}" if action == "leave" else ""))
             shard.entries.append(_Entry(t.name, target, t.shape, tensor=t))
@@ -427,12 +427,9 @@ def convert_quantized(
     from ..checks import check
     from . import Result
     from .atomic import atomic_output, check_destination, default_output
-    from .plan import TARGETS
     from .source import Source, source_files
 
-    target = TARGETS.get(to, dtypes.canonical(to) or to)
-    if target not in TARGETS.values():
-        raise UsageError(f"--to must be fp16, bf16 or fp32, not '{to}'")
+    target = dtypes.conversion_target(to)
     if in_place:
         raise UsageError("--in-place cannot dequantize: the output replaces the quantized files with larger ones; give -o")
     supported(view)

@@ -21,8 +21,6 @@ from ..policy import Matcher, Policy, compile_matcher, decide
 from ..structure import annotate
 from ..values import ValueStats
 
-CASTABLE = frozenset({"float64", "float32", "float16", "bfloat16"})
-TARGETS = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 QUANTIZED_KEPT = "quantized storage kept byte for byte (--keep-quantized)"
 # Where a policy allows several dtypes and not the target: the widest half-precision-safe one first.
 PREFERENCE = ("float32", "bfloat16", "float16", "float64")
@@ -149,9 +147,7 @@ def make_plan(
     ``quantized``: storage tensors of quantized weights that --keep-quantized keeps byte for byte; they take no
     part in module or tie decisions (a float32 scale does not pull its Linear's bias to float32).
     """
-    target = TARGETS.get(to, dtypes.canonical(to) or to)
-    if target not in TARGETS.values():
-        raise UsageError(f"--to must be fp16, bf16 or fp32, not '{to}'")
+    target = dtypes.conversion_target(to)
     if inv.format in ("torchscript", "dcp", "factory", "pickle"):
         raise ConversionError(_REFUSALS[inv.format], path=inv.path)
     inv = annotate(inv)  # a no-op after convert's own; policies' module: rules see the guessed types
@@ -185,7 +181,7 @@ def make_plan(
         if strip_optimizer and t.region == "optimizer":
             plans.append(TensorPlan(t, t.dtype, "leave", "optimizer state inside a list or an object: --strip-optimizer cannot remove it"))
             continue
-        if t.dtype not in CASTABLE or t.layout != "strided":
+        if t.dtype not in dtypes.CASTABLE or t.layout != "strided":
             what = t.layout if t.layout != "strided" else t.dtype
             plans.append(TensorPlan(t, t.dtype, "leave", f"{what} tensors are left exactly as they are"))
             continue
@@ -215,9 +211,9 @@ def _choose(
     if unit_of(t) in held_units:
         return _Choice(i, t, own, t.dtype, "keep", "unsafe values kept at full precision (--keep-unsafe)", True)
     if policy is None:
-        allowed = CASTABLE
+        allowed = dtypes.CASTABLE
     else:
-        allowed = frozenset(d for d in CASTABLE if decide(policy, t.with_(dtype=d)).ok)
+        allowed = frozenset(d for d in dtypes.CASTABLE if decide(policy, t.with_(dtype=d)).ok)
     if target in allowed:
         return _Choice(
             i, t, allowed, target, "leave" if t.dtype == target else "cast", f"already {target}" if t.dtype == target else "", False
@@ -316,7 +312,7 @@ def _common_dtype(members: list[_Choice], target: str) -> str | None:
     if held:
         # What the user holds wins; a member whose policy disagrees makes the plan check refuse, by name.
         return next(iter(held))
-    common = frozenset(CASTABLE)
+    common = frozenset(dtypes.CASTABLE)
     for c in members:
         common &= c.allowed
     if not common:
@@ -411,7 +407,7 @@ def plan_findings(plan: Plan, policy: Policy | None) -> list[Finding]:
 
 def _would_not_run(plan: Plan, f: Finding) -> Finding:
     """A dtype-outlier the plan makes: an error, naming what holds the module (--keep, a rule, --keep-unsafe)."""
-    if f.rule != "dtype-outlier" or f.actual not in CASTABLE or f.tensor is None:
+    if f.rule != "dtype-outlier" or f.actual not in dtypes.CASTABLE or f.tensor is None:
         return f
     held = [p for p in plan.tensors if p.action in ("keep", "leave") and p.tensor.name.rpartition(".")[0] == f.tensor]
     reasons = list(dict.fromkeys(f"{p.tensor.name}: {p.reason}" for p in held if p.reason))

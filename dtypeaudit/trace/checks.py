@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..dtypes import DTYPES
+from ..dtypes import DTYPES, is_floating
 from ..inventory import Finding
-from .result import LOSS, LOW_PRECISION, NOT_PROMOTION, ROOT, GradRecord, ModuleCall, ModuleSummary, OpRecord, is_floating, unique
+from .result import LOSS, LOW_PRECISION, NOT_PROMOTION, ROOT, GradRecord, ModuleCall, ModuleSummary, OpRecord, unique
 
 if TYPE_CHECKING:
     from ..targets import Target

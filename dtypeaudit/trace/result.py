@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..dtypes import DTYPES
+from ..dtypes import is_floating
 from ..inventory import CheckpointReport
 
 Phase = Literal["forward", "backward"]
@@ -202,15 +202,9 @@ class TraceCheckpointReport(CheckpointReport):
     trace: TraceSummary | None = None
 
 
-_FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
 NOT_PROMOTION = frozenset({"aten._to_copy", "aten.copy_", "aten.copy", "aten._copy_from", "aten._copy_from_and_resize"})
 """Conversions: a dtype change there is what was asked for."""
 LOW_PRECISION = frozenset({"float16", "bfloat16"})
-
-
-def is_floating(dtype: str) -> bool:
-    d = DTYPES.get(dtype)
-    return d.is_floating if d is not None else dtype in _FLOATING
 
 
 def unique(items: Iterable[str]) -> tuple[str, ...]:
