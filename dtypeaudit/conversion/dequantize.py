@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -372,7 +371,7 @@ def _config_out(config: dict[str, Any], target: str) -> dict[str, Any]:
 def _write_directory(
     shards: list[_Shard], inv: Inventory, src_dir: Path, sources: dict[str, Source], tmp: Path, target: str, progress: Progress | None
 ) -> None:
-    from .write import _confined, _mode
+    from .write import _mode, copy_beside_weights
 
     weight_map: dict[str, str] = {}
     total = 0
@@ -386,21 +385,7 @@ def _write_directory(
         for e in shard.entries:
             weight_map[e.name] = shard.label
             total += _numel(e.shape) * dtypes.get(e.target).itemsize
-    for item in sorted(src_dir.iterdir()):
-        if item.name in sources or item.name.startswith(".") or item.name in hfdir.INDEX_NAMES:
-            continue
-        dest = tmp / item.name
-        _confined(src_dir, item)
-        if item.name == "config.json" and item.is_file():
-            config = json.loads(item.read_text(encoding="utf-8"))
-            dest.write_text(json.dumps(_config_out(config, target), indent=2) + "\n", encoding="utf-8")
-            os.chmod(dest, _mode(item))
-        elif item.is_dir():
-            for inner in item.rglob("*"):
-                _confined(src_dir, inner)
-            shutil.copytree(item, dest, symlinks=False)
-        else:
-            shutil.copy2(item, dest)
+    copy_beside_weights(src_dir, tmp, skip=set(sources), edit_config=lambda config: _config_out(config, target))
     index = next((src_dir / n for n in hfdir.INDEX_NAMES if (src_dir / n).is_file()), None)
     if index is not None:
         doc = json.loads(index.read_text(encoding="utf-8"))

@@ -7,7 +7,7 @@ import os
 import shutil
 import stat
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -424,25 +424,15 @@ def write_directory(
             os.chmod(out, _mode(src.path))
             total += sub.bytes_after
     index_name = hfdir.INDEX_NAMES[0] if (src_dir / hfdir.INDEX_NAMES[0]).exists() or weight_map is not None else hfdir.INDEX_NAMES[1]
-    for item in sorted(src_dir.iterdir()):
-        if item.name in sources or item.name.startswith(".") or item.name in hfdir.INDEX_NAMES:
-            continue
-        dest = out_dir / item.name
-        _confined(src_dir, item)
-        if item.name == "config.json" and item.is_file():
-            config = json.loads(item.read_text(encoding="utf-8"))
-            if plan.config_dtype is not None:
-                # transformers 5 reads dtype (and torch_dtype where dtype is absent); 4 reads torch_dtype.
-                keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
-                config.update(dict.fromkeys(keys, plan.config_dtype))
-            dest.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-            os.chmod(dest, _mode(item))
-        elif item.is_dir():
-            for inner in item.rglob("*"):
-                _confined(src_dir, inner)
-            shutil.copytree(item, dest, symlinks=False)  # links confined above are copied as the files they name
-        else:
-            shutil.copy2(item, dest)
+
+    def set_dtype(config: dict[str, Any]) -> dict[str, Any]:
+        if plan.config_dtype is not None:
+            # transformers 5 reads dtype (and torch_dtype where dtype is absent); 4 reads torch_dtype.
+            keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
+            config.update(dict.fromkeys(keys, plan.config_dtype))
+        return config
+
+    copy_beside_weights(src_dir, out_dir, skip=set(sources), edit_config=set_dtype)
     source_index = src_dir / index_name
     if weight_map is not None or source_index.is_file():
         index = json.loads(source_index.read_text(encoding="utf-8")) if source_index.is_file() else {}
@@ -500,3 +490,26 @@ def _subplan(source: Inventory, plan: Plan, plans: list[TensorPlan]) -> Plan:
         if unit_of(p.tensor) in plan.values:
             sub.values[unit_of(r.tensor)] = plan.values[unit_of(p.tensor)]
     return sub
+
+
+def copy_beside_weights(
+    src_dir: Path, out_dir: Path, *, skip: Collection[str], edit_config: Callable[[dict[str, Any]], dict[str, Any]]
+) -> None:
+    """Every file and folder of a model directory other than its weights (``skip``), hidden files and its index,
+    copied into ``out_dir``: confined to ``src_dir`` (links are copied as the files they name), config.json
+    rewritten through ``edit_config``, modes kept."""
+    for item in sorted(src_dir.iterdir()):
+        if item.name in skip or item.name.startswith(".") or item.name in hfdir.INDEX_NAMES:
+            continue
+        dest = out_dir / item.name
+        _confined(src_dir, item)
+        if item.name == "config.json" and item.is_file():
+            config = json.loads(item.read_text(encoding="utf-8"))
+            dest.write_text(json.dumps(edit_config(config), indent=2) + "\n", encoding="utf-8")
+            os.chmod(dest, _mode(item))
+        elif item.is_dir():
+            for inner in item.rglob("*"):
+                _confined(src_dir, inner)
+            shutil.copytree(item, dest, symlinks=False)  # links confined above are copied as the files they name
+        else:
+            shutil.copy2(item, dest)
