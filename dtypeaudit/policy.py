@@ -1,4 +1,4 @@
-"""YAML dtype policies: parse safely, validate declaratively with line numbers, compile matchers once.
+"""YAML dtype policies: parse safely, validate against a schema table with line numbers, compile matchers once.
 
 A policy says which dtype each tensor should have::
 
@@ -293,21 +293,54 @@ class Rule:
             parts.append("scheme: " + ", ".join(m.text for m in self.scheme))
         return "; ".join(parts)
 
-    def applies(self, t: TensorRecord) -> bool:
-        """Whether every selector holds for ``t`` (``why_not`` is None), without composing the reason."""
+    def miss(self, t: TensorRecord) -> str | None:
+        """The first selector that does not hold for ``t`` (``dtype`` for the dtype scope, else the key as
+        written: ``match``, ``ndim``, ...), or None when the rule applies.
+
+        The one matcher: ``applies`` and ``why_not`` both ask it, so what decides a tensor and what ``--explain``
+        says about it cannot drift apart. It returns a constant, so the hot path composes no message.
+        """
         if not self.covers_integers and not dtypes.is_floating(t.dtype):
-            return False
+            return "dtype"
         if self.match and not any(m(t.name) for m in self.match):
-            return False
+            return "match"
         if self.ndim is not None and not _OPS[self.ndim[0]](t.ndim, self.ndim[1]):
-            return False
+            return "ndim"
         if self.kind is not None and t.kind not in self.kind:
-            return False
+            return "kind"
         if self.module and self.module_via(t) is None:
-            return False
+            return "module"
+        if self.region is not None and t.region != self.region:
+            return "region"
         if self.scheme and not self.scheme_matches(t):
-            return False
-        return self.region is None or t.region == self.region
+            return "scheme"
+        return None
+
+    def applies(self, t: TensorRecord) -> bool:
+        """Whether every selector holds for ``t``."""
+        return self.miss(t) is None
+
+    def why_not(self, t: TensorRecord) -> str | None:
+        """None when the rule applies to ``t``; otherwise why the first selector that does not hold fails."""
+        missed = self.miss(t)
+        if missed is None:
+            return None
+        if missed == "dtype":
+            return f"{t.dtype} is not floating-point, and the rule's dtypes ({_dtype_text(self.dtypes)}) name no integer type"
+        if missed == "match":
+            return f"name does not match {', '.join(m.text for m in self.match)}"
+        if missed == "ndim":
+            assert self.ndim is not None
+            return f"ndim {t.ndim} is not {self.ndim[0]} {self.ndim[1]}"
+        if missed == "kind":
+            return f"kind {t.kind} is not {'/'.join(sorted(self.kind or ()))}"
+        if missed == "module":
+            if t.module is None and t.module_guess is None:
+                return "module type unknown (not sure from names and shapes; give --model FACTORY)"
+            return f"module {module_text(t)} is not {', '.join(m.text for m in self.module)}"
+        if missed == "region":
+            return f"region {t.region} is not {self.region}"
+        return f"scheme {t.scheme or 'none (not quantized)'} is not {', '.join(m.text for m in self.scheme)}"
 
     def scheme_matches(self, t: TensorRecord) -> bool:
         if t.scheme is None:
@@ -320,27 +353,6 @@ class Rule:
             return "module"
         if t.module_guess is not None and any(m(t.module_guess) for m in self.module):
             return "guess"
-        return None
-
-    def why_not(self, t: TensorRecord) -> str | None:
-        """None when the rule applies to ``t``; otherwise the first selector that does not hold."""
-        if not self.covers_integers and not dtypes.is_floating(t.dtype):
-            return f"{t.dtype} is not floating-point, and the rule's dtypes ({_dtype_text(self.dtypes)}) name no integer type"
-        if self.match and not any(m(t.name) for m in self.match):
-            return f"name does not match {', '.join(m.text for m in self.match)}"
-        if self.ndim is not None and not _OPS[self.ndim[0]](t.ndim, self.ndim[1]):
-            return f"ndim {t.ndim} is not {self.ndim[0]} {self.ndim[1]}"
-        if self.kind is not None and t.kind not in self.kind:
-            return f"kind {t.kind} is not {'/'.join(sorted(self.kind))}"
-        if self.module:
-            if t.module is None and t.module_guess is None:
-                return "module type unknown (not sure from names and shapes; give --model FACTORY)"
-            if self.module_via(t) is None:
-                return f"module {module_text(t)} is not {', '.join(m.text for m in self.module)}"
-        if self.region is not None and t.region != self.region:
-            return f"region {t.region} is not {self.region}"
-        if self.scheme and not self.scheme_matches(t):
-            return f"scheme {t.scheme or 'none (not quantized)'} is not {', '.join(m.text for m in self.scheme)}"
         return None
 
     def how(self, t: TensorRecord) -> str:
@@ -677,183 +689,167 @@ def _construct(node: Any, where: tuple[object, ...], lines: Lines, path: str) ->
     return yaml.SafeLoader(" ").construct_object(node)
 
 
-# -- validation: a declarative schema ------------------------------------------------------------
+# -- validation: a schema table ------------------------------------------------------------------
+#
+# Each section of a policy is a table of fields: the key, the parser that checks and converts its value
+# (raising a line-numbered PolicyError through ``fail``), the value when the key is absent, and the record
+# attribute it fills. One walker (``_walk``) checks a section against its table: a mapping, no unknown keys,
+# the required ones present, a rule selecting something; then each field's parser in table order.
 
-TOP_KEYS = (
-    "version",
-    "extends",
-    "default",
-    "check_integers",
-    "ignore",
-    "rules",
-    "fail_on",
-    "strict",
-    "target",
-    "default_dtype",
-    "trace",
-)
-TRACE_KEYS = ("fail_on", "allow_promotion")
-RULE_KEYS = ("name", "match", "ndim", "kind", "module", "region", "scheme", "dtype", "severity", "reason", "optional")
-
-
-def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool = False) -> Policy:
-    def fail(where: tuple[object, ...], message: str, hint: str | None = None) -> PolicyError:
-        line = lines.get(where)
-        while line is None and where:
-            where = where[:-1]
-            line = lines.get(where)
-        return PolicyError(message, path=source, line=line, hint=hint)
-
-    for key in raw:
-        if key not in TOP_KEYS:
-            raise fail((key,), f"unknown key '{key}'", hint=did_you_mean(key, TOP_KEYS) + f"valid keys: {', '.join(TOP_KEYS)}")
-    version = raw.get("version", 1)
-    if version != 1:
-        raise fail(("version",), f"unsupported version {version!r}", hint="this dtypeaudit reads version: 1")
-    if "extends" in raw and not isinstance(raw["extends"], str):
-        raise fail(("extends",), "extends must be a preset name or a file path")
-
-    default: frozenset[str] | None = None
-    default_severity: Severity = "error"
-    if "default" in raw:
-        spec = raw["default"]
-        if isinstance(spec, dict):
-            for key in spec:
-                if key not in ("dtype", "severity"):
-                    raise fail(
-                        ("default", key),
-                        f"unknown key '{key}' in default",
-                        hint=did_you_mean(key, ("dtype", "severity")) + "valid keys: dtype, severity",
-                    )
-            default = _dtypes(spec.get("dtype", "any"), ("default", "dtype"), fail)
-            default_severity = _severity(spec.get("severity", "error"), ("default", "severity"), fail)
-        else:
-            default = _dtypes(spec, ("default",), fail)
-    check_integers = raw.get("check_integers", False)
-    if not isinstance(check_integers, bool):
-        raise fail(("check_integers",), "check_integers must be true or false")
-    fail_on = _severity(raw["fail_on"], ("fail_on",), fail) if "fail_on" in raw else None
-    strict = raw.get("strict", False)
-    if not isinstance(strict, bool):
-        raise fail(("strict",), "strict must be true or false")
-    target = _target(raw["target"], fail) if "target" in raw else None
-    default_dtype = None
-    if "default_dtype" in raw:
-        default_dtype = dtypes.canonical(raw["default_dtype"]) if isinstance(raw["default_dtype"], str) else None
-        if default_dtype is None or not dtypes.is_floating(default_dtype):
-            wrong = raw["default_dtype"]
-            raise fail(("default_dtype",), f"default_dtype must be a floating dtype, not {wrong!r}", hint="float32, float64, ...")
-    trace = _trace(raw["trace"], fail) if "trace" in raw else TracePolicy()
-
-    ignore = _matchers(raw.get("ignore", []), ("ignore",), fail)
-    rules_raw = raw.get("rules", [])
-    if not isinstance(rules_raw, list):
-        raise fail(("rules",), "rules must be a list of rules")
-    rules = []
-    for i, r in enumerate(rules_raw):
-        where = ("rules", i)
-        if not isinstance(r, dict):
-            raise fail(where, "each rule must be a mapping with at least 'dtype'")
-        for key in r:
-            if key not in RULE_KEYS:
-                raise fail(
-                    where + (key,),
-                    f"unknown key '{key}' in rule",
-                    hint=did_you_mean(key, RULE_KEYS) + f"valid keys: {', '.join(RULE_KEYS)}",
-                )
-        if "dtype" not in r:
-            raise fail(where, "rule has no 'dtype' (a dtype, a list of dtypes, or any)")
-        if not any(k in r for k in ("match", "ndim", "kind", "module", "region", "scheme")):
-            raise fail(where, "rule selects nothing: give match, ndim, kind, module, region or scheme")
-        ndim = None
-        if "ndim" in r:
-            m = _NDIM.match(str(r["ndim"])) if isinstance(r["ndim"], (int, str)) and not isinstance(r["ndim"], bool) else None
-            if not m:
-                raise fail(where + ("ndim",), f"bad ndim {r['ndim']!r}", hint="an integer or a comparison such as '<=1' or '>=2'")
-            ndim = (m.group(1) or "==", int(m.group(2)))
-        kind = None
-        if "kind" in r:
-            kinds = r["kind"] if isinstance(r["kind"], list) else [r["kind"]]
-            for k in kinds:
-                if k not in KINDS:
-                    raise fail(where + ("kind",), f"unknown kind {k!r}", hint=did_you_mean(k, KINDS) + f"valid: {', '.join(KINDS)}")
-            kind = frozenset(kinds)
-        region = r.get("region")
-        if region is not None and region not in REGIONS:
-            raise fail(
-                where + ("region",), f"unknown region {region!r}", hint=did_you_mean(region, REGIONS) + f"valid: {', '.join(REGIONS)}"
-            )
-        name = r.get("name")
-        if name is not None and not isinstance(name, str):
-            raise fail(where + ("name",), "name must be a string")
-        reason = r.get("reason")
-        if reason is not None and not isinstance(reason, str):
-            raise fail(where + ("reason",), "reason must be a string")
-        optional = r.get("optional", False)
-        if not isinstance(optional, bool):
-            raise fail(where + ("optional",), "optional must be true or false")
-        rules.append(
-            Rule(
-                index=i,
-                source=f"{Path(source).name}:{lines.get(where, '?')}",
-                name=name,
-                match=_matchers(r.get("match", []), where + ("match",), fail),
-                ndim=ndim,
-                kind=kind,
-                module=_matchers(r.get("module", []), where + ("module",), fail),
-                region=region,
-                scheme=_matchers(r.get("scheme", []), where + ("scheme",), fail),
-                dtypes=_dtypes(r["dtype"], where + ("dtype",), fail, allow_none=True),
-                severity=_severity(r.get("severity", "error"), where + ("severity",), fail),
-                reason=reason,
-                optional=optional or builtin,
-            )
-        )
-    return Policy(
-        source=source,
-        version=1,
-        default=default,
-        default_severity=default_severity,
-        check_integers=check_integers,
-        ignore=ignore,
-        optional_ignores=frozenset(range(len(ignore))) if builtin else frozenset(),
-        rules=tuple(rules),
-        fail_on=fail_on,
-        strict=strict,
-        target=target,
-        default_dtype=default_dtype,
-        trace=trace,
-    )
-
-
+Where = tuple[object, ...]
 Fail = Callable[..., PolicyError]
+Parse = Callable[[Any, Where, Fail], Any]
 
 
-def _trace(value: Any, fail: Fail) -> TracePolicy:
-    """The ``trace:`` section: ``{fail_on: SEVERITY, allow_promotion: [PATTERN, ...]}``."""
+@dataclass(frozen=True)
+class Field:
+    """One key of a policy section."""
+
+    key: str
+    parse: Parse
+    default: Any = None
+    """The parsed value when the key is absent."""
+    attr: str = ""
+    """The record attribute the parsed value fills; the key itself when empty."""
+    required: str | None = None
+    """The message when the key is missing; None for an optional key."""
+    selector: bool = False
+    """A rule selector: a rule must give at least one."""
+
+
+@dataclass(frozen=True)
+class Section:
+    """A mapping of a policy (the top level, ``default``, ``trace``, a rule) as a table of its fields."""
+
+    label: str
+    """How messages name it (``in rule``); empty for the top level."""
+    fields: tuple[Field, ...]
+    not_mapping: str = ""
+    """The message when the value is not a mapping."""
+    not_mapping_hint: bool = False
+    """Whether that message lists the valid keys."""
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(f.key for f in self.fields)
+
+
+def _walk(section: Section, value: Any, where: Where, fail: Fail) -> dict[str, Any]:
+    """Check ``value`` against ``section``'s table; its fields' parsed values by attribute name."""
+    keys = section.keys
     if not isinstance(value, dict):
-        raise fail(("trace",), "trace must be a mapping", hint=f"valid keys: {', '.join(TRACE_KEYS)}")
+        raise fail(where, section.not_mapping, hint=f"valid keys: {', '.join(keys)}" if section.not_mapping_hint else None)
     for key in value:
-        if key not in TRACE_KEYS:
+        if key not in keys:
             raise fail(
-                ("trace", key), f"unknown key '{key}' in trace", hint=did_you_mean(key, TRACE_KEYS) + f"valid keys: {', '.join(TRACE_KEYS)}"
+                where + (key,),
+                f"unknown key '{key}'" + (f" in {section.label}" if section.label else ""),
+                hint=did_you_mean(key, keys) + f"valid keys: {', '.join(keys)}",
             )
-    fail_on = _severity(value["fail_on"], ("trace", "fail_on"), fail) if "fail_on" in value else None
-    allow = _matchers(value.get("allow_promotion", []), ("trace", "allow_promotion"), fail)
-    return TracePolicy(fail_on=fail_on, allow_promotion=allow)
+    for f in section.fields:
+        if f.required is not None and f.key not in value:
+            raise fail(where, f.required)
+    selectors = [f.key for f in section.fields if f.selector]
+    if selectors and not any(k in value for k in selectors):
+        raise fail(where, f"{section.label} selects nothing: give {', '.join(selectors[:-1])} or {selectors[-1]}")
+    return {f.attr or f.key: f.parse(value[f.key], where + (f.key,), fail) if f.key in value else f.default for f in section.fields}
 
 
-def _target(value: Any, fail: Fail) -> str:
+# -- field parsers: (value, where, fail) -> the parsed value
+
+
+def _boolean(value: Any, where: Where, fail: Fail) -> bool:
+    if not isinstance(value, bool):
+        raise fail(where, f"{where[-1]} must be true or false")
+    return value
+
+
+def _text(value: Any, where: Where, fail: Fail) -> str | None:
+    """A string, or None for ``null``."""
+    if value is not None and not isinstance(value, str):
+        raise fail(where, f"{where[-1]} must be a string")
+    return value
+
+
+def _version(value: Any, where: Where, fail: Fail) -> int:
+    if value != 1:
+        raise fail(where, f"unsupported version {value!r}", hint="this dtypeaudit reads version: 1")
+    return 1
+
+
+def _extends(value: Any, where: Where, fail: Fail) -> str:
+    if not isinstance(value, str):
+        raise fail(where, "extends must be a preset name or a file path")
+    return value
+
+
+def _default(value: Any, where: Where, fail: Fail) -> tuple[frozenset[str] | None, Severity]:
+    """``default: DTYPES`` or ``default: {dtype: DTYPES, severity: SEVERITY}``: (dtypes, severity)."""
+    if not isinstance(value, dict):
+        return _dtypes(value, where, fail), "error"
+    spec = _walk(DEFAULT, value, where, fail)
+    return spec["dtype"], spec["severity"]
+
+
+def _default_dtype(value: Any, where: Where, fail: Fail) -> str:
+    name = dtypes.canonical(value) if isinstance(value, str) else None
+    if name is None or not dtypes.is_floating(name):
+        raise fail(where, f"default_dtype must be a floating dtype, not {value!r}", hint="float32, float64, ...")
+    return name
+
+
+def _trace(value: Any, where: Where, fail: Fail) -> TracePolicy:
+    """The ``trace:`` section: ``{fail_on: SEVERITY, allow_promotion: [PATTERN, ...]}``."""
+    return TracePolicy(**_walk(TRACE, value, where, fail))
+
+
+def _rules(value: Any, where: Where, fail: Fail) -> list[tuple[Where, dict[str, Any]]]:
+    """Each rule's place and its fields (``_validate`` numbers them and adds where they were written)."""
+    if not isinstance(value, list):
+        raise fail(where, "rules must be a list of rules")
+    return [(where + (i,), _walk(RULE, r, where + (i,), fail)) for i, r in enumerate(value)]
+
+
+def _ndim(value: Any, where: Where, fail: Fail) -> tuple[str, int]:
+    m = _NDIM.match(str(value)) if isinstance(value, (int, str)) and not isinstance(value, bool) else None
+    if not m:
+        raise fail(where, f"bad ndim {value!r}", hint="an integer or a comparison such as '<=1' or '>=2'")
+    return (m.group(1) or "==", int(m.group(2)))
+
+
+def _one_of(value: Any, where: Where, fail: Fail, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise fail(where, f"unknown {where[-1]} {value!r}", hint=did_you_mean(value, choices) + f"valid: {', '.join(choices)}")
+
+
+def _kinds(value: Any, where: Where, fail: Fail) -> frozenset[str]:
+    kinds = value if isinstance(value, list) else [value]
+    for k in kinds:
+        _one_of(k, where, fail, KINDS)
+    return frozenset(kinds)
+
+
+def _region(value: Any, where: Where, fail: Fail) -> str | None:
+    if value is not None:
+        _one_of(value, where, fail, REGIONS)
+    return value
+
+
+def _rule_dtypes(value: Any, where: Where, fail: Fail) -> frozenset[str] | None:
+    return _dtypes(value, where, fail, allow_none=True)
+
+
+def _target(value: Any, where: Where, fail: Fail) -> str:
     """A hardware target's name, as ``--target`` takes it; its canonical name."""
     from .errors import UsageError
     from .targets import names, resolve
 
     if not isinstance(value, str):
-        raise fail(("target",), "target must be a hardware target's name", hint=f"valid: {', '.join(names())}; or sm_XY")
+        raise fail(where, "target must be a hardware target's name", hint=f"valid: {', '.join(names())}; or sm_XY")
     try:
         return resolve(value).name
     except UsageError as exc:
-        raise fail(("target",), exc.message, hint=did_you_mean(value, names()) + f"valid: {', '.join(names())}; or sm_XY") from None
+        raise fail(where, exc.message, hint=did_you_mean(value, names()) + f"valid: {', '.join(names())}; or sm_XY") from None
 
 
 def did_you_mean(word: object, choices: Iterable[str]) -> str:
@@ -906,3 +902,88 @@ def _matchers(value: Any, where: tuple[object, ...], fail: Fail) -> tuple[Matche
         except ValueError as exc:
             raise fail(at, str(exc)) from None
     return tuple(out)
+
+
+DEFAULT = Section(
+    "default",
+    (
+        Field("dtype", _dtypes),
+        Field("severity", _severity, default="error"),
+    ),
+)
+TRACE = Section(
+    "trace",
+    (
+        Field("fail_on", _severity),
+        Field("allow_promotion", _matchers, default=()),
+    ),
+    not_mapping="trace must be a mapping",
+    not_mapping_hint=True,
+)
+RULE = Section(
+    "rule",
+    (
+        Field("name", _text),
+        Field("match", _matchers, default=(), selector=True),
+        Field("ndim", _ndim, selector=True),
+        Field("kind", _kinds, selector=True),
+        Field("module", _matchers, default=(), selector=True),
+        Field("region", _region, selector=True),
+        Field("scheme", _matchers, default=(), selector=True),
+        Field("dtype", _rule_dtypes, attr="dtypes", required="rule has no 'dtype' (a dtype, a list of dtypes, or any)"),
+        Field("severity", _severity, default="error"),
+        Field("reason", _text),
+        Field("optional", _boolean, default=False),
+    ),
+    not_mapping="each rule must be a mapping with at least 'dtype'",
+)
+TOP = Section(
+    "",
+    (
+        Field("version", _version, default=1),
+        Field("extends", _extends),
+        Field("default", _default, default=(None, "error")),
+        Field("check_integers", _boolean, default=False),
+        Field("ignore", _matchers, default=()),
+        Field("rules", _rules, default=()),
+        Field("fail_on", _severity),
+        Field("strict", _boolean, default=False),
+        Field("target", _target),
+        Field("default_dtype", _default_dtype),
+        Field("trace", _trace, default=TracePolicy()),
+    ),
+)
+TOP_KEYS = TOP.keys
+TRACE_KEYS = TRACE.keys
+RULE_KEYS = RULE.keys
+
+
+def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool = False) -> Policy:
+    def fail(where: Where, message: str, hint: str | None = None) -> PolicyError:
+        line = lines.get(where)
+        while line is None and where:
+            where = where[:-1]
+            line = lines.get(where)
+        return PolicyError(message, path=source, line=line, hint=hint)
+
+    top = _walk(TOP, raw, (), fail)
+    rules = tuple(
+        Rule(index=i, source=f"{Path(source).name}:{lines.get(where, '?')}", **{**fields, "optional": fields["optional"] or builtin})
+        for i, (where, fields) in enumerate(top["rules"])
+    )
+    default, default_severity = top["default"]
+    return Policy(
+        source=source,
+        version=1,
+        default=default,
+        default_severity=default_severity,
+        check_integers=top["check_integers"],
+        ignore=top["ignore"],
+        optional_ignores=frozenset(range(len(top["ignore"]))) if builtin else frozenset(),
+        rules=rules,
+        fail_on=top["fail_on"],
+        strict=top["strict"],
+        target=top["target"],
+        default_dtype=top["default_dtype"],
+        trace=top["trace"],
+    )

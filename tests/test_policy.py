@@ -67,6 +67,12 @@ def test_every_selector(tmp_path: Path, selector: str, hit: TensorRecord, miss: 
     pol = load_policy(str(write(tmp_path, f"version: 1\ndefault: any\nrules:\n  - {selector}\n    dtype: float16\n")))
     assert decide(pol, hit).rule is not None
     assert decide(pol, miss).rule is None
+    # one matcher decides and explains: the rule names the selector that failed, and only that one
+    (rule,) = pol.rules
+    key = selector.split(":")[0]
+    assert rule.miss(hit) is None and rule.why_not(hit) is None
+    assert rule.miss(miss) == key
+    assert (rule.why_not(miss) or "").startswith("name does not match" if key == "match" else key), rule.why_not(miss)
 
 
 def test_combined_selectors_all_must_hold(tmp_path: Path) -> None:
@@ -138,6 +144,19 @@ def test_extends_a_preset_and_a_file(tmp_path: Path) -> None:
         ("extends: no-such-preset\n", 1, ["unknown preset 'no-such-preset'", "fp16-mixed"]),
         ("rules:\n  - match: x\n    dtype: fp16\n    optional: maybe\n", 4, ["optional must be true or false"]),
         ("rules:\n  - match: '^'\n    dtype: fp16\n", 2, ["empty pattern"]),
+        ("rules:\n  - match: x\n    dtype: fp16\n    name: 5\n", 4, ["name must be a string"]),
+        ("rules:\n  - match: x\n    dtype: fp16\n    reason: [a]\n", 4, ["reason must be a string"]),
+        ("rules:\n  - 3\n", 2, ["each rule must be a mapping with at least 'dtype'"]),
+        ("rules:\n  - match: x\n    dtype: fp12\n", 3, ["unknown dtype 'fp12'", "fp16"]),
+        ("default:\n  dtype: fp16\n  sevrity: info\n", 3, ["unknown key 'sevrity' in default", "valid keys: dtype, severity"]),
+        ("default:\n  dtype: fp16\n  severity: loud\n", 3, ["unknown severity 'loud'"]),
+        ("version: 2\n", 1, ["unsupported version 2", "version: 1"]),
+        ("extends: [a]\n", 1, ["extends must be a preset name or a file path"]),
+        ("default_dtype: int8\n", 1, ["default_dtype must be a floating dtype, not 'int8'"]),
+        ("trace: 3\n", 1, ["trace must be a mapping", "valid keys: fail_on, allow_promotion"]),
+        ("fail_on: often\n", 1, ["unknown severity 'often'"]),
+        ("ignore: [1]\n", 1, ["pattern must be a string, not 1"]),
+        ("defualt: fp16\n", 1, ["unknown key 'defualt'", "did you mean 'default'?", "valid keys: version, extends"]),
     ],
 )
 def test_validation_errors_name_file_and_line(tmp_path: Path, text: str, line: int, keywords: list[str]) -> None:
