@@ -6,106 +6,108 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Rule:
+class FindingRule:
+    """A kind of finding: its id, default severity, what it means and what to do (SARIF reportingDescriptor)."""
+
     id: str
     severity: str
     summary: str
     help: str
 
 
-RULES: dict[str, Rule] = {
+RULES: dict[str, FindingRule] = {
     r.id: r
     for r in (
-        Rule(
+        FindingRule(
             "unsafe-global",
             "error",
             "The pickle references a global that is not a tensor-rebuilding one.",
             "Loading this file with torch.load(weights_only=False) would import and possibly call it. "
             "dtypeaudit never does. Re-save the checkpoint as a plain state_dict or safetensors.",
         ),
-        Rule(
+        FindingRule(
             "foreign-global",
             "warning",
             "The pickle references a plain data class (argparse.Namespace, Lightning's AttributeDict, numpy scalars).",
             "torch.load(weights_only=True) refuses it unless allow-listed with torch.serialization.add_safe_globals.",
         ),
-        Rule(
+        FindingRule(
             "index-mismatch",
             "error",
             "A sharded checkpoint's index and its shards disagree.",
             "Regenerate the index, or re-download the shards it names.",
         ),
-        Rule(
+        FindingRule(
             "trailing-data",
             "warning",
             "Bytes follow the pickle that loaders ignore.",
             "A second pickle hidden after the first is a known smuggling trick; its globals are reported too.",
         ),
-        Rule(
+        FindingRule(
             "pickled-module",
             "error",
             "The file pickles a whole nn.Module, not a state_dict.",
             "Loading it imports and runs the module's class. Save model.state_dict() and ship that instead.",
         ),
-        Rule(
+        FindingRule(
             "loader-divergence",
             "warning",
             "A loader might read this file differently from dtypeaudit (for example torch.load(weights_only=True) refuses it).",
             "Loading it then takes weights_only=False, which trusts the file. Re-save with torch.save's defaults; "
             "scan --strict fails on this.",
         ),
-        Rule(
+        FindingRule(
             "load-cast",
             "warning",
             "from_pretrained loads a tensor in another dtype than the one stored (the config's dtype, keep-in-fp32 modules).",
             "The policy is checked against the dtypes the loaded model has; the stored dtype is reported beside it. Set the "
             "config's dtype to what the weights hold, or convert the weights to what the config says.",
         ),
-        Rule(
+        FindingRule(
             "duplicate-key",
             "warning",
             "A JSON file the loader reads (config.json, an index) lists a key twice; the loader keeps the last value.",
             "dtypeaudit reads the value the loader keeps. Remove the duplicate so that every reader agrees.",
         ),
-        Rule(
+        FindingRule(
             "keep-in-fp32-unknown",
             "info",
             "The model class named in config.json is not importable here, so its keep-in-fp32 modules are unknown.",
             "Install transformers to audit the dtypes from_pretrained gives those modules.",
         ),
-        Rule(
+        FindingRule(
             "left-out",
             "info",
             "Files in a folder that no modelled loader would read, or that --exclude names, were not scanned.",
             "The note lists each file and why. Use --exclude only for files nobody loads.",
         ),
-        Rule(
+        FindingRule(
             "followed-link",
             "info",
             "A symlink in the folder leads outside it; the file it leads to was read.",
             "Loaders follow the link too. Copy the file into the folder to make the checkpoint self-contained.",
         ),
-        Rule(
+        FindingRule(
             "shadowed-method",
             "error",
             "A tensor's pickled state sets an attribute named like a Tensor method (half, to, float ...).",
             "Code that calls that method on the loaded tensor gets the attribute instead. convert refuses to carry it "
             "forward; re-save the tensors without their state.",
         ),
-        Rule(
+        FindingRule(
             "unused-weights",
             "warning",
             "A model directory holds weight files that from_pretrained would not load.",
             "Delete the stale files or fix the index: what is audited should be what loads. scan --strict fails on this.",
         ),
-        Rule("unreadable", "error", "The checkpoint could not be read.", "The message says why; fix or re-download the file."),
-        Rule(
+        FindingRule("unreadable", "error", "The checkpoint could not be read.", "The message says why; fix or re-download the file."),
+        FindingRule(
             "dtype-mismatch",
             "error",
             "A tensor's dtype is not what the policy expects.",
             "Convert the checkpoint (dtypeaudit convert) or change the policy rule that matched; --explain NAME shows which.",
         ),
-        Rule(
+        FindingRule(
             "module-dtype-mix",
             "error",
             "Tensors of one module disagree in floating dtype in a way PyTorch's kernel refuses.",
@@ -113,7 +115,7 @@ RULES: dict[str, Rule] = {
             "running statistics in one dtype (an fp16 BatchNorm with fp32 statistics fails with 'expected scalar type Half "
             "but found Float'). Convert the module's floating tensors together. A module of unknown kind is a warning.",
         ),
-        Rule(
+        FindingRule(
             "dtype-outlier",
             "warning",
             "A module's dtype differs from the model's dominant dtype in a way a forward pass does not survive.",
@@ -122,87 +124,87 @@ RULES: dict[str, Rule] = {
             "float32 are fine: they take half input. A warning when module kinds are guessed from names and shapes; "
             "an error with --model when the module type's rule is known.",
         ),
-        Rule(
+        FindingRule(
             "unused-rule",
             "warning",
             "A policy rule or ignore pattern decides no tensor in any checkpoint of the run.",
             "Its pattern matches nothing (globs match whole dotted names or tails after a dot; ^ anchors), an earlier "
             "rule decides every tensor it matches, or it selects by module without --model. Fix it, or mark it optional: true.",
         ),
-        Rule(
+        FindingRule(
             "model-mismatch",
             "error",
             "Fewer than half of the checkpoint's model tensors match a name of the --model factory.",
             "Kinds and module rules would apply to a few tensors in silence. Give the factory of the model the checkpoint "
             "was saved from; the message shows the prefix that comes closest.",
         ),
-        Rule(
+        FindingRule(
             "tied-dtype-conflict",
             "error",
             "Tensors that share storage are required to have different dtypes.",
             "Tied weights are one tensor: give their names the same expected dtype in the policy.",
         ),
-        Rule(
+        FindingRule(
             "config-dtype-mismatch",
             "warning",
             "config.json's torch_dtype disagrees with the weights.",
             "Update config.json's torch_dtype (or dtype) to the dtype the weights hold.",
         ),
-        Rule(
+        FindingRule(
             "fp16-overflow",
             "error",
             "Values beyond float16's range (+-65504) would become inf.",
             "Use bfloat16, keep the tensor in float32 (--keep-unsafe) or saturate (--clamp).",
         ),
-        Rule(
+        FindingRule(
             "fp16-underflow",
             "warning",
             "Non-zero values below float16's smallest subnormal (2^-24) would become zero.",
             "Use bfloat16 or keep the tensor in float32.",
         ),
-        Rule(
+        FindingRule(
             "fp16-subnormal",
             "info",
             "Values in float16's subnormal range lose precision.",
             "Usually harmless; keep the tensor in float32 if its small values matter.",
         ),
-        Rule("non-finite", "error", "The tensor already holds NaN or Inf.", "Find where training diverged; the values are lost."),
-        Rule(
+        FindingRule("non-finite", "error", "The tensor already holds NaN or Inf.", "Find where training diverged; the values are lost."),
+        FindingRule(
             "unsupported-dtype",
             "error",
             "The hardware target (--target, or the policy's target) cannot compute this floating dtype.",
             "For example fp8 before NVIDIA compute capability 8.9, float64 on Apple's MPS, OCP fp8 on AMD MI300 (which computes "
             "the FNUZ variants). Convert to the dtype the message suggests; `dtypeaudit targets NAME` shows the target's row.",
         ),
-        Rule(
+        FindingRule(
             "emulated-dtype",
             "warning",
             "The hardware target runs this floating dtype only through conversions to a wider type, at a fraction of the speed.",
             "For example bfloat16 on a V100 or T4 (no bf16 tensor cores before compute capability 8.0), or float16 on a CPU "
             "without AVX512-FP16. Use the dtype the message suggests (float16 on those GPUs).",
         ),
-        Rule(
+        FindingRule(
             "dtype-drift",
             "warning",
             "A live tensor's dtype changed since the previous audit (dtypeaudit.audit's Auditor, the training callbacks).",
             "A .to()/.half() applied to part of a model, or an optimizer or hook that rewrites parameters, shows up this way; "
             "a changed torch.get_default_dtype() too. Find the cast; drift_severity='error' makes drift fail the run.",
         ),
-        Rule(
+        FindingRule(
             "batch-dtype",
             "warning",
             "A floating tensor of the batch has another dtype than the model's first layer.",
             "A Linear or Conv fails on input of another dtype ('mat1 and mat2 must have the same dtype'), and a float64 target "
             "makes the loss run in float64. Cast the batch where it is loaded (numpy arrays become float64 tensors).",
         ),
-        Rule(
+        FindingRule(
             "default-dtype",
             "error",
             "torch.get_default_dtype() is not the policy's default_dtype.",
             "A torch.set_default_dtype call changes the dtype of every layer built afterwards and of torch.tensor(1.0); reset "
             "it, or build the model before changing it.",
         ),
-        Rule(
+        FindingRule(
             "runtime-dtype-error",
             "error",
             "An operation of the traced forward or backward pass fails with these dtypes (dtypeaudit trace).",
@@ -210,7 +212,7 @@ RULES: dict[str, Rule] = {
             "Half but found Float'). Give the module's weights, biases, statistics and inputs one dtype, or run under autocast. "
             "The trace goes on with the inputs in the dtype the module's weight has, so every failure is listed.",
         ),
-        Rule(
+        FindingRule(
             "implicit-promotion",
             "warning",
             "A half-precision tensor meets a wider one in an operation and the result is silently wider (dtypeaudit trace).",
@@ -218,28 +220,28 @@ RULES: dict[str, Rule] = {
             "precision are lost without an error. Cast the wider operand, or list the module with --allow-promotion if "
             "it is meant (an fp32 norm).",
         ),
-        Rule(
+        FindingRule(
             "low-precision-reduction",
             "warning",
             "A softmax, sum, mean, norm, variance or loss is computed and returned in float16 or bfloat16 (dtypeaudit trace).",
             "float16 overflows past 65504 and bfloat16 keeps 8 bits of mantissa, so long sums go wrong. Compute it in "
             "float32 (softmax(x, dim, dtype=torch.float32), x.float().sum()), as autocast does for the reductions it lists.",
         ),
-        Rule(
+        FindingRule(
             "autocast-fp32",
             "info",
             "autocast runs this operation in float32, casting its half-precision inputs up (dtypeaudit trace --autocast).",
             "Expected for the operations autocast keeps in float32 (losses, norms and others, per device); the cost is a cast "
             "and float32 activations. The trace follows CPU autocast's lists.",
         ),
-        Rule(
+        FindingRule(
             "loss-dtype",
             "warning",
             "The loss is computed in float16 or bfloat16 (dtypeaudit trace --backward); info when float32.",
             "A float16 loss needs loss scaling (torch.amp.GradScaler) or its small gradients underflow to zero; compute the loss "
             "from logits.float().",
         ),
-        Rule(
+        FindingRule(
             "grad-dtype",
             "warning",
             "A parameter gets float16 gradients, or no gradient at all (dtypeaudit trace --backward).",
@@ -247,41 +249,41 @@ RULES: dict[str, Rule] = {
             "gradient is never trained, and DistributedDataParallel needs find_unused_parameters=True for it. bfloat16 "
             "gradients are info.",
         ),
-        Rule(
+        FindingRule(
             "checkpoint-missing",
             "warning",
             "A parameter or buffer of the traced model is not in the --checkpoint (dtypeaudit trace).",
             "It keeps the dtype the factory gave it. load_state_dict(strict=True) refuses such a checkpoint; check that the "
             "factory builds the model the checkpoint was saved from.",
         ),
-        Rule(
+        FindingRule(
             "quant-missing-scale",
             "error",
             "A quantized weight's scale, zero point or quantization state is not stored.",
             "Nothing can dequantize it correctly: transformers dequantizing an FP8 checkpoint on CPU casts the float8 values "
             "unscaled and reports no missing key. Re-export the checkpoint with every companion tensor.",
         ),
-        Rule(
+        FindingRule(
             "quant-scale-shape",
             "error",
             "A scale, zero-point or index tensor does not fit the scheme's block or group size and the weight's shape.",
             "The loader refuses it (a size mismatch) or scales the wrong blocks. Check weight_block_size / group_size in "
             "quantization_config against the tensors.",
         ),
-        Rule(
+        FindingRule(
             "quant-scale-dtype",
             "warning",
             "A scale or packed tensor is stored in a dtype the scheme's loader does not allocate.",
             "The loader casts it on load (a scale already rounded to half precision stays rounded) or misreads packed bits.",
         ),
-        Rule(
+        FindingRule(
             "quant-ignored-module",
             "warning",
             "A module quantization_config keeps unquantized is stored quantized, or one it quantizes is stored unquantized.",
             "The config and the tensors disagree on what the layer is; a loader that follows the config loads the other "
             "kind of tensor into it. Fix ignore / modules_to_not_convert, or re-export the module.",
         ),
-        Rule(
+        FindingRule(
             "quant-config-mismatch",
             "error",
             "config.json's quantization_config names a method or parameters the stored tensors contradict.",
@@ -291,5 +293,5 @@ RULES: dict[str, Rule] = {
 }
 
 
-def rule(rule_id: str) -> Rule:
-    return RULES.get(rule_id) or Rule(rule_id, "error", rule_id, "")
+def rule(rule_id: str) -> FindingRule:
+    return RULES.get(rule_id) or FindingRule(rule_id, "error", rule_id, "")

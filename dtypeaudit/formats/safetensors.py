@@ -41,7 +41,7 @@ class _Refused(ValueError):
 
 
 @dataclass(frozen=True)
-class Entry:
+class HeaderEntry:
     """One tensor as the header describes it, checked as the crate checks it."""
 
     name: str
@@ -57,7 +57,7 @@ class Entry:
 class Header:
     """A header the crate accepts."""
 
-    entries: tuple[Entry, ...]
+    entries: tuple[HeaderEntry, ...]
     """In data order."""
     metadata: dict[str, str]
     start: int
@@ -189,7 +189,7 @@ def _code(name: str, raw: Any, path: str) -> str:
     return raw
 
 
-def _entry(name: str, raw: Any, path: str) -> Entry:
+def _entry(name: str, raw: Any, path: str) -> HeaderEntry:
     if isinstance(raw, list):
         # serde reads a struct from an array of its fields, in order: [dtype, shape, data_offsets].
         if len(raw) != len(_FIELDS):
@@ -213,10 +213,10 @@ def _entry(name: str, raw: Any, path: str) -> Entry:
     offsets = fields["data_offsets"]
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_usize(o) for o in offsets):
         raise CheckpointError(f"tensor '{name}' has bad data_offsets {offsets!r}", path=str(path))
-    return Entry(name, code, tuple(shape), offsets[0], offsets[1])
+    return HeaderEntry(name, code, tuple(shape), offsets[0], offsets[1])
 
 
-def _check_size(entry: Entry, path: str) -> None:
+def _check_size(entry: HeaderEntry, path: str) -> None:
     # The crate multiplies the shape left to right in u64 and refuses on overflow, even when a later 0
     # would make the product 0; then the bits, which must fill whole bytes.
     numel = 1
@@ -290,7 +290,7 @@ def accepts(path: AnyPath | Source) -> bool:
 # -- tensors as torch gets them -------------------------------------------------------------------
 
 
-def _record(entry: Entry, path: str) -> TensorRecord:
+def _record(entry: HeaderEntry, path: str) -> TensorRecord:
     if entry.code in dtypes.SAFETENSORS_TORCHLESS:
         raise CheckpointError(
             f"tensor '{entry.name}' is {entry.code}, which safetensors can store but torch has no dtype for", path=str(path)

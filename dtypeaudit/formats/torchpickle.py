@@ -92,13 +92,13 @@ class Device(str):
         return hash(("torch.device", str(self)))
 
 
-class Layout(str):
+class TorchLayout(str):
     """A ``torch.layout`` value (``torch.sparse_coo``), as ``torch.serialization._get_layout`` returns it."""
 
     __slots__ = ()
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Layout) and str.__eq__(self, other)
+        return isinstance(other, TorchLayout) and str.__eq__(self, other)
 
     def __hash__(self) -> int:
         return hash(("torch.layout", str(self)))
@@ -307,8 +307,8 @@ def _rebuild_sparse(args: tuple[Any, ...]) -> TensorRef:
     _arity(args, "_rebuild_sparse_tensor", 2)
     layout, data = args
     if isinstance(layout, Global) and layout.module == "torch":
-        layout = Layout(layout.qualname)
-    if not isinstance(layout, Layout) or not isinstance(data, tuple):
+        layout = TorchLayout(layout.qualname)
+    if not isinstance(layout, TorchLayout) or not isinstance(data, tuple):
         raise CheckpointError("malformed sparse tensor rebuild call")
     name = layout.removeprefix("torch.")
     if name == "sparse_coo" and len(data) in (3, 4):
@@ -391,10 +391,10 @@ def _size(args: tuple[Any, ...]) -> tuple[int, ...]:
     return _ints(args[0], "size", nonneg=False) if args else ()
 
 
-def _get_layout(args: tuple[Any, ...]) -> Layout:
+def _get_layout(args: tuple[Any, ...]) -> TorchLayout:
     if len(args) != 1 or not isinstance(args[0], str) or not args[0].startswith("torch."):
         raise CheckpointError("malformed torch.serialization._get_layout call")
-    return Layout(args[0])
+    return TorchLayout(args[0])
 
 
 def _codecs_encode(args: tuple[Any, ...]) -> bytes:

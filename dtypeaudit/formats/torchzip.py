@@ -31,7 +31,7 @@ from .torchpickle import (
     trailing_findings,
     walk,
 )
-from .ziparchive import Entry, ZipArchive
+from .ziparchive import ZipArchive, ZipEntry
 
 MAX_PICKLE_BYTES = 1 << 30
 MIN_VERSION, MAX_VERSION = 1, 10
@@ -51,11 +51,11 @@ def _prefix(za: ZipArchive, path: str) -> str:
     return prefix
 
 
-def _record(za: ZipArchive, prefix: str, name: str) -> Entry | None:
+def _record(za: ZipArchive, prefix: str, name: str) -> ZipEntry | None:
     return za.find(prefix + name)
 
 
-def _read(za: ZipArchive, entry: Entry, cap: int = MAX_PICKLE_BYTES) -> bytes:
+def _read(za: ZipArchive, entry: ZipEntry, cap: int = MAX_PICKLE_BYTES) -> bytes:
     return za.read(entry, cap)
 
 
@@ -107,7 +107,7 @@ def _torchscript_kinds(za: ZipArchive, prefix: str) -> dict[str, dict[str, str]]
     return kinds
 
 
-def _other_pickles(za: ZipArchive, main: Entry, path: str, *, torchscript: bool) -> list[Finding]:
+def _other_pickles(za: ZipArchive, main: ZipEntry, path: str, *, torchscript: bool) -> list[Finding]:
     """Globals of every other pickle in the archive (a second data.pkl, constants.pkl, a stray .pkl)."""
     out: list[Finding] = []
     for entry in za.pickle_entries():

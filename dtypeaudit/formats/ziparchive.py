@@ -41,7 +41,7 @@ _DISAGREE = "loaders disagree"
 
 
 @dataclass(frozen=True)
-class Entry:
+class ZipEntry:
     """One member, as the central directory and its local header describe it."""
 
     name: str
@@ -74,7 +74,7 @@ def _ascii_lower(raw: bytes) -> bytes:
 class ZipArchive:
     """A read-only zip archive over a byte source; use ``ZipArchive.open`` (also a context manager)."""
 
-    def __init__(self, src: Source, buf: Any, entries: tuple[Entry, ...], *, owned: bool = False) -> None:
+    def __init__(self, src: Source, buf: Any, entries: tuple[ZipEntry, ...], *, owned: bool = False) -> None:
         self.source = src
         self.path: Path | str = src.path if isinstance(src, LocalSource) else src.name
         """The file (a local Path), or the remote source's name."""
@@ -117,12 +117,12 @@ class ZipArchive:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
-    def find(self, name: str) -> Entry | None:
+    def find(self, name: str) -> ZipEntry | None:
         """The entry miniz's ``mz_zip_reader_locate_file(..., flags=0)`` finds: names compare with A-Z folded
         (case-insensitively), and the name ends at a NUL as a C string does (torch passes ``c_str()``)."""
         return self._by_name.get(_ascii_lower(name.split("\0", 1)[0].encode("utf-8", "surrogatepass")))
 
-    def read(self, entry: Entry, cap: int) -> bytes:
+    def read(self, entry: ZipEntry, cap: int) -> bytes:
         """The member's bytes, inflated if deflated; refused past ``cap`` bytes or on a CRC-32 mismatch."""
         if entry.method not in (0, 8):
             raise _refuse(
@@ -154,7 +154,7 @@ class ZipArchive:
             )
         return data
 
-    def span(self, entry: Entry) -> tuple[int, int]:
+    def span(self, entry: ZipEntry) -> tuple[int, int]:
         """``(offset, length)`` of a stored member's bytes in the file, for reads without copying."""
         if entry.method != 0:
             raise _refuse(
@@ -163,7 +163,7 @@ class ZipArchive:
             )
         return entry.data_offset, entry.size
 
-    def pickle_entries(self) -> list[Entry]:
+    def pickle_entries(self) -> list[ZipEntry]:
         """Every entry a loader might unpickle: names ending in ``.pkl`` (A-Z folded, as torch's lookups are),
         and any other entry whose bytes open with a PROTO opcode of protocol 2 to 5, except storage records
         (``<folder>/data/<key>``), which torch reads as raw tensor bytes and which start so by chance."""
@@ -175,7 +175,7 @@ class ZipArchive:
                 out.append(e)
         return out
 
-    def _head(self, entry: Entry, n: int) -> bytes:
+    def _head(self, entry: ZipEntry, n: int) -> bytes:
         if entry.method == 0:
             return self._mm[entry.data_offset : entry.data_offset + min(n, entry.size)]
         if entry.method == 8:
@@ -203,7 +203,7 @@ def _find_eocd(path: str, mm: Any, src: Source) -> int:
     return pos
 
 
-def _read_entries(path: str, mm: Any, src: Source) -> tuple[Entry, ...]:
+def _read_entries(path: str, mm: Any, src: Source) -> tuple[ZipEntry, ...]:
     size = len(mm)
     eocd = _find_eocd(path, mm, src)
     _, disk, cd_disk, count_disk, count, cd_size, cd_offset, comment_len = _EOCD.unpack(mm[eocd : eocd + _EOCD.size])
@@ -298,7 +298,7 @@ def _header_ranges(mm: Any, cd_offset: int, cd_size: int, count: int) -> list[tu
     return out
 
 
-def _read_directory(path: str, mm: Any, src: Source, cd_offset: int, cd_size: int, count: int) -> tuple[Entry, ...]:
+def _read_directory(path: str, mm: Any, src: Source, cd_offset: int, cd_size: int, count: int) -> tuple[ZipEntry, ...]:
     entries = []
     seen: dict[bytes, str] = {}
     pos, end = cd_offset, cd_offset + cd_size
@@ -341,7 +341,7 @@ def _read_directory(path: str, mm: Any, src: Source, cd_offset: int, cd_size: in
         data_offset = _local_header(path, src, name, raw, flags, header_offset)
         if data_offset + csize > len(mm):
             raise _refuse(path, f"zip entry '{name}' runs past the end of the file ({data_offset} + {csize} > {len(mm)} bytes)")
-        entries.append(Entry(name, header_offset, data_offset, csize, usize, method, crc))
+        entries.append(ZipEntry(name, header_offset, data_offset, csize, usize, method, crc))
         pos = record_end
     if pos != end:
         # miniz reads exactly ``count`` entries, zipfile reads entries until the directory's bytes run out
@@ -423,7 +423,7 @@ def _local_header(path: str, src: Source, name: str, raw: bytes, flags: int, off
     return offset + _LFH.size + name_len + extra_len
 
 
-def _check_layout(path: str, entries: tuple[Entry, ...], cd_offset: int) -> None:
+def _check_layout(path: str, entries: tuple[ZipEntry, ...], cd_offset: int) -> None:
     """Members may not share bytes with each other or the central directory, and the first starts the file:
     torch.load sends a file that does not open with a local header to its legacy reader."""
     spans = sorted(((e.header_offset, e.data_offset + e.compressed_size, e) for e in entries), key=lambda s: (s[0], s[1]))
