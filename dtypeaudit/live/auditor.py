@@ -1,0 +1,130 @@
+"""Auditing live objects: ``audit`` once, or an ``Auditor`` again and again (``dtype-drift`` in between)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ..checks import check, policy_findings
+from ..inventory import Finding, Severity, failing
+from .collection import LiveInventory, collect
+from .findings import Snapshot, batch_findings, default_dtype_findings, drift_findings, snapshot
+from .verdict import render_findings
+
+if TYPE_CHECKING:
+    from ..policy import Policy
+    from ..render.humanize import FindingGroup
+    from ..targets import Target
+
+
+def as_policy(policy: Policy | str | None) -> Policy | None:
+    if policy is None or not isinstance(policy, str):
+        return policy
+    from ..policy import load_policy
+
+    return load_policy(policy)
+
+
+def _resolve_target(target: Target | str | None, policy: Policy | None) -> Target | None:
+    from ..targets import resolve
+
+    chosen = target if target is not None else (policy.target if policy is not None else None)
+    if chosen is None:
+        return None
+    return resolve(chosen) if isinstance(chosen, str) else chosen
+
+
+def findings_for(live: LiveInventory, policy: Policy | None = None, target: Target | None = None) -> list[Finding]:
+    """Every finding for a collected object: ``check`` on its model and optimizer tensors, the policy on its batch,
+    the target on everything, the batch against the first layer, the default dtype, and unused policy rules."""
+    from ..targets import target_findings
+
+    model = live.part(batch=False)
+    batch = live.part(batch=True)
+    own_target = policy.target if policy is not None else None
+    checked_policy = policy
+    if policy is not None and own_target is not None and target is not None:
+        checked_policy = replace(policy, target=None)  # an explicit target overrides the policy's
+    out = check(model, checked_policy) if model.tensors or policy is not None else []
+    if policy is not None and batch.tensors:
+        out += policy_findings(batch, policy)
+    if target is not None:
+        out += target_findings(live.inventory, target)
+    out += batch_findings(live)
+    out += default_dtype_findings(live.inventory, policy)
+    if policy is not None:
+        out += policy.unused_rules([live.inventory])
+    return list(dict.fromkeys(out))  # a check that runs twice (the policy's own target) reports once
+
+
+class Findings(list[Finding]):
+    """What ``audit`` returns: every finding, a list as before; ``groups``, ``str()`` and the repr put the findings
+    that share a rule and a cause together (six ``emulated-dtype`` warnings about one cause are one line)."""
+
+    @property
+    def groups(self) -> list[FindingGroup]:
+        from ..render.humanize import group_findings
+
+        return group_findings(self)
+
+    def __str__(self) -> str:
+        return render_findings(self, title="dtypeaudit.audit")
+
+    def __repr__(self) -> str:
+        if not self:
+            return "Findings([])"
+        rows = [f"{g.severity} {g.rule} ×{g.count} ({g.places()}): {g.message()}" for g in self.groups]
+        return f"Findings({len(self)} findings, {len(rows)} cause{'s' if len(rows) != 1 else ''}: " + "; ".join(rows) + ")"
+
+
+def audit(obj: Any, policy: Policy | str | None = None, *, target: Target | str | None = None) -> Findings:
+    """Audit a live ``nn.Module``, optimizer, ``GradScaler``, batch, or a dict of them; see the module's docstring.
+
+    ``policy`` is a ``Policy``, a preset name or a YAML file; ``target`` a hardware target (``v100``, ``mps``;
+    ``dtypeaudit targets`` lists them), else the policy's ``target:``. Returns the same ``Finding`` objects as
+    ``check``, in a ``Findings`` list whose ``groups`` (and printout) put those sharing a rule and a cause
+    together. Reads metadata only: auditing a 7B model on the meta device takes milliseconds and no memory
+    proportional to the model.
+    """
+    pol = as_policy(policy)
+    live = collect(obj)
+    return Findings(findings_for(live, pol, _resolve_target(target, pol)))
+
+
+class Auditor:
+    """Audits the same objects again and again, and reports what changed in between (``dtype-drift``).
+
+    ``fail_on`` is the severity that makes ``enforce`` fail (default: the policy's, else ``error``), as for scan.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | str | None = None,
+        *,
+        target: Target | str | None = None,
+        fail_on: Severity | None = None,
+        drift_severity: Severity = "warning",
+    ) -> None:
+        self.policy = as_policy(policy)
+        self.target = _resolve_target(target, self.policy)
+        self.fail_on: Severity = fail_on or (self.policy.fail_on if self.policy and self.policy.fail_on else "error")
+        self.drift_severity: Severity = drift_severity
+        self.previous: Snapshot | None = None
+        self.history: list[tuple[str, list[Finding]]] = []
+        """``(label, findings)`` of every audit so far."""
+
+    def audit(self, obj: Any = None, *, label: str = "the last audit", parts: Iterable[tuple[str, Any]] | None = None) -> list[Finding]:
+        """Findings for ``obj`` now, plus ``dtype-drift`` against the previous audit; remembers this one as ``label``."""
+        live = collect(obj, parts=parts)
+        found = findings_for(live, self.policy, self.target)
+        now = snapshot(live, label)
+        if self.previous is not None:
+            found += drift_findings(self.previous, now, severity=self.drift_severity)
+        self.previous = now
+        self.history.append((label, found))
+        return found
+
+    def failing(self, findings: Iterable[Finding]) -> list[Finding]:
+        """The findings at or above ``fail_on``."""
+        return failing(findings, self.fail_on)
