@@ -76,28 +76,31 @@ class TensorRef:
         return out
 
 
-class Device(str):
-    """A ``torch.device`` value: equal to another device, never to a plain string key."""
+class _TorchValue(str):
+    """A torch value a pickle rebuilds from its name: equal to a value of its own type, never to a plain string key."""
 
     __slots__ = ()
+    torch_type = ""
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Device) and str.__eq__(self, other)
+        return type(other) is type(self) and str.__eq__(self, other)
 
     def __hash__(self) -> int:
-        return hash(("torch.device", str(self)))
+        return hash((self.torch_type, str(self)))
 
 
-class TorchLayout(str):
+class Device(_TorchValue):
+    """A ``torch.device`` value."""
+
+    __slots__ = ()
+    torch_type = "torch.device"
+
+
+class TorchLayout(_TorchValue):
     """A ``torch.layout`` value (``torch.sparse_coo``), as ``torch.serialization._get_layout`` returns it."""
 
     __slots__ = ()
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, TorchLayout) and str.__eq__(self, other)
-
-    def __hash__(self) -> int:
-        return hash(("torch.layout", str(self)))
+    torch_type = "torch.layout"
 
 
 # -- argument checking ----------------------------------------------------------------------------
