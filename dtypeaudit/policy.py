@@ -702,7 +702,7 @@ Parse = Callable[[Any, Where, Fail], Any]
 
 
 @dataclass(frozen=True)
-class Field:
+class PolicyField:
     """One key of a policy section."""
 
     key: str
@@ -718,12 +718,12 @@ class Field:
 
 
 @dataclass(frozen=True)
-class Section:
+class PolicySection:
     """A mapping of a policy (the top level, ``default``, ``trace``, a rule) as a table of its fields."""
 
     label: str
     """How messages name it (``in rule``); empty for the top level."""
-    fields: tuple[Field, ...]
+    fields: tuple[PolicyField, ...]
     not_mapping: str = ""
     """The message when the value is not a mapping."""
     not_mapping_hint: bool = False
@@ -734,7 +734,7 @@ class Section:
         return tuple(f.key for f in self.fields)
 
 
-def _walk(section: Section, value: Any, where: Where, fail: Fail) -> dict[str, Any]:
+def _walk(section: PolicySection, value: Any, where: Where, fail: Fail) -> dict[str, Any]:
     """Check ``value`` against ``section``'s table; its fields' parsed values by attribute name."""
     keys = section.keys
     if not isinstance(value, dict):
@@ -904,58 +904,55 @@ def _matchers(value: Any, where: tuple[object, ...], fail: Fail) -> tuple[Matche
     return tuple(out)
 
 
-DEFAULT = Section(
+DEFAULT = PolicySection(
     "default",
     (
-        Field("dtype", _dtypes),
-        Field("severity", _severity, default="error"),
+        PolicyField("dtype", _dtypes),
+        PolicyField("severity", _severity, default="error"),
     ),
 )
-TRACE = Section(
+TRACE = PolicySection(
     "trace",
     (
-        Field("fail_on", _severity),
-        Field("allow_promotion", _matchers, default=()),
+        PolicyField("fail_on", _severity),
+        PolicyField("allow_promotion", _matchers, default=()),
     ),
     not_mapping="trace must be a mapping",
     not_mapping_hint=True,
 )
-RULE = Section(
+RULE = PolicySection(
     "rule",
     (
-        Field("name", _text),
-        Field("match", _matchers, default=(), selector=True),
-        Field("ndim", _ndim, selector=True),
-        Field("kind", _kinds, selector=True),
-        Field("module", _matchers, default=(), selector=True),
-        Field("region", _region, selector=True),
-        Field("scheme", _matchers, default=(), selector=True),
-        Field("dtype", _rule_dtypes, attr="dtypes", required="rule has no 'dtype' (a dtype, a list of dtypes, or any)"),
-        Field("severity", _severity, default="error"),
-        Field("reason", _text),
-        Field("optional", _boolean, default=False),
+        PolicyField("name", _text),
+        PolicyField("match", _matchers, default=(), selector=True),
+        PolicyField("ndim", _ndim, selector=True),
+        PolicyField("kind", _kinds, selector=True),
+        PolicyField("module", _matchers, default=(), selector=True),
+        PolicyField("region", _region, selector=True),
+        PolicyField("scheme", _matchers, default=(), selector=True),
+        PolicyField("dtype", _rule_dtypes, attr="dtypes", required="rule has no 'dtype' (a dtype, a list of dtypes, or any)"),
+        PolicyField("severity", _severity, default="error"),
+        PolicyField("reason", _text),
+        PolicyField("optional", _boolean, default=False),
     ),
     not_mapping="each rule must be a mapping with at least 'dtype'",
 )
-TOP = Section(
+TOP = PolicySection(
     "",
     (
-        Field("version", _version, default=1),
-        Field("extends", _extends),
-        Field("default", _default, default=(None, "error")),
-        Field("check_integers", _boolean, default=False),
-        Field("ignore", _matchers, default=()),
-        Field("rules", _rules, default=()),
-        Field("fail_on", _severity),
-        Field("strict", _boolean, default=False),
-        Field("target", _target),
-        Field("default_dtype", _default_dtype),
-        Field("trace", _trace, default=TracePolicy()),
+        PolicyField("version", _version, default=1),
+        PolicyField("extends", _extends),
+        PolicyField("default", _default, default=(None, "error")),
+        PolicyField("check_integers", _boolean, default=False),
+        PolicyField("ignore", _matchers, default=()),
+        PolicyField("rules", _rules, default=()),
+        PolicyField("fail_on", _severity),
+        PolicyField("strict", _boolean, default=False),
+        PolicyField("target", _target),
+        PolicyField("default_dtype", _default_dtype),
+        PolicyField("trace", _trace, default=TracePolicy()),
     ),
 )
-TOP_KEYS = TOP.keys
-TRACE_KEYS = TRACE.keys
-RULE_KEYS = RULE.keys
 
 
 def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool = False) -> Policy:
