@@ -432,8 +432,10 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory], *, exclude: tuple
     # Remote shards are read at once (their headers are a round trip each); the first failure in file order is raised.
     invs = remote.concurrent_map(read_file, shards) if isinstance(path, RemotePath) else None
     first_tensors: tuple[TensorRecord, ...] = ()
+    parts: dict[str, Inventory] = {}
     for i, label in enumerate(res.files):
         inv = invs[i] if invs is not None else read_file(shards[i])
+        parts[label] = inv
         if i == 0:
             first_tensors = inv.tensors
         findings.extend(f if f.file else Finding(**{**f.__dict__, "file": label}) for f in inv.findings)
@@ -498,7 +500,7 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory], *, exclude: tuple
             metadata["config_dtype"] = declared
     if res.from_pretrained:
         findings.extend(_load_dtype(path, res, cfg, first_tensors, metadata))
-    return Inventory(str(path), "hf-directory", link_shared_storage(tensors), tuple(findings), metadata)
+    return Inventory(str(path), "hf-directory", link_shared_storage(tensors), tuple(findings), metadata, parts=parts)
 
 
 def _load_dtype(
