@@ -82,8 +82,8 @@ def verify(out: Path, written: Written) -> None:
     lost = [name for name in written.crcs if name not in spans]
     if lost:
         raise ConversionError(f"verification failed: record {lost[0]} is missing from the output", path=str(out))
-    fd = os.open(out, os.O_RDONLY)
-    try:
+    with out.open("rb") as fh:
+        fd = fh.fileno()
         # pread, not mmap: what is read back stays out of the process's RSS. zlib releases the GIL, so two
         # threads read the records back at twice the speed.
         with ThreadPoolExecutor(max_workers=2) as pool:
@@ -93,8 +93,6 @@ def verify(out: Path, written: Written) -> None:
             if crcs[name] != expected or (origin is not None and not _matches_cast(fd, spans[name], origin, written.clamp)):
                 what = "torch's cast of the source" if origin is not None else "what was written"
                 raise ConversionError(f"verification failed: {name} on disk differs from {what}", path=str(out))
-    finally:
-        os.close(fd)
 
 
 def _pread(fd: int, offset: int, length: int) -> bytes:
