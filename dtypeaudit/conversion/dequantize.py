@@ -11,9 +11,7 @@ before the output appears (the output is written to a temporary and renamed only
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
@@ -183,21 +181,12 @@ def _write_shard(shard: _Shard, inv: Inventory, sources: dict[str, MappedCheckpo
     from .atomic import Writeback
     from .source import contiguous_span
     from .verify import Written
-    from .write import stream_cast, tensor_bytes
+    from .write import safetensors_header, stream_cast, tensor_bytes
 
-    header: dict[str, Any] = {}
-    offset = 0
-    for e in shard.entries:
-        size = _numel(e.shape) * dtypes.get(e.target).itemsize
-        header[e.name] = {"dtype": dtypes.SAFETENSORS_CODE_OF[e.target], "shape": list(e.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    meta = {"format": "pt"}
-    text = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
-    text += b" " * ((-len(text)) % 8)
     written = Written(tensors={e.name: (e.target, e.shape) for e in shard.entries})
     crcs = written.crcs
     with out.open("wb") as fh, Writeback(fh) as writeback:
-        fh.write(struct.pack("<Q", len(text)) + text)
+        fh.write(safetensors_header([(e.name, e.target, e.shape) for e in shard.entries], {"format": "pt"}))
         for e in shard.entries:
             crcs[e.name] = 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Callable
@@ -312,25 +313,13 @@ def _write_safetensors_file(
         if tie is not None:
             first_of[tie] = t.name
         entries.append((p, src, contiguous_span(src, t)))
-    header: dict[str, Any] = {}
-    offset = 0
-    for p, _, _ in entries:
-        size = p.tensor.numel * dtypes.get(p.target).itemsize
-        header[p.tensor.name] = {
-            "dtype": dtypes.SAFETENSORS_CODE_OF[p.target],
-            "shape": list(p.tensor.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
     meta = dict(meta)
     if aliases:
         meta["dtypeaudit.aliases"] = json.dumps(aliases, sort_keys=True)
-    text = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
-    text += b" " * ((-len(text)) % 8)
     written = Written.planned(plan)
     written.aliases = aliases
     with out.open("wb") as fh, Writeback(fh) as writeback:
-        fh.write(struct.pack("<Q", len(text)) + text)
+        fh.write(safetensors_header([(p.tensor.name, p.target, p.tensor.shape) for p, _, _ in entries], meta))
         for p, src, span in entries:
             t = p.tensor
             sink = _crc_sink(fh.write, written.crcs, t.name)
@@ -339,6 +328,20 @@ def _write_safetensors_file(
             written.origins[t.name] = Origin(src, span, t.dtype, p.target, t, names=(t.name,))
             writeback()
     return written
+
+
+def safetensors_header(tensors: list[tuple[str, str, tuple[int, ...]]], meta: dict[str, str]) -> bytes:
+    """A safetensors file's first bytes for ``(name, dtype, shape)`` tensors stored in that order: the header's
+    length (8 bytes, little-endian), then its JSON, padded with spaces to 8 bytes as safetensors writes it."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, dtype, shape in tensors:
+        size = math.prod(shape) * dtypes.get(dtype).itemsize
+        header[name] = {"dtype": dtypes.SAFETENSORS_CODE_OF[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
+    text += b" " * ((-len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text
 
 
 def _refuse_non_tensor_content(src: MappedCheckpoint) -> None:
