@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from .redact import redact
 
@@ -93,20 +93,30 @@ class Finding:
     """The dtype found, for dtype findings."""
 
 
+class Span(NamedTuple):
+    """``length`` bytes at ``offset`` in a file: where a reader found a storage, a record or a tensor's bytes."""
+
+    offset: int
+    length: int
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where one file's parts lie, as its reader found them, so conversion rewrites it without parsing it again."""
 
     container: str
-    """``zip``, ``legacy`` or ``safetensors``."""
-    storages: Mapping[str, tuple[int, int]]
-    """Storage key (a tensor's name for safetensors) -> ``(offset, length)`` of its bytes in the file."""
+    """``zip``, ``legacy``, ``safetensors`` or ``gguf``."""
+    storages: Mapping[str, Span]
+    """Storage key (a tensor's name for safetensors and GGUF) -> where its bytes lie in the file."""
     pickle_offset: int = 0
     """Legacy files: where the main pickle starts."""
     archive_prefix: str = ""
     """Zip archives: the folder every record sits in, with its slash (``archive/``)."""
     records: tuple[str, ...] = ()
     """Zip archives: every record other than ``data.pkl`` and storages, without the prefix, in archive order."""
+    record_spans: Mapping[str, Span] = field(default_factory=dict)
+    """Zip archives: where ``data.pkl`` and each of ``records`` lie, for those stored uncompressed (as torch.save
+    writes them), so that conversion reads them from its mapping instead of opening the archive again."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +135,9 @@ class Inventory:
     """Format-specific facts: ``config_dtype`` of a Hugging Face config, safetensors ``__metadata__``."""
     layout: Layout | None = field(default=None, compare=False, repr=False)
     """Where a single file's parts lie (None for directories, DCP and factories)."""
+    parts: Mapping[str, Inventory] = field(default_factory=dict, compare=False, repr=False)
+    """A model directory: each weight file's own inventory (with its layout), by its label, as the directory's
+    reader read it, so that conversion reads no weight file's headers a second time."""
     bytes_read: int | None = field(default=None, compare=False)
     """Bytes read to build it (remote: bytes fetched, whole cached blocks included); None where nothing was read (a factory)."""
 

@@ -302,7 +302,7 @@ def test_interrupt_leaves_source_and_no_partial_output(tmp_path: Path, monkeypat
     torch.save({f"w{i}": torch.randn(64, 64) for i in range(4)}, src)
     before = src.read_bytes()
     calls = {"n": 0}
-    real = conv._tensor_bytes
+    real = conv.tensor_bytes
 
     def interrupt_on_second_chunk(y: Any) -> Any:
         calls["n"] += 1
@@ -310,7 +310,7 @@ def test_interrupt_leaves_source_and_no_partial_output(tmp_path: Path, monkeypat
             raise KeyboardInterrupt
         return real(y)
 
-    monkeypatch.setattr(conv, "_tensor_bytes", interrupt_on_second_chunk)
+    monkeypatch.setattr(conv, "tensor_bytes", interrupt_on_second_chunk)
     with pytest.raises(KeyboardInterrupt):
         convert(src, "fp16")
     assert src.read_bytes() == before

@@ -24,7 +24,7 @@ from ..values import ValueStats
 from .atomic import atomic_output, check_destination, default_output, flushing
 from .checks import apply_value_policy, check_values, measure_errors, value_findings
 from .plan import Plan, TensorPlan, make_plan, plan_findings, unit_of
-from .source import Progress, Source, source_files
+from .source import MappedCheckpoint, Progress, open_sources
 from .verify import verify
 from .write import parse_size, strip_keys, strip_notes, write_directory, write_file
 
@@ -172,6 +172,7 @@ def convert(
             in_place=in_place,
             progress_factory=progress_factory,
         )
+    parts_of = inv  # the reader's own inventory, whose layout (and a directory's parts) conversion reads from
     if model is not None:
         from ..formats import factory
 
@@ -187,8 +188,7 @@ def convert(
     }
     make_plan(inv, to, **options)  # what --to and --keep mean, before anything is opened
     with ExitStack() as stack:
-        files = source_files(src_path, inv)
-        sources = {label: Source(path, sub, stack) for label, (path, sub) in files.items()}
+        sources = open_sources(src_path, parts_of, stack)
         stripped = {label: keys for label, src in sources.items() if (keys := strip_keys(src))} if strip_optimizer else {}
         options["stripped"] = stripped
         plan = make_plan(inv, to, **options)
@@ -205,14 +205,14 @@ def convert(
             if out_format != "torch-zip":
                 plan.notes.append("safetensors output holds no optimizer state anyway")
         # The planned output must pass what scan would check, before a byte is read.
-        if _plan_fails(plan, policy):
+        if plan_fails(plan, policy):
             return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
         check_progress = (lambda total: progress_factory("checking values", total)) if progress_factory else None
         check_values(plan, sources, check_progress, meanwhile=load_torch if plan.counts().get("cast") else None)
         unsafe = apply_value_policy(plan, keep_unsafe=keep_unsafe)
         if keep_unsafe:
             plan = _hold_unsafe(plan, inv, to, options, sources)
-            if _plan_fails(plan, policy):
+            if plan_fails(plan, policy):
                 return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
         if dry_run and not unsafe:
             measure_errors(plan, sources)
@@ -238,16 +238,17 @@ def convert(
                     plan, src, tmp, out_format, strip=plan.stripped.get(label, ()), progress=progress, materialize_ties=materialize_ties
                 )
                 with flushing(tmp):
-                    verify(plan, tmp, written)
+                    verify(tmp, written)
     return Result(plan, dest, [])
 
 
-def _plan_fails(plan: Plan, policy: Policy | None) -> bool:
+def plan_fails(plan: Plan, policy: Policy | None) -> bool:
+    """Whether ``plan``'s output would fail ``scan`` with ``policy`` (its findings are left in ``plan.findings``)."""
     plan_findings(plan, policy)
     return bool(plan.failing(policy))
 
 
-def _hold_unsafe(plan: Plan, inv: Inventory, to: str, options: dict[str, Any], sources: dict[str, Source]) -> Plan:
+def _hold_unsafe(plan: Plan, inv: Inventory, to: str, options: dict[str, Any], sources: dict[str, MappedCheckpoint]) -> Plan:
     """Plan again with the units --keep-unsafe kept held, so that their modules and ties stay with them.
 
     A module partner kept with them needs no value check; one newly cast (a float16 bias joining its
@@ -284,6 +285,7 @@ __all__ = [
     "check_values",
     "convert",
     "make_plan",
+    "plan_fails",
     "plan_findings",
     "pickled_module_files",
     "refusals",

@@ -58,14 +58,7 @@ def atomic_output(dest: Path, *, mode_from: Path, is_dir: bool = False) -> Itera
                 with f.open("rb+") as fh:
                     os.fsync(fh.fileno())
         os.chmod(tmp, stat.S_IMODE(mode_from.stat().st_mode))  # a directory's files got theirs as they were written
-        if is_dir and dest.exists():
-            backup = temporary_path(dest, "old")
-            os.replace(dest, backup)
-            os.replace(tmp, dest)
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
+        swap_into_place(tmp, dest)
     except BaseException as exc:
         if is_dir:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -75,6 +68,20 @@ def atomic_output(dest: Path, *, mode_from: Path, is_dir: bool = False) -> Itera
             where = f" ({exc.filename})" if exc.filename and Path(exc.filename) != tmp else ""
             raise ConversionError(f"could not write the output: {exc.strerror or exc}{where}; nothing was written", path=str(dest)) from exc
         raise
+
+
+def swap_into_place(tmp: Path, dest: Path) -> None:
+    """Rename the finished ``tmp`` (a file or a directory) to ``dest``, replacing what is there: a directory is
+    moved aside first and removed after (a rename cannot replace a non-empty directory), so that ``dest`` is
+    either the old output or the new one, never a mix. The one swap every conversion ends with."""
+    if tmp.is_dir() and dest.exists():
+        backup = temporary_path(dest, "old")
+        os.replace(dest, backup)
+        os.replace(tmp, dest)
+        shutil.rmtree(backup, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)
+    _fsync_dir(dest.parent)
 
 
 @contextmanager

@@ -7,8 +7,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from .. import dtypes
-from ..formats.storage import Span
-from ..inventory import Finding, Inventory, Severity, TensorRecord, unique_tensors
+from ..inventory import Finding, Inventory, Severity, Span, TensorRecord, unique_tensors
 from ..torchcast import Caster, chunks, load_torch
 from ..values import (
     CHILD_MIN_BYTES,
@@ -22,7 +21,7 @@ from ..values import (
     start_value_checks,
 )
 from .plan import Plan, TensorPlan, make_plan, unit_of
-from .source import Progress, Source, source_files
+from .source import MappedCheckpoint, Progress, open_sources
 
 # Top-level keys under which training code keeps its own state beside the weights: Lightning's ``callbacks``
 # (ModelCheckpoint's ``kth_value`` and ``best_model_score`` start as inf), ``loops`` and ``lr_schedulers``; a
@@ -38,7 +37,7 @@ def is_training_state(t: TensorRecord) -> bool:
 
 def check_values(
     plan: Plan,
-    sources: dict[str, Source],
+    sources: dict[str, MappedCheckpoint],
     progress_for: Callable[[int], Progress] | None = None,
     *,
     meanwhile: Callable[[], object] | None = None,
@@ -54,7 +53,7 @@ def check_values(
     is given the number of bytes to check (when there are any) and returns the progress callback.
     """
     results: dict[str, ValueStats] = {}
-    jobs: dict[str, tuple[Source, ValueJob]] = {}
+    jobs: dict[str, tuple[MappedCheckpoint, ValueJob]] = {}
     for unit, (src, dtype, span, names, target) in units_to_cast(plan, sources, weights_only=True).items():
         results[unit] = ValueStats(", ".join(names), dtype, target)
         jobs[unit] = (src, ValueJob(unit, str(src.path), dtype, target, span.offset, span.length))
@@ -91,10 +90,10 @@ def _with_held(results: dict[str, ValueStats], held: dict[str, ValueStats]) -> d
     return results
 
 
-def units_held(plan: Plan, sources: dict[str, Source]) -> dict[str, tuple[Source, str, Span, list[str]]]:
+def units_held(plan: Plan, sources: dict[str, MappedCheckpoint]) -> dict[str, tuple[MappedCheckpoint, str, Span, list[str]]]:
     """The model's floating units written as they are (``leave``, ``keep``): NaN/Inf in them still blocks."""
     cast = {unit_of(p.tensor) for p in plan.tensors if p.action == "cast"}
-    units: dict[str, tuple[Source, str, Span, list[str]]] = {}
+    units: dict[str, tuple[MappedCheckpoint, str, Span, list[str]]] = {}
     for p in plan.tensors:
         t = p.tensor
         unit = unit_of(t)
@@ -110,7 +109,7 @@ def units_held(plan: Plan, sources: dict[str, Source]) -> dict[str, tuple[Source
     return units
 
 
-def measure_errors(plan: Plan, sources: dict[str, Source]) -> None:
+def measure_errors(plan: Plan, sources: dict[str, MappedCheckpoint]) -> None:
     """Make every planned cast without writing it, folding its errors into ``plan.values`` (dry runs, ``scan --values``)."""
     for unit, (src, dtype, span, _, target) in units_to_cast(plan, sources).items():
         stats = plan.values.get(unit)
@@ -123,10 +122,10 @@ def measure_errors(plan: Plan, sources: dict[str, Source]) -> None:
 
 
 def units_to_cast(
-    plan: Plan, sources: dict[str, Source], *, weights_only: bool = False
-) -> dict[str, tuple[Source, str, Span, list[str], str]]:
+    plan: Plan, sources: dict[str, MappedCheckpoint], *, weights_only: bool = False
+) -> dict[str, tuple[MappedCheckpoint, str, Span, list[str], str]]:
     """The storage units the plan casts; ``weights_only`` leaves out training state (see ``is_training_state``)."""
-    units: dict[str, tuple[Source, str, Span, list[str], str]] = {}
+    units: dict[str, tuple[MappedCheckpoint, str, Span, list[str], str]] = {}
     for p in plan.tensors:
         if p.action != "cast" or (weights_only and is_training_state(p.tensor)):
             continue
@@ -161,7 +160,7 @@ def _underflow_blocks(s: ValueStats) -> bool:
     return s.underflow_fraction > UNDERFLOW_BLOCK_FRACTION
 
 
-def _nonfinite_elsewhere(plan: Plan, sources: dict[str, Source], checked: set[str]) -> dict[str, int]:
+def _nonfinite_elsewhere(plan: Plan, sources: dict[str, MappedCheckpoint], checked: set[str]) -> dict[str, int]:
     """NaN/Inf counts for floating tensors that no cast check read (already float16, kept, left)."""
     out: dict[str, int] = {}
     seen = set(checked)
@@ -226,7 +225,7 @@ def value_findings(inv: Inventory, *, include_optimizer: bool = False) -> list[F
         out.append(Finding(rule, severity, message, tensor=name))
 
     with ExitStack() as stack:
-        sources = {label: Source(path, sub, stack) for label, (path, sub) in source_files(Path(inv.path), inv).items()}
+        sources = open_sources(Path(inv.path), inv, stack)
         # numpy measures float32's cast errors from the bits; only a float64 cast's need torch's own cast
         casts = any(not measures_errors(dtype, target) for _, dtype, _, _, target in units_to_cast(plan, sources).values())
         if casts:

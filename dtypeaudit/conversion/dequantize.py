@@ -11,9 +11,7 @@ before the output appears (the output is written to a temporary and renamed only
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
@@ -24,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 from .. import dtypes
 from ..errors import ConversionError, UsageError
 from ..formats import directory as hfdir
-from ..formats import read_checkpoint
 from ..inventory import Inventory, TensorRecord
 from ..quant import model as qm
 
@@ -34,7 +31,8 @@ if TYPE_CHECKING:
     from ..policy import Policy
     from . import Result
     from .plan import Plan
-    from .source import Progress, Source
+    from .source import MappedCheckpoint, Progress
+    from .verify import Written
 
 DEQUANTIZE = "dequantize"
 """The plan action of a logical weight written dequantized (its storage tensors are dropped)."""
@@ -87,20 +85,19 @@ def _records(inv: Inventory) -> dict[str, TensorRecord]:
     return _RECORDS[0][1]
 
 
-def _raw(src: Source, t: TensorRecord) -> torch.Tensor:
+def _raw(src: MappedCheckpoint, t: TensorRecord) -> torch.Tensor:
     """A storage tensor as the dtype its file declares (GGUF's quantized blocks as bytes)."""
-    from ..torchcast import frombuffer
     from .source import materialize
 
     if src.inv.format == "gguf" or t.dtype not in dtypes.DTYPES:
         start = src.spans[t.name].offset if t.name in src.spans else t.offset
-        return frombuffer(src.mm, "uint8", t.nbytes, start)
+        return src.tensor_at("uint8", t.nbytes, start)
     if t.storage is None and t.name in src.spans:  # safetensors: the tensor's own contiguous bytes
-        return frombuffer(src.mm, t.dtype, t.numel, src.spans[t.name].offset).reshape(t.shape)
+        return src.tensor_at(t.dtype, t.numel, src.spans[t.name].offset).reshape(t.shape)
     return materialize(src, t)
 
 
-def _storage(weight: qm.LogicalWeight, inv: Inventory, sources: dict[str, Source]) -> dict[str, torch.Tensor]:
+def _storage(weight: qm.LogicalWeight, inv: Inventory, sources: dict[str, MappedCheckpoint]) -> dict[str, torch.Tensor]:
     by = _records(inv)
     out = {}
     for role, name in weight.storage.items():
@@ -109,7 +106,7 @@ def _storage(weight: qm.LogicalWeight, inv: Inventory, sources: dict[str, Source
     return out
 
 
-def logical_shape(weight: qm.LogicalWeight, inv: Inventory, sources: dict[str, Source]) -> tuple[int, ...]:
+def logical_shape(weight: qm.LogicalWeight, inv: Inventory, sources: dict[str, MappedCheckpoint]) -> tuple[int, ...]:
     """The shape the dequantized weight has: from the small tensors that record it where there are some
     (compressed-tensors' ``weight_shape``, bitsandbytes' quant state), else from the grouping."""
     from ..quant import dequant
@@ -128,7 +125,7 @@ def logical_shape(weight: qm.LogicalWeight, inv: Inventory, sources: dict[str, S
     return tuple(weight.shape)
 
 
-def make_dequant_plan(inv: Inventory, view: qm.QuantView, target: str, sources: dict[str, Source]) -> tuple[Plan, list[_Shard]]:
+def make_dequant_plan(inv: Inventory, view: qm.QuantView, target: str, sources: dict[str, MappedCheckpoint]) -> tuple[Plan, list[_Shard]]:
     """What each tensor becomes, and the output shards in the source's order."""
     from .plan import Plan, TensorPlan
 
@@ -178,25 +175,18 @@ def _cast(x: torch.Tensor, target: str, name: str) -> torch.Tensor:
     return y
 
 
-def _write_shard(shard: _Shard, inv: Inventory, sources: dict[str, Source], out: Path, progress: Progress | None) -> dict[str, int]:
-    """One safetensors file, tensor by tensor; returns each tensor's CRC-32 for verification."""
+def _write_shard(shard: _Shard, inv: Inventory, sources: dict[str, MappedCheckpoint], out: Path, progress: Progress | None) -> Written:
+    """One safetensors file, tensor by tensor; returns what it wrote (each tensor and its bytes' CRC-32) for verification."""
     from ..formats.zipwrite import crc32
     from .atomic import Writeback
     from .source import contiguous_span
-    from .write import _stream, _tensor_bytes
+    from .verify import Written
+    from .write import safetensors_header, stream_cast, tensor_bytes
 
-    header: dict[str, Any] = {}
-    offset = 0
-    for e in shard.entries:
-        size = _numel(e.shape) * dtypes.get(e.target).itemsize
-        header[e.name] = {"dtype": dtypes.SAFETENSORS_CODE_OF[e.target], "shape": list(e.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    meta = {"format": "pt"}
-    text = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
-    text += b" " * ((-len(text)) % 8)
-    crcs: dict[str, int] = {}
+    written = Written(tensors={e.name: (e.target, e.shape) for e in shard.entries})
+    crcs = written.crcs
     with out.open("wb") as fh, Writeback(fh) as writeback:
-        fh.write(struct.pack("<Q", len(text)) + text)
+        fh.write(safetensors_header([(e.name, e.target, e.shape) for e in shard.entries], {"format": "pt"}))
         for e in shard.entries:
             crcs[e.name] = 0
 
@@ -207,7 +197,7 @@ def _write_shard(shard: _Shard, inv: Inventory, sources: dict[str, Source], out:
             if e.weight is not None:
                 for y in _in_order(_piece_tasks(e.weight, e.shape, e.target, inv, sources)):
                     if y.numel():
-                        sink(_tensor_bytes(y))
+                        sink(tensor_bytes(y))
                     if progress:
                         progress(y.numel() * y.element_size())
                     del y
@@ -216,13 +206,13 @@ def _write_shard(shard: _Shard, inv: Inventory, sources: dict[str, Source], out:
                 assert t is not None
                 src = sources[t.file]
                 span = contiguous_span(src, t) if t.dtype in dtypes.DTYPES else None
-                _stream(src, span, t.dtype, e.target, sink, progress, clamp=False, tensor=t)
+                stream_cast(src, span, t.dtype, e.target, sink, progress, clamp=False, tensor=t)
             _release(inv, sources, e)
             writeback()
-    return crcs
+    return written
 
 
-def _release(inv: Inventory, sources: dict[str, Source], e: _Entry) -> None:
+def _release(inv: Inventory, sources: dict[str, MappedCheckpoint], e: _Entry) -> None:
     """Unmap the source pages an entry read (they stay in the page cache): a read-only mapping's pages would
     otherwise count in the process's RSS until the whole shard is done."""
     import mmap
@@ -242,7 +232,7 @@ def _release(inv: Inventory, sources: dict[str, Source], e: _Entry) -> None:
 
 
 def _piece_tasks(
-    w: qm.LogicalWeight, shape: tuple[int, ...], target: str, inv: Inventory, sources: dict[str, Source]
+    w: qm.LogicalWeight, shape: tuple[int, ...], target: str, inv: Inventory, sources: dict[str, MappedCheckpoint]
 ) -> Iterator[Callable[[], torch.Tensor]]:
     """The dequantized weight, cast to ``target``, in row order, as tasks that compute one piece each: FP8 a few
     blocks of rows at a time (its float32 products stay in cache, memory stays bounded by a chunk, and the
@@ -310,68 +300,17 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _verify(shard: _Shard, out: Path, crcs: dict[str, int]) -> None:
-    """Re-read the written file: every planned name with its dtype and shape, and its bytes' CRC-32 as handed over."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..formats import safetensors as st_reader
-    from ..formats.storage import Span
-
-    got = read_checkpoint(out).by_name()
-    header, start = st_reader.read_header(out)
-    for e in shard.entries:
-        t = got.get(e.name)
-        if t is None or t.dtype != e.target or t.shape != e.shape:
-            have = f"{t.dtype}{list(t.shape)}" if t else "missing"
-            raise ConversionError(f"verification failed: '{e.name}' is {have}, planned {e.target}{list(e.shape)}", path=str(out))
-    spans = {e.name: Span(start + header[e.name]["data_offsets"][0], t_len(header[e.name])) for e in shard.entries}
-    fd = os.open(out, os.O_RDONLY)
-    try:
-        # pread, not mmap: what is read back stays out of the process's RSS. The CRC releases the GIL, so two
-        # threads read the file back at twice the speed (as conversion.verify does).
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            got_crcs = dict(zip(spans, pool.map(lambda span: _pread_crc(fd, span), spans.values()), strict=True))
-    finally:
-        os.close(fd)
-    for name, crc in got_crcs.items():
-        if crc != crcs[name]:
-            raise ConversionError(f"verification failed: '{name}' bytes differ from what was written", path=str(out))
-
-
-def _pread_crc(fd: int, span: Any) -> int:
-    from ..formats.zipwrite import crc32
-    from .verify import CRC_CHUNK_BYTES
-
-    crc = 0
-    buf = bytearray(min(CRC_CHUNK_BYTES, max(1, span.length)))
-    view = memoryview(buf)
-    done = 0
-    while done < span.length:
-        n = os.preadv(fd, [view[: min(len(buf), span.length - done)]], span.offset + done)
-        if n <= 0:
-            raise ConversionError("verification failed: the output is shorter than its header says")
-        crc = crc32(view[:n], crc)
-        done += n
-    return crc
-
-
-def t_len(entry: dict[str, Any]) -> int:
-    lo, hi = entry["data_offsets"]
-    return int(hi) - int(lo)
-
-
-def _config_out(config: dict[str, Any], target: str) -> dict[str, Any]:
-    out = {k: v for k, v in config.items() if k != "quantization_config"}
-    # transformers 5 reads dtype (and torch_dtype where dtype is absent); 4 reads torch_dtype.
-    keys = [k for k in ("torch_dtype", "dtype") if k in out] or ["torch_dtype"]
-    out.update(dict.fromkeys(keys, target))
-    return out
-
-
 def _write_directory(
-    shards: list[_Shard], inv: Inventory, src_dir: Path, sources: dict[str, Source], tmp: Path, target: str, progress: Progress | None
+    shards: list[_Shard],
+    inv: Inventory,
+    src_dir: Path,
+    sources: dict[str, MappedCheckpoint],
+    tmp: Path,
+    target: str,
+    progress: Progress | None,
 ) -> None:
-    from .write import _mode, copy_beside_weights
+    from .modeldir import config_with_dtype, copy_beside_weights, file_mode, write_index
+    from .verify import verify
 
     weight_map: dict[str, str] = {}
     total = 0
@@ -379,20 +318,15 @@ def _write_directory(
         if not shard.entries:
             continue  # a shard that held only storage of weights written elsewhere (scales of another shard's weights)
         out = tmp / shard.label
-        crcs = _write_shard(shard, inv, sources, out, progress)
-        _verify(shard, out, crcs)
-        os.chmod(out, _mode(sources[shard.label].path))
+        verify(out, _write_shard(shard, inv, sources, out, progress))
+        os.chmod(out, file_mode(sources[shard.label].path))
         for e in shard.entries:
             weight_map[e.name] = shard.label
             total += _numel(e.shape) * dtypes.get(e.target).itemsize
-    copy_beside_weights(src_dir, tmp, skip=set(sources), edit_config=lambda config: _config_out(config, target))
+    copy_beside_weights(src_dir, tmp, skip=set(sources), edit_config=lambda config: config_with_dtype(config, target, dequantized=True))
     index = next((src_dir / n for n in hfdir.INDEX_NAMES if (src_dir / n).is_file()), None)
     if index is not None:
-        doc = json.loads(index.read_text(encoding="utf-8"))
-        doc.setdefault("metadata", {})["total_size"] = total
-        doc["weight_map"] = weight_map
-        (tmp / index.name).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        os.chmod(tmp / index.name, _mode(index))
+        write_index(tmp, index, index.name, total, weight_map)
 
 
 def convert_quantized(
@@ -412,15 +346,15 @@ def convert_quantized(
     from ..checks import check
     from . import Result
     from .atomic import atomic_output, check_destination, default_output
-    from .source import Source, source_files
+    from .source import open_sources
+    from .verify import verify
 
     target = dtypes.conversion_target(to)
     if in_place:
         raise UsageError("--in-place cannot dequantize: the output replaces the quantized files with larger ones; give -o")
     supported(view)
     with ExitStack() as stack:
-        files = source_files(src_path, inv)
-        sources = {label: Source(path, sub, stack) for label, (path, sub) in files.items()}
+        sources = open_sources(src_path, inv, stack)
         if inv.format == "gguf":
             for src in sources.values():
                 src.spans = {t.name: _span(t) for t in inv.tensors}
@@ -449,12 +383,11 @@ def convert_quantized(
         else:
             (shard,) = shards if shards else (_Shard(""),)
             with atomic_output(dest, mode_from=src_path) as tmp:
-                crcs = _write_shard(shard, inv, sources, tmp, progress)
-                _verify(shard, tmp, crcs)
+                verify(tmp, _write_shard(shard, inv, sources, tmp, progress))
     return Result(plan, dest, [])
 
 
 def _span(t: TensorRecord) -> Any:
-    from ..formats.storage import Span
+    from ..inventory import Span
 
     return Span(t.offset, t.nbytes)

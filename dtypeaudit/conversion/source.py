@@ -1,10 +1,17 @@
-"""mmap access to a source checkpoint's tensor bytes and to the pickle that describes them."""
+"""A source checkpoint file mapped for conversion: its tensor bytes and its pickle, where its reader found them.
+
+Conversion plans, writes and verifies from what the reader already produced (the inventory and its
+``Layout``): a model directory's weight files come from ``Inventory.parts``, storages and records from
+``Layout``, so no header is read and no archive opened a second time. The one other pass over a torch.save
+pickle is ``MappedCheckpoint.faithful``: the graph kept as written, which the rewrite re-emits, run once per file.
+"""
 
 from __future__ import annotations
 
 import mmap
 from collections.abc import Callable
 from contextlib import ExitStack
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -14,16 +21,22 @@ from ..formats import directory as hfdir
 from ..formats import read_checkpoint
 from ..formats.pickleout import keep_persistent
 from ..formats.picklevm import PickleVM
-from ..formats.storage import Span
 from ..formats.ziparchive import ZipArchive
-from ..inventory import Inventory, Layout, TensorRecord
+from ..inventory import Inventory, Layout, Span, TensorRecord
 from ..torchcast import frombuffer
 
 Progress = Callable[[int], None]
 
+LEGACY_EXTRAS = {"byteorder": b"little", "version": b"3\n", ".format_version": b"1", ".storage_alignment": b"64"}
+"""The small records a zip archive written by torch.save holds, for legacy files converted to one."""
 
-class Source:
-    """mmap access to one checkpoint file's tensor bytes, where its reader's layout says they lie."""
+
+class MappedCheckpoint:
+    """One checkpoint file mapped read-only, with the inventory its reader made of it.
+
+    Tensor bytes are reached through ``bytes_at`` and ``tensor_at`` only (``mm`` is the mapping itself, for the
+    value checks that hand it to numpy).
+    """
 
     def __init__(self, path: Path, inv: Inventory, stack: ExitStack) -> None:
         self.path = path
@@ -34,14 +47,7 @@ class Source:
             self.mm.madvise(mmap.MADV_SEQUENTIAL)  # read ahead: every pass walks the file front to back
         if inv.metadata.get("byteorder", "little") != "little":
             raise ConversionError("big-endian archives are not supported for conversion", path=str(path))
-        self.spans: dict[str, Span] = {}
-        if inv.layout is not None:
-            self.spans = {key: Span(offset, length) for key, (offset, length) in inv.layout.storages.items()}
-        elif inv.format == "safetensors":
-            from ..formats import safetensors as st_reader
-
-            _, start = st_reader.read_header(path)
-            self.spans = {t.name: Span(start + t.offset, t.nbytes) for t in inv.tensors}
+        self.spans: dict[str, Span] = dict(inv.layout.storages) if inv.layout is not None else {}
 
     @property
     def layout(self) -> Layout:
@@ -55,36 +61,46 @@ class Source:
         except KeyError:
             raise CheckpointError(f"storage '{key}' not found", path=str(self.path)) from None
 
+    def bytes_at(self, offset: int, length: int) -> memoryview:
+        """``length`` bytes at ``offset``, without copying."""
+        return memoryview(self.mm)[offset : offset + length]
 
-LEGACY_EXTRAS = {"byteorder": b"little", "version": b"3\n", ".format_version": b"1", ".storage_alignment": b"64"}
-"""The small records a zip archive written by torch.save holds, for legacy files converted to one."""
+    def tensor_at(self, dtype: str, count: int, offset: int) -> Any:
+        """A read-only 1-D tensor of ``count`` elements of ``dtype`` at ``offset``, without copying."""
+        return frombuffer(self.mm, dtype, count, offset)
+
+    def main_pickle(self) -> tuple[bytes | mmap.mmap, int, str, dict[str, bytes]]:
+        """Where the object graph is pickled (buffer, offset), the archive prefix, and the other small records:
+        from the mapping where the reader found them stored, else (a deflated record) from the archive."""
+        layout = self.layout
+        if layout.container != "zip":
+            return self.mm, layout.pickle_offset, "archive/", dict(LEGACY_EXTRAS)
+        names = ("data.pkl", *layout.records)
+        if all(name in layout.record_spans for name in names):
+            data = {name: self.mm[span.offset : span.offset + span.length] for name, span in ((n, layout.record_spans[n]) for n in names)}
+        else:
+            with ZipArchive.open(self.path) as za:
+                data = {name: self._record(za, layout.archive_prefix + name) for name in names}
+        pickle = data.pop("data.pkl")
+        return pickle, 0, layout.archive_prefix, data
+
+    def _record(self, za: ZipArchive, name: str) -> bytes:
+        entry = za.find(name)
+        if entry is None:
+            raise CheckpointError(f"record {name} vanished from the archive", path=str(self.path))
+        return za.read(entry, 1 << 30)
+
+    @cached_property
+    def faithful(self) -> tuple[Any, str, dict[str, bytes]]:
+        """The pickle as a faithful graph (persistent ids kept as written), its archive prefix, its other records.
+
+        Interpreted once per file; the rewrite changes it in place (``write_torch_zip``), after every reader of it."""
+        buf, pos, prefix, extras = self.main_pickle()
+        root, _ = PickleVM(buf, persistent_load=keep_persistent, source=str(self.path)).load(pos)
+        return root, prefix, extras
 
 
-def main_pickle(src: Source) -> tuple[bytes | mmap.mmap, int, str, dict[str, bytes]]:
-    """Where the checkpoint's object graph is pickled (buffer, offset), its archive prefix, and its other small records."""
-    layout = src.layout
-    if layout.container == "zip":
-        with ZipArchive.open(src.path) as za:
-            prefix = layout.archive_prefix
-
-            def record(name: str) -> bytes:
-                entry = za.find(prefix + name)
-                if entry is None:
-                    raise CheckpointError(f"record {name} vanished from the archive", path=str(src.path))
-                return za.read(entry, 1 << 30)
-
-            return record("data.pkl"), 0, prefix, {name: record(name) for name in layout.records}
-    return src.mm, layout.pickle_offset, "archive/", dict(LEGACY_EXTRAS)
-
-
-def faithful_root(src: Source) -> tuple[Any, str, dict[str, bytes]]:
-    """The source's pickle as a faithful graph, its archive prefix, and its other small records."""
-    buf, pos, prefix, extras = main_pickle(src)
-    root, _ = PickleVM(buf, persistent_load=keep_persistent, source=str(src.path)).load(pos)
-    return root, prefix, extras
-
-
-def contiguous_span(src: Source, t: TensorRecord) -> Span | None:
+def contiguous_span(src: MappedCheckpoint, t: TensorRecord) -> Span | None:
     """The bytes of ``t`` as one span if it is a contiguous run of its storage, else None."""
     itemsize = dtypes.get(t.dtype).itemsize
     if t.storage is None:
@@ -104,22 +120,25 @@ def contiguous_span(src: Source, t: TensorRecord) -> Span | None:
     return Span(base.offset + t.offset * itemsize, t.numel * itemsize)
 
 
-def materialize(src: Source, t: TensorRecord) -> Any:
+def materialize(src: MappedCheckpoint, t: TensorRecord) -> Any:
     import torch
 
     base = src.storage(t.storage or t.name)
     itemsize = dtypes.get(t.dtype).itemsize
-    flat = frombuffer(src.mm, t.dtype, base.length // itemsize, base.offset)
+    flat = src.tensor_at(t.dtype, base.length // itemsize, base.offset)
     return torch.as_strided(flat, t.shape, t.stride or (), t.offset).contiguous()
 
 
-def source_files(path: Path, inv: Inventory) -> dict[str, tuple[Path, Inventory]]:
+def open_sources(path: Path, inv: Inventory, stack: ExitStack) -> dict[str, MappedCheckpoint]:
+    """Every weight file of ``inv`` mapped, by its label (``""`` for a single file), with the inventory its reader
+    made of it: a directory's from ``Inventory.parts``, read again only where the directory came without them."""
     if inv.format != "hf-directory":
-        return {"": (path, inv)}
-    out: dict[str, tuple[Path, Inventory]] = {}
+        return {"": MappedCheckpoint(path, inv, stack)}
     shards = inv.metadata.get("shards", [])
     assert isinstance(shards, list)
+    out: dict[str, MappedCheckpoint] = {}
     for shard in shards:
         p = hfdir.confine(path, str(shard), origin=path)
-        out[str(shard)] = (p, read_checkpoint(p))
+        part = inv.parts.get(str(shard))
+        out[str(shard)] = MappedCheckpoint(p, part if part is not None else read_checkpoint(p), stack)
     return out

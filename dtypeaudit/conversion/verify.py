@@ -1,9 +1,10 @@
-"""Re-read what was written and prove it: names, shapes, dtypes, sharing, and bytes equal to torch's cast."""
+"""Read a written file back once and prove it holds what its writer says it wrote (a ``Written`` record):
+names, shapes, dtypes, sharing, each record's bytes (CRC-32 of what was handed to the file) and, where the
+writer says where they came from, bytes equal to torch's own cast of the source."""
 
 from __future__ import annotations
 
-import json
-import mmap
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,13 +13,10 @@ from typing import Any
 from .. import dtypes
 from ..errors import ConversionError
 from ..formats import read_checkpoint
-from ..formats import safetensors as st_reader
-from ..formats.storage import Span
 from ..formats.zipwrite import crc32
-from ..inventory import TensorRecord
-from ..torchcast import frombuffer
+from ..inventory import Span, TensorRecord
 from .plan import Plan
-from .source import Source, materialize
+from .source import MappedCheckpoint, materialize
 
 CRC_CHUNK_BYTES = 8 << 20
 SAMPLE_BYTES = 64 << 10
@@ -29,7 +27,7 @@ SAMPLE_BYTES = 64 << 10
 class Origin:
     """Where a written record's bytes came from, so verification can recompute them independently."""
 
-    src: Source
+    src: MappedCheckpoint
     span: Span | None
     """The source bytes; None for a view that had to be gathered (``tensor`` says which)."""
     dtype: str
@@ -41,72 +39,87 @@ class Origin:
 
 @dataclass
 class Written:
-    """What the writer produced: for each record (zip member or safetensors tensor), its origin and the
-    CRC-32 of the bytes handed to the file (zip members carry theirs in the archive)."""
+    """What a writer put in one file, as the writer knows it: every tensor with its dtype and shape, the
+    CRC-32 of each record's bytes (a zip storage by its key, a safetensors tensor by its name) as handed to
+    the file, and, for records cast or copied from a source, where they came from."""
 
-    origins: dict[str, Origin] = field(default_factory=dict)
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    """Tensor name -> (dtype, shape), every name a load of the file gives back (tied names included)."""
     crcs: dict[str, int] = field(default_factory=dict)
+    origins: dict[str, Origin] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     """safetensors: a tied name -> the name its tensor was written under (kept in the metadata, not as a tensor)."""
+    sharing: set[frozenset[str]] | None = None
+    """torch.save: the groups of tensor names that share a storage (ties, views), as the source had them."""
+    clamp: bool = False
+    """The cast clamped to the target's range (``--clamp``)."""
+
+    @classmethod
+    def planned(cls, plan: Plan, *, sharing: bool = False) -> Written:
+        """A record for ``plan``'s output file: its tensors as planned, and (``sharing``) the source's ties."""
+        kept = {p.tensor.name: p for p in plan.tensors if p.action != "drop"}
+        out = cls(tensors={n: (p.target, p.tensor.shape) for n, p in kept.items()}, clamp=plan.clamp)
+        if sharing:
+            groups = {frozenset((n, *p.tensor.shares_with)) & set(kept) for n, p in kept.items() if p.tensor.shares_with}
+            out.sharing = {g for g in groups if len(g) > 1}
+        return out
 
 
-def verify(plan: Plan, out: Path, written: Written) -> None:
-    """Re-read what was written: names, shapes, dtypes as planned, ties kept, bytes equal to torch's cast."""
+def verify(out: Path, written: Written) -> None:
+    """Read ``out`` once with its reader and compare it with ``written``; ConversionError on any difference."""
     got = read_checkpoint(out)
-    want = {p.tensor.name: p for p in plan.tensors if p.action != "drop"}
     have = got.by_name()
-    st_meta = got.metadata.get("safetensors_metadata")
-    aliases = json.loads(st_meta.get("dtypeaudit.aliases", "{}")) if isinstance(st_meta, dict) else {}
-    missing = [n for n in want if n not in have and n not in aliases]
+    missing = [n for n in written.tensors if n not in have and n not in written.aliases]
     if missing:
         raise ConversionError(f"verification failed: {len(missing)} tensors missing from the output (first: {missing[0]})", path=str(out))
-    for name, p in want.items():
-        t = have.get(aliases.get(name, name))
-        assert t is not None
-        if t.shape != p.tensor.shape or t.dtype != p.target:
-            raise ConversionError(
-                f"verification failed: '{name}' is {t.dtype}{list(t.shape)}, planned {p.target}{list(p.tensor.shape)}", path=str(out)
-            )
-    if got.format == "torch-zip":
-        kept = set(want)
-        src_groups = {frozenset((n, *want[n].tensor.shares_with)) & kept for n in want if want[n].tensor.shares_with}
-        out_groups = {frozenset((t.name, *t.shares_with)) for t in got.tensors if t.shares_with}
-        if {g for g in src_groups if len(g) > 1} != out_groups:
-            raise ConversionError("verification failed: storage sharing (ties, views) differs from the source", path=str(out))
-        from ..formats.ziparchive import ZipArchive
-
-        with ZipArchive.open(out) as za:
-            entries = {name: za.find(name) for name in written.origins}
-            if any(e is None for e in entries.values()):
-                raise ConversionError("verification failed: a storage record is missing from the output", path=str(out))
-            spans = {name: Span(*za.span(e)) for name, e in entries.items() if e is not None}
-            expected_crcs = {name: e.crc for name, e in entries.items() if e is not None}
-    else:
-        _, start = st_reader.read_header(out)
-        spans = {t.name: Span(start + t.offset, t.nbytes) for t in got.tensors if t.name in written.origins}
-        expected_crcs = written.crcs
-    with out.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        # zlib releases the GIL, so two threads read the records back at twice the speed.
+    for name, (dtype, shape) in written.tensors.items():
+        t = have[written.aliases.get(name, name)]
+        if t.shape != shape or t.dtype != dtype:
+            raise ConversionError(f"verification failed: '{name}' is {t.dtype}{list(t.shape)}, planned {dtype}{list(shape)}", path=str(out))
+    if written.sharing is not None and written.sharing != {frozenset((t.name, *t.shares_with)) for t in got.tensors if t.shares_with}:
+        raise ConversionError("verification failed: storage sharing (ties, views) differs from the source", path=str(out))
+    spans = dict(got.layout.storages) if got.layout is not None else {}
+    lost = [name for name in written.crcs if name not in spans]
+    if lost:
+        raise ConversionError(f"verification failed: record {lost[0]} is missing from the output", path=str(out))
+    with out.open("rb") as fh:
+        fd = fh.fileno()
+        # pread, not mmap: what is read back stays out of the process's RSS. zlib releases the GIL, so two
+        # threads read the records back at twice the speed.
         with ThreadPoolExecutor(max_workers=2) as pool:
-            crcs = dict(zip(spans, pool.map(lambda span: _crc(mm, span), spans.values()), strict=True))
-        for name, span in spans.items():
-            origin = written.origins[name]
-            if crcs[name] != expected_crcs[name] or not _matches_cast(mm, span, origin, plan.clamp):
-                raise ConversionError(f"verification failed: {name} on disk differs from torch's cast of the source", path=str(out))
+            crcs = dict(zip(written.crcs, pool.map(lambda name: _pread_crc(fd, spans[name]), written.crcs), strict=True))
+        for name, expected in written.crcs.items():
+            origin = written.origins.get(name)
+            if crcs[name] != expected or (origin is not None and not _matches_cast(fd, spans[name], origin, written.clamp)):
+                what = "torch's cast of the source" if origin is not None else "what was written"
+                raise ConversionError(f"verification failed: {name} on disk differs from {what}", path=str(out))
 
 
-def _crc(buffer: Any, span: Span) -> int:
+def _pread(fd: int, offset: int, length: int) -> bytes:
+    data = os.pread(fd, length, offset)
+    while len(data) < length:
+        more = os.pread(fd, length - len(data), offset + len(data))
+        if not more:
+            raise ConversionError("verification failed: the output is shorter than its header says")
+        data += more
+    return data
+
+
+def _pread_crc(fd: int, span: Span) -> int:
     crc = 0
-    view = memoryview(buffer)
-    try:
-        for start in range(0, span.length, CRC_CHUNK_BYTES):
-            crc = crc32(view[span.offset + start : span.offset + min(span.length, start + CRC_CHUNK_BYTES)], crc)
-    finally:
-        view.release()
+    buf = bytearray(min(CRC_CHUNK_BYTES, max(1, span.length)))
+    view = memoryview(buf)
+    done = 0
+    while done < span.length:
+        n = os.preadv(fd, [view[: min(len(buf), span.length - done)]], span.offset + done)
+        if n <= 0:
+            raise ConversionError("verification failed: the output is shorter than its header says")
+        crc = crc32(view[:n], crc)
+        done += n
     return crc
 
 
-def _matches_cast(mm: Any, span: Span, origin: Origin, clamp: bool) -> bool:
+def _matches_cast(fd: int, span: Span, origin: Origin, clamp: bool) -> bool:
     """Whether the bytes at ``span`` equal torch's own ``tensor.to(target)`` of the source, recomputed here.
 
     The whole record is covered by the CRC check against what the writer produced; this recomputes
@@ -129,7 +142,7 @@ def _matches_cast(mm: Any, span: Span, origin: Origin, clamp: bool) -> bool:
     if origin.span is None:
         assert origin.tensor is not None
         expected = cast(materialize(origin.src, origin.tensor)).reshape(-1).view(torch.uint8)
-        return span.length == expected.numel() and _same_bytes(frombuffer(mm, "uint8", span.length, span.offset), expected)
+        return span.length == expected.numel() and _pread(fd, span.offset, span.length) == expected.numpy().tobytes()
     itemsize = dtypes.get(origin.dtype).itemsize
     out_itemsize = dtypes.get(origin.target).itemsize
     numel = origin.span.length // itemsize
@@ -139,15 +152,8 @@ def _matches_cast(mm: Any, span: Span, origin: Origin, clamp: bool) -> bool:
     starts = sorted({0, (numel // 2) // step * step, max(0, (numel - 1) // step * step)}) if numel else []
     for first in starts:
         count = min(step, numel - first)
-        x = frombuffer(origin.src.mm, origin.dtype, count, origin.span.offset + first * itemsize)
-        got = frombuffer(mm, origin.target, count, span.offset + first * out_itemsize)
-        if not _same_bytes(got.view(torch.uint8), cast(x).view(torch.uint8)):
+        x = origin.src.tensor_at(origin.dtype, count, origin.span.offset + first * itemsize)
+        got = _pread(fd, span.offset + first * out_itemsize, count * out_itemsize)
+        if got != cast(x).view(torch.uint8).numpy().tobytes():
             return False
     return True
-
-
-def _same_bytes(a: Any, b: Any) -> bool:
-    """Byte tensors compared with numpy (several times faster than torch.equal on uint8)."""
-    import numpy as np
-
-    return bool(np.array_equal(a.numpy(), b.numpy()))

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
-import shutil
-import stat
 import struct
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +15,15 @@ from ..errors import ConversionError, UsageError
 from ..formats import directory as hfdir
 from ..formats.pickleout import Persistent, dumps
 from ..formats.picklevm import Global, Opaque
-from ..formats.storage import Span
 from ..formats.torchpickle import TensorRef, children, is_optimizer_state, torch_vm
 from ..formats.zipwrite import StoredZipWriter, crc32
-from ..inventory import Inventory, TensorRecord
-from ..torchcast import Caster, chunks
+from ..inventory import Inventory, Span, TensorRecord
+from ..torchcast import Caster
 from ..values import CHUNK_BYTES, ValueStats
 from .atomic import Writeback, flushing
+from .modeldir import config_with_dtype, copy_beside_weights, file_mode, write_index
 from .plan import Plan, TensorPlan, unit_of
-from .source import Progress, Source, contiguous_span, faithful_root, main_pickle, materialize
+from .source import MappedCheckpoint, Progress, contiguous_span, materialize
 from .verify import Origin, Written, verify
 
 COPY_CHUNK_BYTES = 8 << 20
@@ -41,8 +40,8 @@ def _crc_sink(sink: Callable[[Any], Any], into: dict[str, int], name: str) -> Ca
     return write
 
 
-def _stream(
-    src: Source,
+def stream_cast(
+    src: MappedCheckpoint,
     span: Span | None,
     dtype: str,
     target: str,
@@ -58,24 +57,26 @@ def _stream(
     itemsize = dtypes.get(dtype).itemsize
     if span is not None and dtype == target:
         for start in range(0, span.length, COPY_CHUNK_BYTES):
-            piece = memoryview(src.mm)[span.offset + start : span.offset + min(span.length, start + COPY_CHUNK_BYTES)]
+            piece = src.bytes_at(span.offset + start, min(COPY_CHUNK_BYTES, span.length - start))
             sink(piece)
             if progress:
                 progress(len(piece))
         return
     if span is not None:
-        pieces = chunks(src.mm, dtype, span.offset, span.length // itemsize, itemsize)
+        numel = span.length // itemsize
+        pieces = iter(src.tensor_at(dtype, numel, span.offset).split(max(1, CHUNK_BYTES // itemsize)) if numel else ())
     else:
         assert tensor is not None
         pieces = iter(materialize(src, tensor).reshape(-1).split(max(1, CHUNK_BYTES // itemsize)))
     cast = Caster(dtype, target, clamp=clamp, stats=None if stats is None or stats.errors_measured else stats)
     for x in pieces:
-        sink(_tensor_bytes(cast(x)))
+        sink(tensor_bytes(cast(x)))
         if progress:
             progress(x.numel() * itemsize)
 
 
-def _tensor_bytes(y: Any) -> memoryview:
+def tensor_bytes(y: Any) -> memoryview:
+    """A tensor's bytes, as the file stores them (its elements in order, native little-endian)."""
     import torch
 
     return memoryview(y.contiguous().view(torch.uint8).numpy())
@@ -161,21 +162,21 @@ def _training_state_paths(root: Any, *, max_depth: int = 8) -> list[tuple[str, .
     return out
 
 
-def strip_keys(src: Source) -> tuple[tuple[str, ...], ...]:
+def strip_keys(src: MappedCheckpoint) -> tuple[tuple[str, ...], ...]:
     """What ``--strip-optimizer`` removes from one torch.save file, as key paths (nothing from safetensors)."""
     if src.inv.format not in ("torch-zip", "torch-legacy"):
         return ()
-    root, _, _ = faithful_root(src)
+    root, _, _ = src.faithful
     return tuple(_training_state_paths(root))
 
 
-def strip_notes(stripped: dict[str, tuple[tuple[str, ...], ...]], sources: dict[str, Source]) -> list[str]:
+def strip_notes(stripped: dict[str, tuple[tuple[str, ...], ...]], sources: dict[str, MappedCheckpoint]) -> list[str]:
     """What the plan says about --strip-optimizer, file by file."""
     out = []
     for label, paths in stripped.items():
         where = f" from {label}" if label else ""
         out.append(f"stripped {', '.join(repr('.'.join(p)) for p in paths)}{where} (--strip-optimizer)")
-        if ("optimizer_states",) in paths and is_lightning(faithful_root(sources[label])[0]):
+        if ("optimizer_states",) in paths and is_lightning(sources[label].faithful[0]):
             out.append(
                 "a Lightning weights-only checkpoint, as ModelCheckpoint(save_weights_only=True) writes: "
                 "LightningModule.load_from_checkpoint and Trainer.validate/test/predict(ckpt_path=...) load it; "
@@ -194,9 +195,11 @@ def _strip(root: Any, paths: tuple[tuple[str, ...], ...]) -> None:
             mapping.pop(path[-1], None)
 
 
-def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip: tuple[tuple[str, ...], ...], progress: Progress | None) -> Written:
+def write_torch_zip(
+    plan: Plan, src: MappedCheckpoint, out: Path, *, strip: tuple[tuple[str, ...], ...], progress: Progress | None
+) -> Written:
     """``strip``: the entries to leave out, as key paths (--strip-optimizer, decided by ``strip_keys`` when planning)."""
-    root, prefix, extras = faithful_root(src)
+    root, prefix, extras = src.faithful  # changed in place below: planning has read it already
     _strip(root, strip)
     storage_target: dict[str, str] = {}
     for p in plan.tensors:
@@ -230,7 +233,7 @@ def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip: tuple[tuple[st
     for p in plan.tensors:
         if p.action != "drop":
             names_of.setdefault(p.tensor.storage, []).append(p.tensor.name)
-    written = Written()
+    written = Written.planned(plan, sharing=True)
     with out.open("wb") as fh, Writeback(fh) as writeback:
         zf = StoredZipWriter(fh)
         zf.add(prefix + "data.pkl", dumps(root))
@@ -242,9 +245,10 @@ def write_torch_zip(plan: Plan, src: Source, out: Path, *, strip: tuple[tuple[st
             target = storage_target[key]
             size = span.length // dtypes.get(dtype).itemsize * dtypes.get(target).itemsize
             with zf.member(f"{prefix}data/{key}", size) as write:
-                _stream(src, span, dtype, target, write, progress, clamp=plan.clamp, stats=stats_of.get(key))
+                stream_cast(src, span, dtype, target, write, progress, clamp=plan.clamp, stats=stats_of.get(key))
             writeback()
-            written.origins[f"{prefix}data/{key}"] = Origin(src, span, dtype, target, names=tuple(names_of.get(key, ())))
+            written.crcs[key] = zf.crcs[f"{prefix}data/{key}"]
+            written.origins[key] = Origin(src, span, dtype, target, names=tuple(names_of.get(key, ())))
         for name, data in extras.items():
             if name not in (".format_version", ".storage_alignment", "byteorder"):
                 zf.add(prefix + name, data)
@@ -260,7 +264,9 @@ TIES_NOTE = (
 )
 
 
-def write_safetensors(plan: Plan, src: Source, out: Path, *, progress: Progress | None, materialize_ties: bool = False) -> Written:
+def write_safetensors(
+    plan: Plan, src: MappedCheckpoint, out: Path, *, progress: Progress | None, materialize_ties: bool = False
+) -> Written:
     """Tensors only; a tensor under several names (tied weights) is written once, the aliases kept in metadata
     and said in a note with the load that restores them, unless ``materialize_ties`` writes a copy per name."""
     if src.inv.format in ("torch-zip", "torch-legacy"):
@@ -281,7 +287,7 @@ def write_safetensors(plan: Plan, src: Source, out: Path, *, progress: Progress 
 
 
 def _write_safetensors_file(
-    items: list[tuple[TensorPlan, Source]],
+    items: list[tuple[TensorPlan, MappedCheckpoint]],
     out: Path,
     meta: dict[str, str],
     plan: Plan,
@@ -289,7 +295,7 @@ def _write_safetensors_file(
     progress: Progress | None,
     materialize_ties: bool = False,
 ) -> Written:
-    entries: list[tuple[TensorPlan, Source, Span | None]] = []
+    entries: list[tuple[TensorPlan, MappedCheckpoint, Span | None]] = []
     aliases: dict[str, str] = {}
     first_of: dict[tuple[object, ...], str] = {}
     for p, src in items:
@@ -307,37 +313,40 @@ def _write_safetensors_file(
         if tie is not None:
             first_of[tie] = t.name
         entries.append((p, src, contiguous_span(src, t)))
-    header: dict[str, Any] = {}
-    offset = 0
-    for p, _, _ in entries:
-        size = p.tensor.numel * dtypes.get(p.target).itemsize
-        header[p.tensor.name] = {
-            "dtype": dtypes.SAFETENSORS_CODE_OF[p.target],
-            "shape": list(p.tensor.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
     meta = dict(meta)
     if aliases:
         meta["dtypeaudit.aliases"] = json.dumps(aliases, sort_keys=True)
-    text = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
-    text += b" " * ((-len(text)) % 8)
-    written = Written(aliases=aliases)
+    written = Written.planned(plan)
+    written.aliases = aliases
     with out.open("wb") as fh, Writeback(fh) as writeback:
-        fh.write(struct.pack("<Q", len(text)) + text)
+        fh.write(safetensors_header([(p.tensor.name, p.target, p.tensor.shape) for p, _, _ in entries], meta))
         for p, src, span in entries:
             t = p.tensor
             sink = _crc_sink(fh.write, written.crcs, t.name)
             stats = plan.values.get(unit_of(t))
-            _stream(src, span, t.dtype, p.target, sink, progress, clamp=plan.clamp, stats=stats, tensor=t)
+            stream_cast(src, span, t.dtype, p.target, sink, progress, clamp=plan.clamp, stats=stats, tensor=t)
             written.origins[t.name] = Origin(src, span, t.dtype, p.target, t, names=(t.name,))
             writeback()
     return written
 
 
-def _refuse_non_tensor_content(src: Source) -> None:
+def safetensors_header(tensors: list[tuple[str, str, tuple[int, ...]]], meta: dict[str, str]) -> bytes:
+    """A safetensors file's first bytes for ``(name, dtype, shape)`` tensors stored in that order: the header's
+    length (8 bytes, little-endian), then its JSON, padded with spaces to 8 bytes as safetensors writes it."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, dtype, shape in tensors:
+        size = math.prod(shape) * dtypes.get(dtype).itemsize
+        header[name] = {"dtype": dtypes.SAFETENSORS_CODE_OF[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
+    text += b" " * ((-len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _refuse_non_tensor_content(src: MappedCheckpoint) -> None:
     """safetensors stores tensors only: refuse rather than silently drop an epoch or hyper-parameters."""
-    buf, pos, _, _ = main_pickle(src)
+    buf, pos, _, _ = src.main_pickle()
     root, _ = torch_vm(buf, source=str(src.path), legacy=src.inv.format == "torch-legacy").load(pos)
     extra: list[str] = []
 
@@ -361,7 +370,7 @@ def _refuse_non_tensor_content(src: Source) -> None:
 
 def write_file(
     plan: Plan,
-    src: Source,
+    src: MappedCheckpoint,
     out: Path,
     out_format: str,
     *,
@@ -389,7 +398,7 @@ def parse_size(text: str) -> int:
 def write_directory(
     plan: Plan,
     src_dir: Path,
-    sources: dict[str, Source],
+    sources: dict[str, MappedCheckpoint],
     out_dir: Path,
     *,
     progress: Progress | None,
@@ -404,7 +413,7 @@ def write_directory(
         if any(src.inv.format != "safetensors" for src in sources.values()):
             raise UsageError("--max-shard-size re-shards safetensors directories only")
         weight_map, total = _reshard(plan, sources, out_dir, max_shard_size, progress)
-        shard_mode = _mode(next(iter(sources.values())).path)
+        shard_mode = file_mode(next(iter(sources.values())).path)
         for name in set(weight_map.values()):
             os.chmod(out_dir / name, shard_mode)
     else:
@@ -420,42 +429,18 @@ def write_directory(
                 progress=progress,
             )
             with flushing(out):
-                verify(sub, out, written)
-            os.chmod(out, _mode(src.path))
+                verify(out, written)
+            os.chmod(out, file_mode(src.path))
             total += sub.bytes_after
     index_name = hfdir.INDEX_NAMES[0] if (src_dir / hfdir.INDEX_NAMES[0]).exists() or weight_map is not None else hfdir.INDEX_NAMES[1]
-
-    def set_dtype(config: dict[str, Any]) -> dict[str, Any]:
-        if plan.config_dtype is not None:
-            # transformers 5 reads dtype (and torch_dtype where dtype is absent); 4 reads torch_dtype.
-            keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
-            config.update(dict.fromkeys(keys, plan.config_dtype))
-        return config
-
-    copy_beside_weights(src_dir, out_dir, skip=set(sources), edit_config=set_dtype)
+    copy_beside_weights(src_dir, out_dir, skip=set(sources), edit_config=lambda config: config_with_dtype(config, plan.config_dtype))
     source_index = src_dir / index_name
-    if weight_map is not None or source_index.is_file():
-        index = json.loads(source_index.read_text(encoding="utf-8")) if source_index.is_file() else {}
-        index.setdefault("metadata", {})["total_size"] = total
-        if weight_map is not None:
-            index["weight_map"] = weight_map
-        (out_dir / index_name).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        if source_index.is_file():
-            os.chmod(out_dir / index_name, _mode(source_index))
+    write_index(out_dir, source_index if source_index.is_file() else None, index_name, total, weight_map)
 
 
-def _mode(path: Path) -> int:
-    """A file's permission bits (of the file a link names: a cache snapshot's blob)."""
-    return stat.S_IMODE(path.stat().st_mode)
-
-
-def _confined(root: Path, item: Path) -> None:
-    """Refuse to copy a link that leads out of the model directory (other than into its cache blobs)."""
-    if item.is_symlink() and not hfdir.link_allowed(root, item.resolve()):
-        raise ConversionError(f"'{item.relative_to(root)}' is a link that leads outside the directory; refused", path=str(root))
-
-
-def _reshard(plan: Plan, sources: dict[str, Source], out_dir: Path, limit: int, progress: Progress | None) -> tuple[dict[str, str], int]:
+def _reshard(
+    plan: Plan, sources: dict[str, MappedCheckpoint], out_dir: Path, limit: int, progress: Progress | None
+) -> tuple[dict[str, str], int]:
     """Pack tensors, in order, into shards of at most ``limit`` bytes (a larger tensor gets a shard of its own)."""
     groups: list[list[TensorPlan]] = [[]]
     size = 0
@@ -475,7 +460,7 @@ def _reshard(plan: Plan, sources: dict[str, Source], out_dir: Path, limit: int, 
         items = [(p, sources[original.tensor.file]) for p, original in zip(sub.tensors, group, strict=True)]
         written = _write_safetensors_file(items, out_dir / name, {"format": "pt"}, sub, progress=progress)
         with flushing(out_dir / name):
-            verify(sub, out_dir / name, written)
+            verify(out_dir / name, written)
         weight_map.update({p.tensor.name: name for p in group})
         total += sub.bytes_after
     return weight_map, total
@@ -490,26 +475,3 @@ def _subplan(source: Inventory, plan: Plan, plans: list[TensorPlan]) -> Plan:
         if unit_of(p.tensor) in plan.values:
             sub.values[unit_of(r.tensor)] = plan.values[unit_of(p.tensor)]
     return sub
-
-
-def copy_beside_weights(
-    src_dir: Path, out_dir: Path, *, skip: Collection[str], edit_config: Callable[[dict[str, Any]], dict[str, Any]]
-) -> None:
-    """Every file and folder of a model directory other than its weights (``skip``), hidden files and its index,
-    copied into ``out_dir``: confined to ``src_dir`` (links are copied as the files they name), config.json
-    rewritten through ``edit_config``, modes kept."""
-    for item in sorted(src_dir.iterdir()):
-        if item.name in skip or item.name.startswith(".") or item.name in hfdir.INDEX_NAMES:
-            continue
-        dest = out_dir / item.name
-        _confined(src_dir, item)
-        if item.name == "config.json" and item.is_file():
-            config = json.loads(item.read_text(encoding="utf-8"))
-            dest.write_text(json.dumps(edit_config(config), indent=2) + "\n", encoding="utf-8")
-            os.chmod(dest, _mode(item))
-        elif item.is_dir():
-            for inner in item.rglob("*"):
-                _confined(src_dir, inner)
-            shutil.copytree(item, dest, symlinks=False)  # links confined above are copied as the files they name
-        else:
-            shutil.copy2(item, dest)

@@ -81,17 +81,23 @@ def _read(p: AnyPath, shown: str, exclude: tuple[str, ...] = ()) -> Inventory:
     if not p.exists():
         raise CheckpointError(source.missing_local_path(str(p)) if isinstance(p, Path) else "no such file or directory", path=shown)
     if p.is_dir():
-        is_dcp = (p / ".metadata").is_file() and not directory.excluded_by(".metadata", exclude)
-        if is_dcp and directory.is_model_directory(p):
-            # torch.distributed.checkpoint would load .metadata's tensors, from_pretrained its weight files: two models.
-            raise CheckpointError(
-                "holds both a torch.distributed.checkpoint (.metadata) and a Hugging Face model (config, index or weight "
-                "files), which load as two different models; refused (scan the files by name, or --exclude .metadata)",
-                path=shown,
-            )
-        if is_dcp:
-            return dcp.read(p, read_file, exclude=exclude)
-        if directory.is_model_directory(p):
-            return directory.read(p, read_file, exclude=exclude)
-        raise CheckpointError("directory holds no checkpoint (no .metadata, no index, no *.safetensors or pytorch_model*.bin)", path=shown)
+        with directory.documents_parsed_once():
+            return _read_directory(p, shown, exclude)
     return read_file(p)
+
+
+def _read_directory(p: AnyPath, shown: str, exclude: tuple[str, ...]) -> Inventory:
+    """A directory as DCP or a Hugging Face model, its JSON files each parsed once (``documents_parsed_once``)."""
+    is_dcp = (p / ".metadata").is_file() and not directory.excluded_by(".metadata", exclude)
+    if is_dcp and directory.is_model_directory(p):
+        # torch.distributed.checkpoint would load .metadata's tensors, from_pretrained its weight files: two models.
+        raise CheckpointError(
+            "holds both a torch.distributed.checkpoint (.metadata) and a Hugging Face model (config, index or weight "
+            "files), which load as two different models; refused (scan the files by name, or --exclude .metadata)",
+            path=shown,
+        )
+    if is_dcp:
+        return dcp.read(p, read_file, exclude=exclude)
+    if directory.is_model_directory(p):
+        return directory.read(p, read_file, exclude=exclude)
+    raise CheckpointError("directory holds no checkpoint (no .metadata, no index, no *.safetensors or pytorch_model*.bin)", path=shown)

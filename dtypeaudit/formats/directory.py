@@ -16,11 +16,13 @@ same questions from one listing per folder, and the shards are then read concurr
 
 from __future__ import annotations
 
+import contextvars
 import fnmatch
 import json
 import os
 import re
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
@@ -28,7 +30,6 @@ from typing import Any, overload
 from ..errors import CheckpointError, DtypeAuditError, LimitExceeded
 from ..inventory import Finding, Inventory, TensorRecord, link_shared_storage
 from . import locate, remote
-from .jsonfile import DuplicateKey, loads_unique
 from .locate import AnyPath
 from .remote import RemoteError, RemotePath
 from .source import SKIPPED_DIRS
@@ -49,16 +50,65 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 _SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.(safetensors|bin)$")
 
 
-def _load_json(path: AnyPath) -> Any:
+@dataclass(frozen=True)
+class _Document:
+    """A JSON file parsed once: its value as ``json.loads`` gives it (a key given twice keeps its last value,
+    as from_pretrained reads config.json) and the first key given twice, which the strict readings refuse."""
+
+    value: Any
+    duplicate: str | None
+
+
+_DOCUMENTS: contextvars.ContextVar[dict[str, _Document] | None] = contextvars.ContextVar("dtypeaudit_documents", default=None)
+
+
+@contextmanager
+def documents_parsed_once() -> Iterator[None]:
+    """Within the block, each JSON file of a model directory (config.json, the index) is read and parsed once,
+    however many questions (which files load, which dtype, which keys repeat) are asked of it."""
+    if _DOCUMENTS.get() is not None:
+        yield
+        return
+    token = _DOCUMENTS.set({})
+    try:
+        yield
+    finally:
+        _DOCUMENTS.reset(token)
+
+
+def _parse(path: AnyPath) -> _Document:
+    cache = _DOCUMENTS.get()
+    if cache is not None and str(path) in cache:
+        return cache[str(path)]
     if path.stat().st_size > MAX_JSON_BYTES:
         raise LimitExceeded("JSON file is over the 64 MiB cap", path=str(path))
+    repeated: list[str] = []
 
+    def last_wins(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out and not repeated:
+                repeated.append(key)
+            out[key] = value
+        return out
+
+    doc = _Document(json.loads(locate.read_small(path, MAX_JSON_BYTES).decode("utf-8"), object_pairs_hook=last_wins), None)
+    if repeated:
+        doc = _Document(doc.value, repeated[0])
+    if cache is not None:
+        cache[str(path)] = doc
+    return doc
+
+
+def _load_json(path: AnyPath) -> Any:
+    """A JSON file we do not trust: a key written twice is an error, not a silent overwrite."""
     try:
-        return loads_unique(locate.read_small(path, MAX_JSON_BYTES).decode("utf-8"))
-    except DuplicateKey as exc:
-        raise CheckpointError(f"'{exc.key}' is listed twice", path=str(path)) from None
+        doc = _parse(path)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"not valid JSON ({exc})", path=str(path)) from None
+    if doc.duplicate is not None:
+        raise CheckpointError(f"'{doc.duplicate}' is listed twice", path=str(path))
+    return doc.value
 
 
 def _unsafe_name(name: str) -> bool:
@@ -141,9 +191,7 @@ def _config(path: AnyPath) -> dict[str, Any]:
     if not config.is_file():
         return {}
     try:
-        if config.stat().st_size > MAX_JSON_BYTES:
-            return {}
-        cfg = json.loads(locate.read_small(config, MAX_JSON_BYTES).decode("utf-8"))
+        cfg = _parse(config).value
     except RemoteError:
         raise
     except (CheckpointError, OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -432,8 +480,10 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory], *, exclude: tuple
     # Remote shards are read at once (their headers are a round trip each); the first failure in file order is raised.
     invs = remote.concurrent_map(read_file, shards) if isinstance(path, RemotePath) else None
     first_tensors: tuple[TensorRecord, ...] = ()
+    parts: dict[str, Inventory] = {}
     for i, label in enumerate(res.files):
         inv = invs[i] if invs is not None else read_file(shards[i])
+        parts[label] = inv
         if i == 0:
             first_tensors = inv.tensors
         findings.extend(f if f.file else Finding(**{**f.__dict__, "file": label}) for f in inv.findings)
@@ -498,7 +548,7 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory], *, exclude: tuple
             metadata["config_dtype"] = declared
     if res.from_pretrained:
         findings.extend(_load_dtype(path, res, cfg, first_tensors, metadata))
-    return Inventory(str(path), "hf-directory", link_shared_storage(tensors), tuple(findings), metadata)
+    return Inventory(str(path), "hf-directory", link_shared_storage(tensors), tuple(findings), metadata, parts=parts)
 
 
 def _load_dtype(

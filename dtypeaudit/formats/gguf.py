@@ -20,7 +20,7 @@ import struct
 from typing import Any
 
 from ..errors import CheckpointError, LimitExceeded
-from ..inventory import Inventory, Layout, TensorRecord
+from ..inventory import Inventory, Layout, Span, TensorRecord
 from . import locate
 from .locate import AnyPath
 from .source import Source
@@ -198,7 +198,7 @@ def read(path: AnyPath | Source, *, file_label: str = "") -> Inventory:
         data_size = src.size - data_start
     tensors = []
     quantized: dict[str, list[object]] = {}
-    storages: dict[str, tuple[int, int]] = {}
+    storages: dict[str, Span] = {}
     for tname, dims, ggml_type, offset in infos:
         if ggml_type not in GGML_TYPES:
             raise CheckpointError(f"GGUF tensor '{tname}' has unknown ggml type {ggml_type}", path=name)
@@ -215,7 +215,7 @@ def read(path: AnyPath | Source, *, file_label: str = "") -> Inventory:
                 path=name,
             )
         shape = tuple(reversed(dims))
-        storages[tname] = (data_start + offset, nbytes)
+        storages[tname] = Span(data_start + offset, nbytes)
         dtype = PLAIN_DTYPES.get(type_name)
         if dtype is not None:
             tensors.append(TensorRecord(tname, dtype, shape, nbytes, offset=data_start + offset, file=file_label))

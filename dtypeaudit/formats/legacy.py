@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from ..inventory import Finding, Inventory, Layout
+from ..inventory import Finding, Inventory, Layout, Span
 from . import locate
 from .locate import AnyPath
 from .picklevm import Opaque, PickleVM, Trace
@@ -114,8 +114,8 @@ def _count_ranges(pos: int, keys: list[str], storages: list[StorageRef]) -> list
     return out
 
 
-def storage_spans(mm: Any, pos: int, keys: list[str], storages: list[StorageRef], path: Path | str) -> dict[str, tuple[int, int]]:
-    """Storage key -> (offset, length) of its bytes, walking the count headers from ``pos``."""
+def storage_spans(mm: Any, pos: int, keys: list[str], storages: list[StorageRef], path: Path | str) -> dict[str, Span]:
+    """Storage key -> the span of its bytes, walking the count headers from ``pos``."""
     by_key: dict[str, StorageRef] = {}
     for s in storages:
         if s.key not in by_key or not by_key[s.key].nbytes:
@@ -123,7 +123,7 @@ def storage_spans(mm: Any, pos: int, keys: list[str], storages: list[StorageRef]
     missing = [k for k in by_key if k not in keys]
     if missing:
         raise CheckpointError(f"storage '{missing[0]}' is missing from the file", path=str(path))
-    spans: dict[str, tuple[int, int]] = {}
+    spans: dict[str, Span] = {}
     for key in keys:
         ref = by_key.get(key)
         if ref is None:
@@ -137,6 +137,6 @@ def storage_spans(mm: Any, pos: int, keys: list[str], storages: list[StorageRef]
         length = ref.nbytes
         if pos + length > len(mm):
             raise CheckpointError(f"file ends inside storage '{key}' (truncated)", path=str(path))
-        spans[key] = (pos, length)
+        spans[key] = Span(pos, length)
         pos += length
     return spans

@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import dtypes
 from ..errors import CheckpointError, LimitExceeded
-from ..inventory import Inventory, Layout, TensorRecord
+from ..inventory import Inventory, Layout, Span, TensorRecord
 from . import locate
 from .jsonfile import DuplicateKey, unique_pairs
 from .locate import AnyPath
@@ -317,7 +317,7 @@ def read(path: AnyPath | Source, *, file_label: str = "") -> Inventory:
         header = _parse(src)
         name = src.name
     tensors = [_record(e, name) for e in header.entries]
-    layout = Layout("safetensors", {t.name: (header.start + t.offset, t.nbytes) for t in tensors})
+    layout = Layout("safetensors", {t.name: Span(header.start + t.offset, t.nbytes) for t in tensors})
     meta: dict[str, object] = {"safetensors_metadata": header.metadata}
     if file_label:
         tensors = [t.with_(file=file_label) for t in tensors]

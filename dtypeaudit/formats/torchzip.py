@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from ..errors import CheckpointError
-from ..inventory import Finding, Inventory, Layout
+from ..inventory import Finding, Inventory, Layout, Span
 from . import locate
 from .barepickle import read_pickle
 from .legacy import read_legacy
@@ -72,9 +72,9 @@ def _version(za: ZipArchive, prefix: str, path: str) -> None:
         raise CheckpointError(what, path=str(path))
 
 
-def _check_storages(za: ZipArchive, prefix: str, storages: list[StorageRef], path: str) -> dict[str, tuple[int, int]]:
+def _check_storages(za: ZipArchive, prefix: str, storages: list[StorageRef], path: str) -> dict[str, Span]:
     """Each storage's record, which torch requires to be stored and exactly the size the pickle says."""
-    spans: dict[str, tuple[int, int]] = {}
+    spans: dict[str, Span] = {}
     for ref in storages:
         name = f"{prefix}data/{ref.key}"
         entry = za.find(name)
@@ -84,7 +84,7 @@ def _check_storages(za: ZipArchive, prefix: str, storages: list[StorageRef], pat
             raise CheckpointError(f"storage record {name} is compressed; torch writes them stored, so it was not read", path=str(path))
         if entry.size != ref.nbytes:
             raise CheckpointError(f"storage record {name} holds {entry.size} bytes but the pickle needs {ref.nbytes}", path=str(path))
-        spans.setdefault(ref.key, za.span(entry))
+        spans.setdefault(ref.key, Span(*za.span(entry)))
     return spans
 
 
@@ -155,7 +155,9 @@ def read_zip(where: AnyPath | Source) -> Inventory:
         extra += _other_pickles(za, main, path, torchscript=torchscript)
         spans = _check_storages(za, prefix, storages, path)
         records = tuple(e.name[len(prefix) :] for e in za.entries if e != main and not e.name.startswith(prefix + "data/"))
-        layout = Layout("zip", spans, archive_prefix=prefix, records=records)
+        stored = [(name, za.find(prefix + name)) for name in ("data.pkl", *records)]
+        record_spans = {name: Span(*za.span(e)) for name, e in stored if e is not None and e.method == 0}
+        layout = Layout("zip", spans, archive_prefix=prefix, records=records, record_spans=record_spans)
         if torchscript:
             kinds = _torchscript_kinds(za, prefix)
 

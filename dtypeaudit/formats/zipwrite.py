@@ -43,6 +43,8 @@ class StoredZipWriter:
     def __init__(self, fh: BinaryIO) -> None:
         self._fh = fh
         self._members: list[_Member] = []
+        self.crcs: dict[str, int] = {}
+        """Each member's CRC-32 as written, by name, for the caller's record of what it wrote."""
 
     def add(self, name: str, data: bytes) -> None:
         with self.member(name, len(data)) as write:
@@ -75,6 +77,7 @@ class StoredZipWriter:
         self._fh.write(struct.pack("<I", state["crc"]))
         self._fh.seek(end)
         self._members.append(_Member(encoded, flags, offset, size, state["crc"]))
+        self.crcs[name] = state["crc"]
 
     def close(self) -> None:
         directory_offset = self._fh.tell()

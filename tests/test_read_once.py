@@ -1,0 +1,233 @@
+"""What ``convert`` and ``scan`` cost in reads, counted at the real byte-access points (issue 18).
+
+Each counter wraps a real function with monkeypatch and calls through: nothing here changes behaviour.
+Counted per file: header/pickle bytes through ``formats.source.LocalSource`` (the reader's one accounting
+point), pickle runs (``PickleVM.load``), zip central-directory parses (``ziparchive._read_entries``),
+JSON documents read from a model folder (``locate.read_small``), and the tensor bytes conversion streams
+out of each source file (``MappedCheckpoint.bytes_at`` / ``tensor_at``, its only ways to the mapped bytes).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dtypeaudit.conversion import convert
+from dtypeaudit.conversion import source as mapped
+from dtypeaudit.formats import locate, read_checkpoint, ziparchive
+from dtypeaudit.formats.picklevm import PickleVM
+from dtypeaudit.formats.source import LocalSource
+
+from .conftest import TinyLM, write_sharded
+
+
+def _file(name: object) -> str:
+    """A counter's key: the file's path (a pickle's source may carry ``:member`` after it)."""
+    return str(Path(str(name).split(":", 1)[0]))
+
+
+def _outside(counter: Counter[str], root: Path) -> Counter[str]:
+    """The counts of files outside ``root`` (the output and its temporaries), by file name."""
+    out: Counter[str] = Counter()
+    for key, n in counter.items():
+        if not key.startswith(str(root) + "/") and key != str(root):
+            out[Path(key).name] += n
+    return out
+
+
+@dataclass
+class Counts:
+    header_bytes: Counter[str] = field(default_factory=Counter)
+    pickle_runs: Counter[str] = field(default_factory=Counter)
+    zip_parses: Counter[str] = field(default_factory=Counter)
+    json_reads: Counter[str] = field(default_factory=Counter)
+    tensor_bytes: Counter[str] = field(default_factory=Counter)
+    faithful_pickles: Counter[str] = field(default_factory=Counter)
+
+
+@pytest.fixture
+def counts(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counts]:
+    c = Counts()
+    account, load, entries, small = LocalSource._account, PickleVM.load, ziparchive._read_entries, locate.read_small
+    bytes_at, tensor_at = mapped.MappedCheckpoint.bytes_at, mapped.MappedCheckpoint.tensor_at
+    main_pickle = mapped.MappedCheckpoint.main_pickle
+
+    def counted_account(self: LocalSource, n: int) -> None:
+        c.header_bytes[_file(self.name)] += n
+        account(self, n)
+
+    def counted_load(self: PickleVM, start: int = 0) -> Any:
+        c.pickle_runs[_file(self.source)] += 1
+        return load(self, start)
+
+    def counted_entries(path: str, mm: Any, src: Any) -> Any:
+        c.zip_parses[_file(path)] += 1
+        return entries(path, mm, src)
+
+    def counted_small(path: Any, cap: int) -> bytes:
+        if str(path).endswith(".json"):
+            c.json_reads[_file(path)] += 1
+        return small(path, cap)
+
+    def counted_bytes_at(self: mapped.MappedCheckpoint, offset: int, length: int) -> Any:
+        c.tensor_bytes[_file(self.path)] += length
+        return bytes_at(self, offset, length)
+
+    def counted_tensor_at(self: mapped.MappedCheckpoint, dtype: str, count: int, offset: int) -> Any:
+        from dtypeaudit import dtypes
+
+        c.tensor_bytes[_file(self.path)] += count * dtypes.get(dtype).itemsize
+        return tensor_at(self, dtype, count, offset)
+
+    def counted_main_pickle(self: mapped.MappedCheckpoint) -> Any:
+        c.faithful_pickles[_file(self.path)] += 1
+        return main_pickle(self)
+
+    monkeypatch.setattr(mapped.MappedCheckpoint, "main_pickle", counted_main_pickle)
+    monkeypatch.setattr(LocalSource, "_account", counted_account)
+    monkeypatch.setattr(PickleVM, "load", counted_load)
+    monkeypatch.setattr(ziparchive, "_read_entries", counted_entries)
+    monkeypatch.setattr(locate, "read_small", counted_small)
+    monkeypatch.setattr(mapped.MappedCheckpoint, "bytes_at", counted_bytes_at)
+    monkeypatch.setattr(mapped.MappedCheckpoint, "tensor_at", counted_tensor_at)
+    yield c
+
+
+def _one_read(path: Path, counts: Counts) -> Counter[str]:
+    """The header bytes a single read of ``path`` accounts, per file."""
+    before = Counter(counts.header_bytes)
+    read_checkpoint(path)
+    after = Counter(counts.header_bytes)
+    after.subtract(before)
+    return +after
+
+
+def _reset(counts: Counts) -> None:
+    for c in vars(counts).values():
+        c.clear()
+
+
+def _tensor_bytes(path: Path) -> int:
+    return sum(t.nbytes for t in read_checkpoint(path).tensors)
+
+
+def _bf16_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {k: v.to(torch.bfloat16) for k, v in TinyLM().state_dict().items()}
+
+
+def _samples(path: Path) -> int:
+    """Source bytes verification recasts to check the writer's cast: first, middle and last SAMPLE_BYTES of each
+    record (``verify._matches_cast``), all of a small one."""
+    from dtypeaudit.conversion.verify import SAMPLE_BYTES
+
+    inv = read_checkpoint(path)
+    total = 0
+    for t in {t.storage or t.name: t for t in inv.tensors}.values():
+        itemsize = t.nbytes // max(1, t.numel)
+        numel = inv.layout.storages[t.storage or t.name].length // itemsize  # type: ignore[union-attr]
+        step = max(1, SAMPLE_BYTES // itemsize)
+        starts = {0, (numel // 2) // step * step, max(0, (numel - 1) // step * step)} if numel else set()
+        total += sum(min(step, numel - first) * itemsize for first in starts)
+    return total
+
+
+def test_two_shard_bin_directory(tmp_path: Path, counts: Counts) -> None:
+    src = write_sharded(tmp_path / "bin", _bf16_state(), 2, kind="bin")
+    shards = sorted(p.name for p in src.glob("*.bin"))
+    want = {shard: _expected(src / shard) for shard in shards}
+    reader = _one_read(src, counts)
+    _reset(counts)
+    out = tmp_path / "out"
+    convert(src, "fp32", output=out)
+    for shard in shards:
+        path, (nbytes, samples, pickles) = str(src / shard), want[shard]
+        # The source's headers and pickle are read once (by the reader), its tensor bytes once by the writer
+        # (and verification's recast samples).
+        assert counts.header_bytes[path] == reader[path]
+        assert counts.tensor_bytes[path] == nbytes + samples
+        # One central-directory parse per file: the source's (the reader's) and the output's (its verification's).
+        assert counts.zip_parses[path] == 1
+        assert _outside(counts.zip_parses, src)[shard] == 1
+        # The source's pickle: the reader's runs, and one for the faithful graph the rewrite re-emits (from the
+        # bytes where the reader found data.pkl); the output's: its verification's read.
+        assert counts.pickle_runs[path] == pickles + 1
+        assert counts.faithful_pickles[path] == 1
+        assert _outside(counts.pickle_runs, src)[shard] == pickles
+    got = torch.load(out / shards[0], weights_only=True)
+    assert got and all(v.dtype == torch.float32 for v in got.values())
+
+
+def _expected(path: Path) -> tuple[int, int, int]:
+    """What one conversion of ``path`` should cost it: tensor bytes, verification's samples, the reader's pickle runs
+    (measured before the counters start, since measuring reads the file)."""
+    return _tensor_bytes(path), _samples(path), reader_pickles(path)
+
+
+def reader_pickles(path: Path) -> int:
+    """Pickle runs of one read of ``path`` alone (the main pickle, and the probe for data after it)."""
+    before = PickleVM.load
+    runs = [0]
+
+    def counted(self: PickleVM, start: int = 0) -> Any:
+        runs[0] += 1
+        return before(self, start)
+
+    PickleVM.load = counted  # type: ignore[method-assign]
+    try:
+        read_checkpoint(path)
+    finally:
+        PickleVM.load = before  # type: ignore[method-assign]
+    return runs[0]
+
+
+def test_two_shard_safetensors_directory(tmp_path: Path, counts: Counts) -> None:
+    src = write_sharded(tmp_path / "st", _bf16_state(), 2)
+    shards = sorted(p.name for p in src.glob("*.safetensors"))
+    want = {shard: _expected(src / shard) for shard in shards}
+    reader = _one_read(src, counts)
+    _reset(counts)
+    convert(src, "fp16", output=tmp_path / "out")
+    for shard in shards:
+        path, (nbytes, samples, pickles) = str(src / shard), want[shard]
+        assert counts.header_bytes[path] == reader[path]
+        assert counts.tensor_bytes[path] == nbytes + samples
+        assert counts.pickle_runs[path] == pickles  # the sniffer's probe, by the reader
+        assert counts.zip_parses[path] == 0
+
+
+def test_single_torch_save_file(tmp_path: Path, counts: Counts) -> None:
+    src = tmp_path / "model.pt"
+    torch.save(_bf16_state(), src)
+    nbytes, samples, pickles = _expected(src)
+    reader = _one_read(src, counts)
+    _reset(counts)
+    out = tmp_path / "model.fp16.pt"
+    convert(src, "fp16", output=out)
+    path = str(src)
+    assert counts.header_bytes[path] == reader[path]
+    assert counts.tensor_bytes[path] == nbytes + samples
+    assert counts.zip_parses[path] == 1
+    assert sum(_outside(counts.zip_parses, src).values()) == 1  # the output, read once to verify it
+    assert counts.pickle_runs[path] == pickles + 1
+    assert counts.faithful_pickles[path] == 1
+    assert sum(_outside(counts.pickle_runs, src).values()) == pickles
+
+
+def test_directory_scan_parses_each_json_once(tmp_path: Path, counts: Counts) -> None:
+    src = write_sharded(tmp_path / "st", _bf16_state(), 2)
+    (src / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    (src / "config.json").write_text('{"architectures": ["TinyLM"], "torch_dtype": "float16", "torch_dtype": "float32"}')
+    inv = read_checkpoint(src)
+    # generation_config.json is not read as JSON by the scan at all (from_pretrained's model load does not).
+    assert counts.json_reads == Counter({str(src / "config.json"): 1, str(src / "model.safetensors.index.json"): 1})
+    # The one parse answers both readings: the loader's (the last value wins) and the duplicate-key warning.
+    assert inv.metadata["config_dtype"] == "float32"
+    assert [f.rule for f in inv.findings if f.file == "config.json"] == ["duplicate-key"]
