@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, Union
+from urllib.parse import unquote, urlsplit
 
 from ..errors import LimitExceeded
 from . import hub
@@ -21,7 +22,6 @@ AnyPath = Union[Path, RemotePath]
 """What the directory logic and the readers take: a local path or a remote one."""
 
 
-_URL_START = ("://", "::")
 
 
 def is_url(target: str) -> bool:
@@ -81,7 +81,9 @@ class TargetRef:
         if self.kind is TargetKind.HUB:
             found = hub.locate(self.hub_url)
             return found.location, found
-        return locate(self.text), None
+        if self.kind is TargetKind.URL:
+            return RemotePath.from_url(self.text), None
+        return Path(self.text), None
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A remote path's filesystem (its block cache, its locks) stays in this process: a worker locates it again.
@@ -100,7 +102,7 @@ def parse_target(text: str, *, models: bool = True) -> TargetRef:
         return TargetRef(text, TargetKind.FACTORY)
     if is_url(text):
         if text.lower().startswith("file://"):
-            return path_target(locate(text), text)
+            return path_target(Path(unquote(urlsplit(text).path)), text)
         if text.lower().startswith("hf://"):
             return TargetRef(text, TargetKind.HUB)
         return TargetRef(text, TargetKind.URL)
@@ -127,18 +129,10 @@ def as_target(target: str | AnyPath | TargetRef, *, models: bool = True) -> Targ
 
 
 def locate(target: str | AnyPath) -> AnyPath:
-    """What a target string names: a local ``Path``, or a ``RemotePath`` for a URL (``file://`` is local)."""
+    """Where a path or URL string lies (``parse_target`` without factories or bare hub ids, then located)."""
     if not isinstance(target, str):
         return target
-    if not is_url(target):
-        return Path(target)
-    if target.lower().startswith("file://"):
-        from urllib.parse import unquote, urlsplit
-
-        return Path(unquote(urlsplit(target).path))
-    if target.lower().startswith("hf://"):
-        return hub.locate(target).location
-    return RemotePath.from_url(target)
+    return parse_target(target, models=False).located()[0]
 
 
 def target_string(p: AnyPath) -> str:
