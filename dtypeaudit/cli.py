@@ -407,29 +407,26 @@ def _progress_callback():
 
 
 def _explain(targets: list[TargetRef], pol, name: str, model: Optional[str]) -> None:
-    from . import structure
     from .checks import as_policies_see_it
-    from .formats import factory
-    from .pipeline import expand_targets, read_target
+    from .pipeline import expand_targets, model_inventory, prepare, read_target
     from .policy import decide
     from .redact import redact
     from .render import explain as explain_render
 
     if pol is None:
         raise UsageError("--explain needs --policy or --preset")
-    model_inv = factory.inventory(model) if model else None
+    model_inv = model_inventory(model)
     code = exitcodes.CLEAN
     found = False
     for found_target in expand_targets(targets):
         path = found_target.text
-        inv = read_target(found_target)
+        inv = prepare(read_target(found_target), model_inv)  # read -> structure, as scan's pipeline does
         if model_inv is not None:
-            inv = factory.attach(inv, model_inv)
             for f in inv.findings:
                 if f.rule == "model-mismatch":
                     typer.echo(f"dtypeaudit: error: {path}: {f.message}", err=True)
         # The tensor as the policy sees it: a quantized weight as its logical weight, a folder's as from_pretrained loads it
-        t = {r.name: r for r in as_policies_see_it(structure.annotate(inv))}.get(name)
+        t = {r.name: r for r in as_policies_see_it(inv)}.get(name)
         if t is None:
             continue
         found = True

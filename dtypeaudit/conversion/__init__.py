@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import dtypes
 from ..errors import DtypeAuditError, UsageError
-from ..formats import read_checkpoint
+from ..formats import Format, read_checkpoint
 from ..formats.locate import TargetRef, as_target, parse_target
 from ..inventory import Finding, Inventory
 from ..pipeline import model_inventory, prepare
@@ -73,14 +73,14 @@ def pickled_module_files(findings: Iterable[Finding]) -> list[str | None]:
     return out
 
 
-def output_format(source_format: str, dest: Path, source: Path) -> str:
+def output_format(source_format: str, dest: Path, source: Path) -> Format:
     if source.is_dir():
-        return "hf-directory"
+        return Format.HF_DIRECTORY
     if dest.suffix == ".safetensors":
-        return "safetensors"
-    if source_format == "safetensors":
+        return Format.SAFETENSORS
+    if source_format == Format.SAFETENSORS:
         raise UsageError("safetensors input converts to safetensors output; give -o NAME.safetensors")
-    return "torch-zip"
+    return Format.TORCH_ZIP
 
 
 def convert(
@@ -191,15 +191,15 @@ def convert(
         plan = make_plan(inv, to, **options)
         dest = src_path if in_place else Path(output) if output else default_output(src_path, plan.target)
         out_format = output_format(inv.format, dest, src_path)
-        if out_format == "safetensors" and not output and not in_place:
-            dest = default_output(src_path, plan.target, "safetensors")
-        if max_shard_size and out_format != "hf-directory":
+        if out_format == Format.SAFETENSORS and not output and not in_place:
+            dest = default_output(src_path, plan.target, Format.SAFETENSORS)
+        if max_shard_size and out_format != Format.HF_DIRECTORY:
             raise UsageError("--max-shard-size applies to Hugging Face directories")
-        if materialize_ties and out_format != "safetensors":
+        if materialize_ties and out_format != Format.SAFETENSORS:
             raise UsageError("--materialize-ties applies to a .safetensors output (a torch.save output keeps ties as ties)")
         if strip_optimizer:
             plan.notes.extend(strip_notes(stripped, sources))
-            if out_format != "torch-zip":
+            if out_format != Format.TORCH_ZIP:
                 plan.notes.append("safetensors output holds no optimizer state anyway")
         # The planned output must pass what scan would check, before a byte is read.
         if _plan_fails(plan, policy):
@@ -218,7 +218,7 @@ def convert(
         check_destination(src_path, dest, force=force, in_place=in_place)
         total = sum(p.tensor.nbytes for p in plan.tensors if p.action != "drop")
         progress = progress_factory("writing", total) if progress_factory else None
-        if out_format == "hf-directory":
+        if out_format == Format.HF_DIRECTORY:
             with atomic_output(dest, mode_from=src_path, is_dir=True) as tmp:
                 write_directory(
                     plan,
