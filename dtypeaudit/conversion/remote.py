@@ -110,8 +110,9 @@ class _Dest:
 
     def reread(self, path: str) -> Inventory:
         """The inventory of ``path`` (a URL's path on this filesystem) through the remote reader, nothing cached."""
-        remote_fs(self.fs).forget()
-        return read_checkpoint(self.url(path))
+        rfs = remote_fs(self.fs)
+        rfs.forget()
+        return read_checkpoint(RemotePath(rfs, path))  # where it was written: not a URL to locate again
 
 
 def _download(src: RemotePath, local: Path) -> None:
