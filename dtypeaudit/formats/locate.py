@@ -14,14 +14,11 @@ from urllib.parse import unquote, urlsplit
 
 from ..errors import LimitExceeded
 from . import hub
-from .factory import looks_like_factory
 from .remote import RemotePath
 from .source import LocalSource, Source
 
 AnyPath = Union[Path, RemotePath]
 """What the directory logic and the readers take: a local path or a remote one."""
-
-
 
 
 def is_url(target: str) -> bool:
@@ -98,8 +95,11 @@ def parse_target(text: str, *, models: bool = True) -> TargetRef:
     ``read`` take URLs and local paths only, and there ``org/name`` is a local path. An existing local path wins
     over every other reading (``looks_like_factory`` and ``is_hub_id`` both check that).
     """
-    if models and looks_like_factory(text):
-        return TargetRef(text, TargetKind.FACTORY)
+    if models and ":" in text:  # no factory without one: the factory module loads only for a name that may be one
+        from .factory import looks_like_factory
+
+        if looks_like_factory(text):
+            return TargetRef(text, TargetKind.FACTORY)
     if is_url(text):
         if text.lower().startswith("file://"):
             return path_target(Path(unquote(urlsplit(text).path)), text)
