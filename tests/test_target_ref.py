@@ -177,3 +177,19 @@ def test_target_option_wins_over_the_policy_and_the_policy_target_applies_otherw
     assert ("emulated-dtype", "warning") in rules(own.checks())  # t4 only emulates bfloat16
     assert ("emulated-dtype", "warning") not in rules(chosen.checks())  # an a100 computes it
     assert ("dtype-mismatch", "error") in rules(chosen.checks())  # and the policy's rules still apply
+
+
+def test_a_remote_source_is_located_once_by_convert(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fs = fsspec.filesystem("memory")
+    buf = io.BytesIO()
+    torch.save({"fc.weight": torch.ones(2, 2), "fc.bias": torch.ones(2)}, buf)
+    fs.pipe("/conv/model.pt", buf.getvalue())
+    located: list[str] = []
+    real = RemotePath.from_url.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(RemotePath, "from_url", classmethod(lambda cls, url: located.append(url) or real(cls, url)))
+    out = tmp_path / "model.fp16.pt"
+    result = convert("memory://conv/model.pt", "fp16", output=str(out))
+    assert result.output == str(out) and not result.blocked
+    assert {k: v.dtype for k, v in torch.load(out, weights_only=True).items()} == {"fc.weight": torch.float16, "fc.bias": torch.float16}
+    assert located == ["memory://conv/model.pt"]  # read and downloaded from where it was found, not located again
+    fs.rm("/conv", recursive=True)
