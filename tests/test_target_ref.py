@@ -59,6 +59,8 @@ def test_each_kind_of_target_is_told_apart_once(tmp_path: Path, monkeypatch: pyt
     # convert's sources and read() take paths and URLs only: there org/name is a local path, a:b a file name
     assert parse_target("meta-llama/Llama-3.1-8B", models=False).kind is TargetKind.FILE
     assert parse_target("net.py:build", models=False).kind is TargetKind.FILE
+    with pytest.raises(UsageError, match="is a factory"):  # a factory is built (scan does that), never read as a file
+        read_checkpoint(parse_target("net.py:build"))
     local = parse_target(f"file://{ckpt}")
     assert local.kind is TargetKind.FILE and local.where == ckpt and not local.is_remote
 

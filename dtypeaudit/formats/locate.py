@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Union
 from urllib.parse import unquote, urlsplit
 
-from ..errors import LimitExceeded
+from ..errors import LimitExceeded, UsageError
 from . import hub
 from .remote import RemotePath
 from .source import LocalSource, Source
@@ -74,7 +74,7 @@ class TargetRef:
         if self.where is not None:
             return self.where, None
         if self.kind is TargetKind.FACTORY:
-            raise ValueError(f"a factory has no location: {self.text}")
+            raise UsageError("is a factory: it builds a model, it names no file to read", path=self.text)
         if self.kind is TargetKind.HUB:
             found = hub.locate(self.hub_url)
             return found.location, found
