@@ -18,7 +18,7 @@ from .errors import DtypeAuditError, UsageError
 from .inventory import Report, Severity
 
 if TYPE_CHECKING:
-    from .policy import Policy
+    from .formats.locate import TargetRef
 from .render import OutputFormat, renderer_for
 
 app = typer.Typer(
@@ -224,17 +224,6 @@ PresetOpt = Annotated[
 ]
 
 
-def _policy(policy: Optional[str], preset: Optional[str]) -> Policy | None:
-    if policy and preset:
-        raise UsageError("give --policy or --preset, not both (a policy file can say `extends: PRESET`)")
-    spec = policy or preset
-    if not spec:
-        return None
-    from .policy import load_policy  # YAML loads only when a policy is asked for
-
-    return load_policy(spec)
-
-
 TargetOpt = Annotated[
     Optional[str],
     typer.Option(
@@ -244,21 +233,6 @@ TargetOpt = Annotated[
         "Default: the policy's `target`.",
     ),
 ]
-
-
-def _checks(pol: Policy | None, target: Optional[str]) -> list:
-    """``checks_for(pol)``, with ``--target`` in place of the policy's own ``target``."""
-    from dataclasses import replace
-
-    from .checks import checks_for
-
-    if target is None:
-        return checks_for(pol)
-    from .targets import check_for, resolve
-
-    t = resolve(target)  # an unknown name is misuse (exit 2) before anything is read
-    own = replace(pol, target=None) if pol is not None and pol.target else pol
-    return [*checks_for(own), check_for(t)]
 
 
 @app.command()
@@ -355,15 +329,19 @@ def scan(
     """
 
     def body() -> None:
+        from .formats.locate import parse_target
+        from .options import effective
         from .pipeline import scan as run_scan
 
-        _require_torch_for_factories(targets, model, "scan")
-        pol = _policy(policy, preset)
+        named = [parse_target(t) for t in targets]
+        _require_torch_for_factories(named, model, "scan")
+        chosen_options = effective(policy, preset=preset, target=target)
+        pol = chosen_options.policy
         severity = _severity(fail_on or (pol.fail_on if pol else None) or "error")
         if explain is not None:
-            _explain(targets, pol, explain, model)
+            _explain(named, pol, explain, model)
         progress = _progress_callback()
-        checks = _checks(pol, target)
+        checks = chosen_options.checks()
         if include_optimizer and not values:
             raise UsageError("--include-optimizer applies to --values")
         if values:
@@ -373,7 +351,7 @@ def scan(
 
             checks.append(partial(value_findings, include_optimizer=include_optimizer))
         report: Report = run_scan(
-            targets,
+            named,
             checks=checks,
             model=model,
             fail_on=severity,
@@ -399,16 +377,16 @@ def scan(
     run_guarded(body, debug)
 
 
-def _require_torch_for_factories(targets: list[str], model: Optional[str], command: str) -> None:
+def _require_torch_for_factories(targets: list[TargetRef], model: Optional[str], command: str) -> None:
     """A factory (a target, or --model) builds a torch model: without torch, the one line that names the extra."""
     from .extras import require
-    from .formats.factory import looks_like_factory
+    from .formats.locate import TargetKind
 
     if model:
         require("torch", f"dtypeaudit {command} --model")
     for t in targets:
-        if looks_like_factory(t):
-            require("torch", f"dtypeaudit {command} {t}")
+        if t.kind is TargetKind.FACTORY:
+            require("torch", f"dtypeaudit {command} {t.text}")
 
 
 def _progress_callback():
@@ -428,29 +406,27 @@ def _progress_callback():
     return update
 
 
-def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:
-    from . import structure
+def _explain(targets: list[TargetRef], pol, name: str, model: Optional[str]) -> None:
     from .checks import as_policies_see_it
-    from .formats import factory
-    from .pipeline import expand, read_target
+    from .pipeline import expand_targets, model_inventory, prepare, read_target
     from .policy import decide
     from .redact import redact
     from .render import explain as explain_render
 
     if pol is None:
         raise UsageError("--explain needs --policy or --preset")
-    model_inv = factory.inventory(model) if model else None
+    model_inv = model_inventory(model)
     code = exitcodes.CLEAN
     found = False
-    for path in expand(targets):
-        inv = read_target(path)
+    for found_target in expand_targets(targets):
+        path = found_target.text
+        inv = prepare(read_target(found_target), model_inv)  # read -> structure, as scan's pipeline does
         if model_inv is not None:
-            inv = factory.attach(inv, model_inv)
             for f in inv.findings:
                 if f.rule == "model-mismatch":
                     typer.echo(f"dtypeaudit: error: {path}: {f.message}", err=True)
         # The tensor as the policy sees it: a quantized weight as its logical weight, a folder's as from_pretrained loads it
-        t = {r.name: r for r in as_policies_see_it(structure.annotate(inv))}.get(name)
+        t = {r.name: r for r in as_policies_see_it(inv)}.get(name)
         if t is None:
             continue
         found = True
@@ -458,7 +434,7 @@ def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:
         if not decide(pol, t).ok:
             code = exitcodes.FINDINGS
     if not found:
-        raise UsageError(f"no tensor named '{name}' in {', '.join(targets)}")
+        raise UsageError(f"no tensor named '{name}' in {', '.join(t.text for t in targets)}")
     raise typer.Exit(code)
 
 
@@ -484,10 +460,12 @@ def policy_init(
 
     def body() -> None:
         from .baseline import render_baseline
+        from .formats.locate import parse_target
         from .pipeline import read_target
 
-        _require_torch_for_factories([checkpoint], None, "policy init")
-        emit(render_baseline(read_target(checkpoint)), output)
+        named = parse_target(checkpoint)
+        _require_torch_for_factories([named], None, "policy init")
+        emit(render_baseline(read_target(named)), output)
 
     run_guarded(body, debug)
 
@@ -601,17 +579,19 @@ def diff(
         import math
 
         from .diff import diff as run_diff
+        from .formats.locate import parse_target
         from .pipeline import read_target
         from .render.diff import render_json, render_text
 
-        _require_torch_for_factories([a, b], None, "diff")
+        before, after = parse_target(a), parse_target(b)
+        _require_torch_for_factories([before, after], None, "diff")
         if fmt not in ("text", "json", "html"):
             raise UsageError(f"--format must be text, json or html, not '{fmt}'")
         if tolerance is not None and not (tolerance >= 0 and math.isfinite(tolerance)):
             raise UsageError(f"--tolerance must be a finite number >= 0, not {tolerance}")
         if tolerance is not None and no_values:
             raise UsageError("--tolerance compares values; --no-values reads none")
-        result = run_diff(read_target(a), read_target(b), tolerance=tolerance, values=not no_values)
+        result = run_diff(read_target(before), read_target(after), tolerance=tolerance, values=not no_values)
         if fmt == "html":
             from .render.html import render_diff
 
@@ -747,8 +727,10 @@ def convert(
             raise UsageError("--target checks a plan: give --dry-run too")
         if model:
             require("torch", "dtypeaudit convert --model")
+        from .options import effective
+
         options: dict[str, Any] = {
-            "policy": _policy(policy, preset),
+            "policy": effective(policy, preset=preset).policy,
             "keep": tuple(keep or ()),
             "include_optimizer": include_optimizer,
             "strip_optimizer": strip_optimizer,
@@ -769,11 +751,7 @@ def convert(
                 _convert_many(sources, to, output, options, jobs=jobs, cluster=cluster, as_json=fmt == "json", verbose=verbose, debug=debug)
             )
         (source,) = sources
-        hardware = None
-        if target is not None:
-            from .targets import resolve
-
-            hardware = resolve(target)
+        hardware = effective(target=target).target if target is not None else None  # --target only: it checks the plan
         progress = _ByteProgress() if sys.stderr.isatty() else None
         try:
             result = run_convert(source, to, output=output, progress_factory=progress, **options)
@@ -811,6 +789,7 @@ def _convert_many(
     import json
 
     from . import dtypes, fleet
+    from .conversion import ConvertWork, convert_lost, convert_one
     from .conversion.atomic import default_output
     from .render.convert import refusal_lines, render_json, render_text
 
@@ -829,14 +808,14 @@ def _convert_many(
             if dest in outputs.values():
                 raise UsageError(f"two sources would be written to {dest}; convert them into different directories")
             outputs[src] = dest
-    work = fleet.ConvertWork(to, options, outputs, raise_errors=debug)
+    work = ConvertWork(to, options, outputs, raise_errors=debug)
     done = fleet.run(
-        fleet.convert_one,
+        convert_one,
         unique,
         work,
         jobs=jobs or (None if cluster else 1),
         cluster=cluster,
-        lost=fleet.convert_lost,
+        lost=convert_lost,
     )
     texts = []
     docs = []
@@ -1009,10 +988,12 @@ def trace_command(
         from .extras import require
 
         require("torch", "dtypeaudit trace")
+        from .options import effective
         from .render.trace import renderer_for as trace_renderer_for
         from .trace import trace as run_trace
 
         severity = _severity(fail_on) if fail_on is not None else None
+        chosen_options = effective(policy, preset=preset, target=hardware)
         report = run_trace(
             model,
             inputs=tuple(inputs or ()),
@@ -1024,8 +1005,8 @@ def trace_command(
             default_dtype=default_dtype,
             allow_promotion=tuple(allow_promotion or ()),
             fail_on=severity,
-            policy=_policy(policy, preset),
-            target=hardware,
+            policy=chosen_options.policy,
+            target=chosen_options.target,
         )
         chosen = chosen_format(fmt, output)
         emit(trace_renderer_for(chosen, width=_terminal_width(), verbose=verbose)(report), output)

@@ -1,14 +1,15 @@
 """Where the per-checkpoint work runs: in this process, in local worker processes (``--jobs N``), or as
 tasks on a Dask distributed cluster (``--cluster ADDRESS``).
 
-One shape for all three. The unit of work is a function of one input and a ``Work`` description
-(``audit_one`` for scan: read, attach the model, annotate, check; ``convert_one`` for convert: one
-source's whole conversion). Inputs go out in batches, since a checkpoint's metadata takes about a
-millisecond to read and a task round trip costs as much; results come back as each batch completes
-(progress follows them) and are put back in input order, so the report is the one a serial run writes.
-A failure stays with its input: an unreadable checkpoint is a report with ``error`` set (exit 2 for it,
-the others reported), and so is one that kills its Dask worker even when it runs alone. Anything else
-raised in a task is raised here, as in a serial run.
+One shape for all three. The unit of work is a function of one input and a work description
+(``pipeline.audit_one`` for scan: the one pipeline on one checkpoint; ``conversion.convert_one`` for
+convert: one source's whole conversion); this module knows neither, only where they run. Inputs go out
+in batches, since a checkpoint's metadata takes about a millisecond to read and a task round trip costs
+as much; results come back as each batch completes (progress follows them) and are put back in input
+order, so the report is the one a serial run writes. A failure stays with its input: an unreadable
+checkpoint is a report with ``error`` set (exit 2 for it, the others reported), and so is one that
+kills its Dask worker even when it runs alone. Anything else raised in a task is raised here, as in a
+serial run.
 
 The Dask side is dask.distributed used as intended: the work description is one task every batch
 depends on (fetched once per worker), ``Client.map`` sends the batches, ``as_completed`` streams them
@@ -18,17 +19,20 @@ back. Dask is imported only for ``--cluster`` (the ``dask`` extra).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TypeVar, Union
 
-from .checks import Check, run_checks
-from .errors import DtypeAuditError, UsageError
+from .errors import UsageError
 from .extras import require
-from .inventory import CheckpointReport, Inventory
+from .formats.locate import TargetRef
+from .inventory import CheckpointReport
 
 T = TypeVar("T")
+Input = Union[str, TargetRef]
+"""One input: a scan's target (``TargetRef``) or a convert's source (its string)."""
 Progress = Callable[[int, int, str], None]
 """Called with (inputs done, inputs in all, the last input done) as results come back."""
 
@@ -40,41 +44,9 @@ that progress moves and a slow worker does not hold the end of the run."""
 BATCHES_PER_WORKER = 4
 
 
-@dataclass(frozen=True)
-class Work:
-    """What every checkpoint of one scan goes through; sent once to each worker, not with every task."""
-
-    read: Callable[[str], Inventory]
-    """The reader (``scan.read_target``): a path, URL or factory to its inventory."""
-    checks: tuple[Check, ...] = ()
-    """Per-checkpoint checks; picklable (module-level functions and partials), since they travel to workers."""
-    model: Inventory | None = None
-    """``--model``'s inventory, built once by the caller, attached to every checkpoint."""
-    strict: bool = False
-    """Raise every finding a loader might read differently to an error (``checks.strict_findings``)."""
-    raise_errors: bool = False
-    """Raise a reader's error instead of reporting it (``--debug``)."""
-
-
-def audit_one(target: str, work: Work) -> CheckpointReport:
-    """Read one checkpoint and run every check on it: the unit of a scan, wherever it runs."""
-    try:
-        inv = work.read(target)
-    except DtypeAuditError as exc:
-        if work.raise_errors:
-            raise
-        return CheckpointReport(path=target, format=None, error=exc.one_line(), inventory=None)
-    if work.model is not None and inv.format != "factory":
-        from .formats import factory
-
-        inv = factory.attach(inv, work.model)
-    inv, findings = run_checks(inv, work.checks, strict=work.strict)
-    return CheckpointReport(path=target, format=inv.format, error=None, inventory=inv, findings=tuple(findings))
-
-
 def run(
-    fn: Callable[[str, Any], T],
-    inputs: Sequence[str],
+    fn: Callable[[Any, Any], T],
+    inputs: Sequence[Input],
     work: Any,
     *,
     jobs: int | None = None,
@@ -97,13 +69,13 @@ def run(
         results[start : start + len(batch_results)] = batch_results
         done += len(batch_results)
         if progress:
-            progress(done, len(inputs), inputs[start + len(batch_results) - 1])
+            progress(done, len(inputs), name_of(inputs[start + len(batch_results) - 1]))
     return results
 
 
 def _batches_done(
-    fn: Callable[[str, Any], T],
-    inputs: Sequence[str],
+    fn: Callable[[Any, Any], T],
+    inputs: Sequence[Input],
     work: Any,
     *,
     jobs: int | None,
@@ -128,7 +100,7 @@ def batches(n: int, workers: int) -> list[tuple[int, int]]:
     return [(start, min(n, start + size)) for start in range(0, n, size)]
 
 
-def call_batch(fn: Callable[[str, Any], T], inputs: Sequence[str], work: Any) -> list[T]:
+def call_batch(fn: Callable[[Any, Any], T], inputs: Sequence[Input], work: Any) -> list[T]:
     """One task: ``fn`` over a batch of inputs, in order."""
     return [fn(x, work) for x in inputs]
 
@@ -144,11 +116,11 @@ def _install(work: Any) -> None:
     _worker_work = work
 
 
-def _call_installed(fn: Callable[[str, Any], T], inputs: Sequence[str]) -> list[T]:
+def _call_installed(fn: Callable[[Any, Any], T], inputs: Sequence[Input]) -> list[T]:
     return call_batch(fn, inputs, _worker_work)
 
 
-def _in_processes(fn: Callable[[str, Any], T], inputs: Sequence[str], work: Any, workers: int) -> Iterator[tuple[int, list[T]]]:
+def _in_processes(fn: Callable[[Any, Any], T], inputs: Sequence[Input], work: Any, workers: int) -> Iterator[tuple[int, list[T]]]:
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     with ProcessPoolExecutor(max_workers=workers, initializer=_install, initargs=(work,)) as pool:
@@ -167,8 +139,8 @@ def _in_processes(fn: Callable[[str, Any], T], inputs: Sequence[str], work: Any,
 
 
 def _on_dask(
-    fn: Callable[[str, Any], T],
-    inputs: Sequence[str],
+    fn: Callable[[Any, Any], T],
+    inputs: Sequence[Input],
     work: Any,
     address: str,
     jobs: int | None,
@@ -185,7 +157,7 @@ def _on_dask(
                 LocalCluster(n_workers=jobs or os.cpu_count() or 1, threads_per_worker=1, processes=True, dashboard_address=":0")
             )
             client = stack.enter_context(Client(cluster))
-            sent: Sequence[str] = inputs
+            sent: Sequence[Input] = inputs
         else:
             if "://" not in address:
                 raise UsageError(f"--cluster takes a scheduler address (tcp://host:8786) or 'local', not '{address}'")
@@ -195,7 +167,7 @@ def _on_dask(
             except OSError as exc:
                 raise UsageError(f"cannot reach the Dask scheduler at {address} ({exc})") from None
             # The workers' working directory is not ours: a relative path that names a file here is sent whole.
-            sent = [os.path.abspath(x) if not os.path.isabs(x) and os.path.exists(x) else x for x in inputs]
+            sent = [_absolute(x) for x in inputs]
         workers = max(1, sum(client.nthreads().values()))
         # A task that returns the work description, rather than scattered data: each worker fetches it once,
         # and the scheduler can make it again should every worker holding it die.
@@ -232,7 +204,7 @@ def _on_dask(
                 except (KilledWorker, FutureCancelledError) as exc:
                     if lost is None:
                         raise
-                    result = [lost(inputs[i], f"the Dask worker reading it was lost ({type(exc).__name__})")]
+                    result = [lost(name_of(inputs[i]), f"the Dask worker reading it was lost ({type(exc).__name__})")]
                 else:
                     result = _renamed(result, inputs[i : i + 1], sent[i : i + 1])
                 future.release()
@@ -245,57 +217,28 @@ def _same(work: Any) -> Any:
     return work
 
 
-def _renamed(results: list[T], named: Sequence[str], sent: Sequence[str]) -> list[T]:
+def name_of(x: Input) -> str:
+    """The name an input goes by in reports and progress lines."""
+    return x.text if isinstance(x, TargetRef) else x
+
+
+def _absolute(x: Input) -> Input:
+    """A relative path that names a file here, made absolute: the workers' working directory is not ours."""
+    name = name_of(x)
+    if os.path.isabs(name) or not os.path.exists(name):
+        return x
+    whole = os.path.abspath(name)
+    return replace(x, text=whole, where=Path(whole)) if isinstance(x, TargetRef) else whole
+
+
+def _renamed(results: list[T], named: Sequence[Input], sent: Sequence[Input]) -> list[T]:
     """Reports under the paths the user named, where a relative path was sent whole (its error line too)."""
     out: list[Any] = []
-    for r, n, s in zip(results, named, sent, strict=True):
+    for r, named_as, sent_as in zip(results, named, sent, strict=True):
+        n, s = name_of(named_as), name_of(sent_as)
         if n != s and isinstance(r, CheckpointReport):
             error = n + r.error[len(s) :] if r.error and r.error.startswith(s) else r.error
             inventory = replace(r.inventory, path=n) if r.inventory is not None else None
             r = replace(r, path=n, error=error, inventory=inventory)
         out.append(r)
     return out
-
-
-# -- conversion -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ConvertWork:
-    """What every source of one ``convert SOURCE...`` goes through."""
-
-    to: str
-    """The target dtype, as ``--to`` gives it."""
-    options: Mapping[str, Any]
-    """Keyword arguments of ``conversion.convert`` shared by every source (policy, keep, clamp, dry_run ...)."""
-    outputs: Mapping[str, str] = field(default_factory=dict)
-    """Source -> where its output goes, where ``-o`` names a directory; a source not here is written beside itself."""
-    raise_errors: bool = False
-    """Raise a source's error instead of reporting it (``--debug``)."""
-
-
-@dataclass(frozen=True)
-class Converted:
-    """One source's conversion as its task returns it."""
-
-    source: str
-    result: Any = None
-    """The ``conversion.Result``; None when ``error`` says why there is none."""
-    error: str | None = None
-    """None, or the one line why the source could not be converted (exit 2 for it)."""
-
-
-def convert_one(source: str, work: ConvertWork) -> Converted:
-    """Convert one source (plan, check, write, verify): the unit of ``convert SOURCE...``, wherever it runs."""
-    from .conversion import convert
-
-    try:
-        return Converted(source, convert(source, work.to, output=work.outputs.get(source), **work.options))
-    except DtypeAuditError as exc:
-        if work.raise_errors:
-            raise
-        return Converted(source, error=exc.one_line())
-
-
-def convert_lost(source: str, reason: str) -> Converted:
-    return Converted(source, error=f"{source}: {reason}")

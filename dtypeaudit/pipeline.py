@@ -1,21 +1,23 @@
-"""The scan pipeline: expand what the user named into checkpoints, read each, and gather one report."""
+"""The one pipeline: expand what the user named into checkpoints, then for each read -> structure -> checks ->
+its report (``audit_one``, wherever ``fleet`` runs it), and gather one report. ``prepare`` (the structure step) is
+what convert's plans use too."""
 
 from __future__ import annotations
 
 import glob
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import fleet
-from .checks import Check
-from .errors import CheckpointError, LimitExceeded, UsageError
-from .formats import directory, hub, locate, read_checkpoint, remote
+from . import fleet, structure
+from .checks import Check, run_checks
+from .errors import CheckpointError, DtypeAuditError, LimitExceeded, UsageError
+from .formats import Format, directory, locate, read_checkpoint, remote
 from .formats import factory as factory_mod
-from .formats.locate import AnyPath
+from .formats.locate import AnyPath, TargetKind, TargetRef
 from .formats.remote import RemotePath
 from .formats.sniff import leave_out_reason
 from .inventory import CheckpointReport, Inventory, Report, Severity
@@ -26,31 +28,45 @@ if TYPE_CHECKING:
 
 
 def expand(targets: Iterable[str], *, exclude: Sequence[str] = (), left_out: list[tuple[str, str]] | None = None) -> list[str]:
+    """The names of what ``expand_targets`` finds (see there)."""
+    return [t.text for t in expand_targets(targets, exclude=exclude, left_out=left_out)]
+
+
+def expand_targets(
+    targets: Iterable[str | TargetRef], *, exclude: Sequence[str] = (), left_out: list[tuple[str, str]] | None = None
+) -> list[TargetRef]:
     """Files, checkpoint directories, plain directories (searched for checkpoints) and globs, in order, once each.
 
-    In a walked directory every file is scanned unless no loader would read it or it matches an ``exclude``
-    glob; each file left out is appended to ``left_out`` as ``(path, why)``.
+    Each string is parsed once (``locate.parse_target``). In a walked directory every file is scanned unless no
+    loader would read it or it matches an ``exclude`` glob; each file left out is appended to ``left_out`` as
+    ``(path, why)``. A file a walk finds carries the path the walk found it at.
 
     URLs (``s3://``, ``gs://``, ``https://``, ``hf://``, any fsspec protocol) and hub ids (``org/name[@rev]``, where
     no local path of that name exists) are expanded the same way: a prefix or repository that is no checkpoint
     directory is walked, its objects looked at by content.
     """
-    out: list[str] = []
-    for target in targets:
-        if factory_mod.looks_like_factory(target):
+    out: list[TargetRef] = []
+    for named in targets:
+        target = locate.as_target(named)
+        if target.kind is TargetKind.FACTORY:
             out.append(target)
             continue
-        if locate.is_url(target) or hub.is_hub_id(target):
+        if target.is_remote:
             out.extend(_expand_remote(target))
             continue
-        matches = sorted(glob.glob(target, recursive=True)) if glob.has_magic(target) else [target]
+        if locate.is_url(target.text) and target.where is not None:  # file://: a local path named by URL
+            out.extend(_expand_one(target.where, tuple(exclude), left_out, named=target))
+            continue
+        matches = sorted(glob.glob(target.text, recursive=True)) if glob.has_magic(target.text) else [target.text]
         if not matches:
-            raise UsageError(f"no file matches '{target}'")
+            raise UsageError(f"no file matches '{target.text}'")
         for m in matches:
             out.extend(_expand_one(Path(m), tuple(exclude), left_out))
-    unique: dict[str, str] = {}
-    for p in out:
-        unique.setdefault(os.path.realpath(p) if not locate.is_url(p) and os.path.exists(p) else p, p)
+    unique: dict[str, TargetRef] = {}
+    for t in out:
+        # a local path is the same checkpoint under any spelling; a hub id or URL is one as named
+        local = t.kind in (TargetKind.FILE, TargetKind.DIR) and os.path.exists(t.text)
+        unique.setdefault(os.path.realpath(t.text) if local else t.text, t)
     return list(unique.values())
 
 
@@ -58,11 +74,18 @@ def _is_checkpoint_dir(path: AnyPath) -> bool:
     return (path / ".metadata").is_file() or directory.is_model_directory(path)
 
 
-def _expand_one(path: AnyPath, exclude: tuple[str, ...] = (), left_out: list[tuple[str, str]] | None = None) -> list[str]:
-    """A file or checkpoint directory as named; a plain directory is walked, and every file in it is looked at
-    by content (not by suffix): read, unless no loader would read it or ``exclude`` names it (told to ``left_out``)."""
+def _expand_one(
+    path: AnyPath,
+    exclude: tuple[str, ...] = (),
+    left_out: list[tuple[str, str]] | None = None,
+    named: TargetRef | None = None,
+    hub_origin: tuple[str, str | None] | None = None,
+) -> list[TargetRef]:
+    """A file or checkpoint directory as named (``named``, else its path); a plain directory is walked, and every file
+    in it is looked at by content (not by suffix): read, unless no loader would read it or ``exclude`` names it (told
+    to ``left_out``). ``hub_origin``: what the files of a hub repository read from the hub carry."""
     if not path.is_dir() or _is_checkpoint_dir(path):
-        return [locate.target_string(path)]
+        return [named or locate.path_target(path, hub_origin=hub_origin)]
     skipped: list[tuple[str, str]] = []
     walked = list(directory.walk_files(path, stop_at=_is_checkpoint_dir, on_skip=lambda p, why: skipped.append((str(p), why))))
 
@@ -74,7 +97,7 @@ def _expand_one(path: AnyPath, exclude: tuple[str, ...] = (), left_out: list[tup
         return None if p.is_dir() else leave_out_reason(p)
 
     reasons = remote.concurrent_map(why_not, walked) if isinstance(path, RemotePath) else [why_not(p) for p in walked]
-    found = [locate.target_string(p) for p, why in zip(walked, reasons, strict=True) if why is None]
+    found = [locate.path_target(p, hub_origin=hub_origin) for p, why in zip(walked, reasons, strict=True) if why is None]
     skipped += [(locate.target_string(p), why) for p, why in zip(walked, reasons, strict=True) if why is not None]
     if not found:
         shown = "; ".join(f"{p} ({why})" for p, why in skipped[:5])
@@ -88,50 +111,96 @@ _REMOTE_MAGIC = ("*", "[")
 """Glob characters in a URL's path (not ``?``, which starts a query string)."""
 
 
-def _expand_remote(target: str) -> list[str]:
+def _expand_remote(target: TargetRef) -> list[TargetRef]:
     """A URL or hub id: a glob matched on the store, a folder that is no checkpoint walked, else the target as named.
 
     Where the store cannot be asked (a missing object, a server error), the target stays as named: its read then
-    fails with one line for it alone, and the others are still reported.
+    fails with one line for it alone, and the others are still reported. A target that is no folder stays as
+    named and keeps where it was found, so that reading it does not locate it again.
     """
     try:
-        if hub.is_hub_id(target) or target.lower().startswith("hf://"):
-            found = hub.locate(target if locate.is_url(target) else f"hf://{target}")
-            loc = found.location
-            if not loc.is_dir() or _is_checkpoint_dir(loc):
-                return [target]
-            return _expand_one(loc)
-        scheme, _, rest = target.partition("://")
+        if target.kind is TargetKind.HUB:
+            loc, found = target.located()
+            origin = (found.source, found.revision) if found is not None else target.hub_origin
+            as_named = replace(target, where=loc, hub_origin=origin)
+            # the files of a repository read from the hub still come from the hub; those of a cached one are local files
+            return _expand_one(loc, named=as_named, hub_origin=origin if isinstance(loc, RemotePath) else None)
+        scheme, _, rest = target.text.partition("://")
         if any(c in rest for c in _REMOTE_MAGIC) and scheme.lower() not in ("http", "https"):
-            fs, pattern = remote.filesystem(target)
+            fs, pattern = remote.filesystem(target.text)
             rfs = remote.remote_fs(fs)
-            matches = sorted(remote.remote_call(lambda: fs.glob(pattern), redact(target)))
+            matches = sorted(remote.remote_call(lambda: fs.glob(pattern), redact(target.text)))
             if not matches:
-                raise UsageError(f"nothing matches '{redact(target)}'")
+                raise UsageError(f"nothing matches '{redact(target.text)}'")
             return [x for m in matches for x in _expand_one(RemotePath(rfs, m))]
-        return _expand_one(RemotePath.from_url(target))
+        loc, _ = target.located()
+        return _expand_one(loc)  # named by its path's URL, as a walk names what it finds
     except CheckpointError:
         return [target]
 
 
-def read_target(target: str, exclude: tuple[str, ...] = ()) -> Inventory:
+def read_target(target: str | TargetRef, exclude: tuple[str, ...] = ()) -> Inventory:
     """The inventory of one expanded target: a factory, a hub id, a URL or a local path; ``exclude``: globs of
-    files a checkpoint directory's safety scan leaves out."""
-    if factory_mod.looks_like_factory(target):
-        return factory_mod.inventory(target)
-    if hub.is_hub_id(target):
+    files a checkpoint directory's safety scan leaves out. A string is parsed first (``locate.parse_target``)."""
+    target = locate.as_target(target)
+    if target.kind is TargetKind.FACTORY:
+        return factory_mod.inventory(target.text)
+    if target.kind is TargetKind.HUB and not locate.is_url(target.text):
         try:
-            return read_checkpoint(f"hf://{target}", label=target, exclude=exclude)
+            return read_checkpoint(target, label=target.text, exclude=exclude)
         except CheckpointError as exc:
-            if exc.path in (target, f"hf://{target}") and not isinstance(exc, LimitExceeded):
-                exc.path = target
+            if exc.path in (target.text, target.hub_url) and not isinstance(exc, LimitExceeded):
+                exc.path = target.text
                 exc.message = f"no such local path; as a Hugging Face hub id: {exc.message}"
             raise
     return read_checkpoint(target, exclude=exclude)
 
 
+@dataclass(frozen=True)
+class Work:
+    """What every checkpoint of one scan goes through; sent once to each worker, not with every task."""
+
+    read: Callable[[TargetRef], Inventory]
+    """The reader (``read_target``): a target to its inventory."""
+    checks: tuple[Check, ...] = ()
+    """Per-checkpoint checks; picklable (module-level functions and partials), since they travel to workers."""
+    model: Inventory | None = None
+    """``--model``'s inventory, built once by the caller, attached to every checkpoint."""
+    strict: bool = False
+    """Raise every finding a loader might read differently to an error (``checks.strict_findings``)."""
+    raise_errors: bool = False
+    """Raise a reader's error instead of reporting it (``--debug``)."""
+
+
+def model_inventory(model: str | None) -> Inventory | None:
+    """``--model``'s inventory (a factory, ``transformers:TYPE`` or a folder with config.json), built once, or None."""
+    return factory_mod.inventory(model) if model else None
+
+
+def prepare(inv: Inventory, model: Inventory | None = None) -> Inventory:
+    """The structure step of the pipeline: ``--model``'s module types attached (when given), then the structure's
+    guesses (``structure.annotate``), so that checks and plans see the module types ``scan`` sees."""
+    if model is not None and inv.format != Format.FACTORY:
+        inv = factory_mod.attach(inv, model)
+    return structure.annotate(inv)
+
+
+def audit_one(target: str | TargetRef, work: Work) -> CheckpointReport:
+    """The one pipeline, for one checkpoint: read -> structure -> checks -> its report; the unit of a scan, wherever
+    it runs (``fleet.run``). An unreadable checkpoint is a report with ``error`` set, unless ``work.raise_errors``."""
+    ref = locate.as_target(target)
+    try:
+        inv = work.read(ref)
+    except DtypeAuditError as exc:
+        if work.raise_errors:
+            raise
+        return CheckpointReport(path=ref.text, format=None, error=exc.one_line(), inventory=None)
+    inv, findings = run_checks(prepare(inv, work.model), work.checks, strict=work.strict)
+    return CheckpointReport(path=ref.text, format=inv.format, error=None, inventory=inv, findings=tuple(findings))
+
+
 def scan(
-    targets: Sequence[str],
+    targets: Sequence[str | TargetRef],
     *,
     checks: Sequence[Check] = (),
     model: str | None = None,
@@ -157,12 +226,11 @@ def scan(
     listed in a ``left-out`` note on the first checkpoint.
     """
     left_out: list[tuple[str, str]] = []
-    paths = expand(targets, exclude=exclude, left_out=left_out)
-    model_inv = factory_mod.inventory(model) if model else None
-    work = fleet.Work(
-        read=partial(read_target, exclude=tuple(exclude)), checks=tuple(checks), model=model_inv, strict=strict, raise_errors=raise_errors
-    )
-    reports = fleet.run(fleet.audit_one, paths, work, jobs=jobs, cluster=cluster, progress=progress, lost=_lost)
+    found = expand_targets(targets, exclude=exclude, left_out=left_out)
+    model_inv = model_inventory(model)
+    reader = partial(read_target, exclude=tuple(exclude))
+    work = Work(read=reader, checks=tuple(checks), model=model_inv, strict=strict, raise_errors=raise_errors)
+    reports = fleet.run(audit_one, found, work, jobs=jobs, cluster=cluster, progress=progress, lost=_lost)
     read = [i for i, r in enumerate(reports) if r.inventory is not None]
     if policy is not None and read:
         unused = policy.unused_rules(r.inventory for r in reports if r.inventory is not None)
@@ -173,4 +241,5 @@ def scan(
 
 
 def _lost(path: str, reason: str) -> CheckpointReport:
+    """The report of a checkpoint whose Dask worker was lost (``fleet.run``'s ``lost``)."""
     return CheckpointReport(path=path, format=None, error=f"{path}: {reason}", inventory=None)

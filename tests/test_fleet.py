@@ -19,7 +19,7 @@ from torch import nn
 from dtypeaudit import fleet
 from dtypeaudit.checks import checks_for
 from dtypeaudit.errors import UsageError
-from dtypeaudit.pipeline import read_target, scan
+from dtypeaudit.pipeline import Work, audit_one, read_target, scan
 from dtypeaudit.policy import load_policy
 
 from .helpers import run_cli
@@ -241,14 +241,14 @@ def test_batches_cover_every_input_once() -> None:
 def test_run_keeps_input_order_and_reports_progress(tree: Path) -> None:
     paths = [str(p) for p in sorted(tree.rglob("*.pt"))] * 3
     seen: list[tuple[int, int]] = []
-    work = fleet.Work(read=read_target, checks=tuple(checks_for(None)))
-    serial = fleet.run(fleet.audit_one, paths, work, jobs=1)
-    parallel = fleet.run(fleet.audit_one, paths, work, jobs=2, progress=lambda done, total, _: seen.append((done, total)))
+    work = Work(read=read_target, checks=tuple(checks_for(None)))
+    serial = fleet.run(audit_one, paths, work, jobs=1)
+    parallel = fleet.run(audit_one, paths, work, jobs=2, progress=lambda done, total, _: seen.append((done, total)))
     assert parallel == serial
     assert [c.path for c in parallel] == paths
     assert seen[-1] == (len(paths), len(paths)) and [d for d, _ in seen] == sorted(d for d, _ in seen)
     with pytest.raises(UsageError):
-        fleet.run(fleet.audit_one, paths, work, jobs=0)
+        fleet.run(audit_one, paths, work, jobs=0)
 
 
 def test_no_dask_at_import() -> None:

@@ -7,17 +7,18 @@ Memory stays bounded by a chunk (a tensor, for non-contiguous views into safeten
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import structure
-from ..errors import UsageError
-from ..formats import read_checkpoint
-from ..formats.locate import is_url
+from .. import dtypes
+from ..errors import DtypeAuditError, UsageError
+from ..formats import Format, read_checkpoint
+from ..formats.locate import TargetRef, as_target, parse_target
 from ..inventory import Finding, Inventory
+from ..pipeline import model_inventory, prepare
 from ..policy import Policy
 from ..torchcast import load_torch
 from ..values import ValueStats
@@ -72,18 +73,18 @@ def pickled_module_files(findings: Iterable[Finding]) -> list[str | None]:
     return out
 
 
-def output_format(source_format: str, dest: Path, source: Path) -> str:
+def output_format(source_format: str, dest: Path, source: Path) -> Format:
     if source.is_dir():
-        return "hf-directory"
+        return Format.HF_DIRECTORY
     if dest.suffix == ".safetensors":
-        return "safetensors"
-    if source_format == "safetensors":
+        return Format.SAFETENSORS
+    if source_format == Format.SAFETENSORS:
         raise UsageError("safetensors input converts to safetensors output; give -o NAME.safetensors")
-    return "torch-zip"
+    return Format.TORCH_ZIP
 
 
 def convert(
-    source: str | Path,
+    source: str | Path | TargetRef,
     to: str,
     *,
     output: str | Path | None = None,
@@ -111,11 +112,13 @@ def convert(
     ``materialize_ties``: a safetensors output holds a copy of a tied tensor under each of its names, so that a
     plain ``load_file`` gives every key back (by default it is written once, the tie kept as a metadata alias).
     """
-    if isinstance(source, str) and is_url(source) and not source.lower().startswith("file://"):
+    # Parsed once: a URL or a local path (convert takes no factory or bare hub id: there ``org/name`` is a path).
+    named = as_target(source, models=False)
+    if named.is_remote:
         from .remote import convert_remote
 
         return convert_remote(
-            source,
+            named,
             to,
             convert,
             output=output,
@@ -136,19 +139,17 @@ def convert(
                 "keep_quantized": keep_quantized,
             },
         )
-    if isinstance(output, str) and is_url(output) and not output.lower().startswith("file://"):
+    if isinstance(output, str) and parse_target(output, models=False).is_remote:
         from ..redact import redact
 
         raise UsageError(f"{redact(output)}: a remote output needs a remote source; write it locally and upload it")
-    src_path = Path(source)
-    inv = read_checkpoint(src_path)
+    src_path = named.where if isinstance(named.where, Path) else Path(named.text)
+    inv = read_checkpoint(named)
     if include_optimizer and strip_optimizer:
         raise UsageError("--include-optimizer and --strip-optimizer contradict each other")
     refused = refusals(inv)
     if refused:
-        # make_plan owns what --to means; an empty inventory asks it only that.
-        target = make_plan(Inventory(inv.path, "torch-zip", ()), to).target
-        return Result(Plan(inv, target, []), None, [], dry_run=dry_run, refused=refused)
+        return Result(Plan(inv, dtypes.conversion_target(to), []), None, [], dry_run=dry_run, refused=refused)
     from ..quant.group import view as quant_view
 
     quant = quant_view(inv)
@@ -173,11 +174,7 @@ def convert(
             progress_factory=progress_factory,
         )
     parts_of = inv  # the reader's own inventory, whose layout (and a directory's parts) conversion reads from
-    if model is not None:
-        from ..formats import factory
-
-        inv = factory.attach(inv, factory.inventory(model))
-    inv = structure.annotate(inv)  # the module types the policy sees, as scan sees them
+    inv = prepare(inv, model_inventory(model))  # the module types the policy sees, as scan sees them
     options: dict[str, Any] = {
         "policy": policy,
         "keep": keep,
@@ -194,15 +191,15 @@ def convert(
         plan = make_plan(inv, to, **options)
         dest = src_path if in_place else Path(output) if output else default_output(src_path, plan.target)
         out_format = output_format(inv.format, dest, src_path)
-        if out_format == "safetensors" and not output and not in_place:
-            dest = default_output(src_path, plan.target, "safetensors")
-        if max_shard_size and out_format != "hf-directory":
+        if out_format == Format.SAFETENSORS and not output and not in_place:
+            dest = default_output(src_path, plan.target, Format.SAFETENSORS)
+        if max_shard_size and out_format != Format.HF_DIRECTORY:
             raise UsageError("--max-shard-size applies to Hugging Face directories")
-        if materialize_ties and out_format != "safetensors":
+        if materialize_ties and out_format != Format.SAFETENSORS:
             raise UsageError("--materialize-ties applies to a .safetensors output (a torch.save output keeps ties as ties)")
         if strip_optimizer:
             plan.notes.extend(strip_notes(stripped, sources))
-            if out_format != "torch-zip":
+            if out_format != Format.TORCH_ZIP:
                 plan.notes.append("safetensors output holds no optimizer state anyway")
         # The planned output must pass what scan would check, before a byte is read.
         if plan_fails(plan, policy):
@@ -221,7 +218,7 @@ def convert(
         check_destination(src_path, dest, force=force, in_place=in_place)
         total = sum(p.tensor.nbytes for p in plan.tensors if p.action != "drop")
         progress = progress_factory("writing", total) if progress_factory else None
-        if out_format == "hf-directory":
+        if out_format == Format.HF_DIRECTORY:
             with atomic_output(dest, mode_from=src_path, is_dir=True) as tmp:
                 write_directory(
                     plan,
@@ -278,12 +275,56 @@ def _hold_unsafe(plan: Plan, inv: Inventory, to: str, options: dict[str, Any], s
     return plan
 
 
+@dataclass(frozen=True)
+class ConvertWork:
+    """What every source of one ``convert SOURCE...`` goes through (``fleet.run`` sends it once to each worker)."""
+
+    to: str
+    """The target dtype, as ``--to`` gives it."""
+    options: Mapping[str, Any]
+    """Keyword arguments of ``convert`` shared by every source (policy, keep, clamp, dry_run ...)."""
+    outputs: Mapping[str, str] = field(default_factory=dict)
+    """Source -> where its output goes, where ``-o`` names a directory; a source not here is written beside itself."""
+    raise_errors: bool = False
+    """Raise a source's error instead of reporting it (``--debug``)."""
+
+
+@dataclass(frozen=True)
+class Converted:
+    """One source's conversion as its task returns it."""
+
+    source: str
+    result: Any = None
+    """The ``Result``; None when ``error`` says why there is none."""
+    error: str | None = None
+    """None, or the one line why the source could not be converted (exit 2 for it)."""
+
+
+def convert_one(source: str, work: ConvertWork) -> Converted:
+    """Convert one source (plan, check, write, verify): the unit of ``convert SOURCE...``, wherever ``fleet`` runs it."""
+    try:
+        return Converted(source, convert(source, work.to, output=work.outputs.get(source), **work.options))
+    except DtypeAuditError as exc:
+        if work.raise_errors:
+            raise
+        return Converted(source, error=exc.one_line())
+
+
+def convert_lost(source: str, reason: str) -> Converted:
+    """The outcome of a source whose Dask worker was lost (``fleet.run``'s ``lost``)."""
+    return Converted(source, error=f"{source}: {reason}")
+
+
 __all__ = [
+    "ConvertWork",
+    "Converted",
     "Plan",
     "Result",
     "TensorPlan",
     "check_values",
     "convert",
+    "convert_lost",
+    "convert_one",
     "make_plan",
     "plan_fails",
     "plan_findings",

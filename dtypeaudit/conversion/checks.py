@@ -7,6 +7,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from .. import dtypes
+from ..formats.sniff import format_of
 from ..inventory import Finding, Inventory, Severity, Span, TensorRecord, unique_tensors
 from ..torchcast import Caster, chunks, load_torch
 from ..values import (
@@ -201,7 +202,7 @@ def value_findings(inv: Inventory, *, include_optimizer: bool = False) -> list[F
     are; bfloat16 keeps float32's exponent, so a bfloat16 checkpoint gets NaN/Inf only. Optimizer state,
     which ``convert`` leaves as it is, gets info findings unless ``include_optimizer``.
     """
-    if inv.format not in ("torch-zip", "torch-legacy", "safetensors", "hf-directory"):
+    if not ((fmt := format_of(inv.format)) and fmt.casts):
         return []
     plan = make_plan(inv, "fp16", include_optimizer=True)
     to_fp16 = half_target(inv) == "float16"

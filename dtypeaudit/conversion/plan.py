@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from .. import dtypes
 from ..errors import ConversionError, UsageError
+from ..formats.sniff import format_of
 from ..inventory import Finding, Inventory, TensorRecord, severity_rank, unique_tensors
 from ..policy import Matcher, Policy, compile_matcher, decide
 from ..structure import annotate
@@ -148,8 +149,9 @@ def make_plan(
     part in module or tie decisions (a float32 scale does not pull its Linear's bias to float32).
     """
     target = dtypes.conversion_target(to)
-    if inv.format in ("torchscript", "dcp", "factory", "pickle"):
-        raise ConversionError(_REFUSALS[inv.format], path=inv.path)
+    refusal = (fmt := format_of(inv.format)) and fmt.convert_refusal
+    if refusal:
+        raise ConversionError(refusal, path=inv.path)
     inv = annotate(inv)  # a no-op after convert's own; policies' module: rules see the guessed types
     keepers: list[Matcher] = []
     for pattern in keep:
@@ -419,13 +421,3 @@ def _would_not_run(plan: Plan, f: Finding) -> Finding:
 
 def _names(expected: frozenset[str] | None) -> str:
     return "any dtype" if expected is None else " or ".join(sorted(expected))
-
-
-_REFUSALS = {
-    "torchscript": "TorchScript archives carry compiled code and constants typed for the saved dtypes, so their weights "
-    "cannot be recast safely; convert the eager model's state_dict and script it again",
-    "dcp": "torch.distributed.checkpoint directories are written by the training job; convert them with "
-    "torch.distributed.checkpoint.format_utils.dcp_to_torch_save first, then convert the .pt",
-    "factory": "a factory builds a model, it is not a checkpoint file to convert",
-    "pickle": "a bare pickle is not a torch.save checkpoint; nothing in it can be converted without running it",
-}

@@ -21,13 +21,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .. import structure
+from .. import dtypes
 from ..errors import ConversionError, UsageError
+from ..formats import Format, read_checkpoint
 from ..formats import directory as hfdir
-from ..formats import read_checkpoint
-from ..formats.locate import is_url, locate
+from ..formats.locate import TargetRef, parse_target
 from ..formats.remote import RemotePath, filesystem, remote_call, remote_fs
 from ..inventory import Inventory
+from ..pipeline import model_inventory, prepare
 from ..policy import Policy
 from ..redact import redact
 from .atomic import swap_into_place
@@ -69,13 +70,13 @@ class _Dest:
 
     def __init__(self, output: str | Path) -> None:
         self.shown = redact(str(output))
-        self.remote = isinstance(output, str) and is_url(output) and not output.lower().startswith("file://")
-        if self.remote:
-            assert isinstance(output, str)
-            self.fs, self.path = filesystem(output)
+        named = parse_target(output, models=False) if isinstance(output, str) else None
+        self.remote = named is not None and named.is_remote
+        if named is not None and self.remote:
+            self.fs, self.path = filesystem(named.text)
             self.path = self.path.rstrip("/") or self.path
         else:
-            where = locate(output) if isinstance(output, str) else output
+            where = named.where if named is not None else output
             assert isinstance(where, Path)
             self.local = where
             self.path = str(self.local)
@@ -110,8 +111,9 @@ class _Dest:
 
     def reread(self, path: str) -> Inventory:
         """The inventory of ``path`` (a URL's path on this filesystem) through the remote reader, nothing cached."""
-        remote_fs(self.fs).forget()
-        return read_checkpoint(self.url(path))
+        rfs = remote_fs(self.fs)
+        rfs.forget()
+        return read_checkpoint(RemotePath(rfs, path))  # where it was written: not a URL to locate again
 
 
 def _download(src: RemotePath, local: Path) -> None:
@@ -126,7 +128,7 @@ def _shown_plan(result: Any, shown: str) -> Any:
 
 
 def convert_remote(
-    source: str,
+    source: TargetRef,
     to: str,
     local_convert: Local,
     *,
@@ -142,27 +144,29 @@ def convert_remote(
     """``convert`` for a URL source (see the module's docstring); the Result names the source and output as given."""
     from . import Result, refusals
 
-    shown = redact(source)
+    shown = redact(source.text)
     if in_place:
         raise UsageError(f"{shown}: --in-place cannot replace a remote checkpoint; give -o")
     if output is None and not dry_run:
         raise UsageError(f"{shown}: a remote checkpoint needs -o (a local path or a URL) for the converted output")
     if max_shard_size:
         raise UsageError("--max-shard-size re-shards local directories only")
-    inv = read_checkpoint(source)  # headers only: what is refused is refused before a byte is downloaded
+    # Located once (a hub id: the cache, else the hub), then read where it lies: headers only, so that what is
+    # refused is refused before a byte is downloaded.
+    root, found = source.located()
+    origin = (found.source, found.revision) if found is not None else source.hub_origin
+    inv = read_checkpoint(TargetRef(source.text, source.kind, root, origin))
     refused = refusals(inv)
     if refused:
-        target = make_plan(Inventory(inv.path, "torch-zip", ()), to).target
-        return Result(Plan(inv, target, []), None, [], dry_run=dry_run, refused=refused)
-    root = locate(source)
+        return Result(Plan(inv, dtypes.conversion_target(to), []), None, [], dry_run=dry_run, refused=refused)
     if isinstance(root, Path):  # a hub id found in the local cache: a local conversion
         return local_convert(root, to, output=output, policy=policy, force=force, dry_run=dry_run, model=model, **options)
     dest = _Dest(output) if output is not None else None
     if dest is not None and not dry_run:
         dest.check(force)
-    if inv.format == "hf-directory":
+    if inv.format == Format.HF_DIRECTORY:
         return _directory(root, inv, to, local_convert, dest, policy=policy, dry_run=dry_run, model=model, options=options)
-    if inv.format == "dcp":
+    if inv.format == Format.DCP:
         raise UsageError(f"{shown}: convert reads single files and Hugging Face directories remotely, not {inv.format}")
     with tempfile.TemporaryDirectory(prefix="dtypeaudit-remote-") as td:
         local_src = Path(td) / "in" / (root.name or "checkpoint")
@@ -211,12 +215,7 @@ def _directory(
     res = hfdir.resolve(root)
     if res is None:
         raise ConversionError("directory holds no weights to convert", path=str(root))
-    full = inv
-    if model is not None:
-        from ..formats import factory
-
-        full = factory.attach(full, factory.inventory(model))
-    full = structure.annotate(full)
+    full = prepare(inv, model_inventory(model))
     plan_options = {k: options[k] for k in ("keep", "include_optimizer", "strip_optimizer", "clamp")}
     plan = make_plan(full, to, policy=policy, **plan_options)
     if plan_fails(plan, policy):

@@ -15,9 +15,11 @@ from ..errors import CheckpointError, DtypeAuditError
 from ..inventory import Inventory
 from ..redact import redact
 from . import dcp, directory, gguf, locate, safetensors, source, torchzip
-from .locate import AnyPath
-from .sniff import sniff
+from .locate import AnyPath, TargetRef
+from .sniff import Format, format_of, sniff
 from .source import Source
+
+__all__ = ["Format", "format_of", "read_checkpoint", "read_file"]
 
 
 def read_file(path: AnyPath | Source) -> Inventory:
@@ -35,26 +37,25 @@ def read_file(path: AnyPath | Source) -> Inventory:
         return torchzip.read_pickle(src)
 
 
-def read_checkpoint(path: str | AnyPath, *, label: str | None = None, exclude: tuple[str, ...] = ()) -> Inventory:
+def read_checkpoint(path: str | AnyPath | TargetRef, *, label: str | None = None, exclude: tuple[str, ...] = ()) -> Inventory:
     """The inventory of a checkpoint file or directory, local or remote (a URL: ``s3://``, ``https://``, ``hf://``,
     any fsspec protocol); CheckpointError (one line) if it cannot be read. ``bytes_read`` says how much was read.
 
-    ``label`` names it in the inventory instead of the path (a hub id read from a cache snapshot). ``exclude``:
-    glob patterns for files of a directory that are left out of its safety scan (each is listed in a note).
+    A string is parsed as a URL or a local path (``locate.parse_target`` without factories or bare hub ids); a
+    ``TargetRef`` is read where it lies, located only if it was not yet. ``label`` names it in the inventory instead
+    of the path (a hub id read from a cache snapshot). ``exclude``: glob patterns for files of a directory that are
+    left out of its safety scan (each is listed in a note).
     """
-    shown = label or (redact(path) if isinstance(path, str) and locate.is_url(path) else None)
+    target = locate.as_target(path, models=False)
+    shown = label or (redact(target.text) if locate.is_url(target.text) else None)  # a URL is shown as named
     hub_meta: dict[str, object] = {}
     with source.metered() as meter:
-        p: AnyPath = Path(path) if isinstance(path, str) and not locate.is_url(path) else Path()
+        p: AnyPath = Path(target.text) if not target.is_remote else Path()
         try:
-            if isinstance(path, str) and path.lower().startswith("hf://"):
-                from . import hub
-
-                found = hub.locate(path)
-                p = found.location
-                hub_meta = {"hub": {"read_from": found.source, "revision": found.revision}}
-            else:
-                p = locate.locate(path)
+            p, found = target.located()
+            origin = (found.source, found.revision) if found is not None else target.hub_origin
+            if origin is not None:
+                hub_meta = {"hub": {"read_from": origin[0], "revision": origin[1]}}
             shown = shown or str(p)
             inv = _read(p, shown, exclude)
         except DtypeAuditError as exc:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
 from ..inventory import Finding, Report, Severity
+from ..options import effective
 from . import checks
 from .record import LOSSES, TraceStopped
 from .result import TraceCheckpointReport, TraceSummary
@@ -63,8 +64,7 @@ def trace(
     from .build import build, checkpoint_dtypes, torch_dtype
     from .build import default_dtype as default_dtype_ctx
 
-    pol = _as_policy(policy)
-    hardware = _hardware(target, pol)
+    chosen = effective(policy, target=target)
     dd = torch_dtype(default_dtype, "--default-dtype") if default_dtype else None
     with default_dtype_ctx(dd):
         built = build(model)
@@ -88,8 +88,8 @@ def trace(
             device=device,
             allow_promotion=allow_promotion,
             fail_on=fail_on,
-            policy=pol,
-            target=hardware,
+            policy=chosen.policy,
+            target=chosen.target,
         )
 
 
@@ -139,8 +139,8 @@ def trace_module(
         ac = getattr(torch, ac_name)
     if inputs and input_factory:
         raise UsageError("give --input or --input-factory, not both")
-    pol = _as_policy(policy)
-    hardware = _hardware(target, pol)
+    chosen = effective(policy, target=target)
+    pol, hardware = chosen.policy, chosen.target
     own = (pol.trace.fail_on or pol.fail_on) if pol is not None else None
     severity: Severity = fail_on or own or "error"
     allowed = _matchers(allow_promotion, pol.trace.allow_promotion if pol is not None else ())
@@ -202,25 +202,6 @@ def trace_module(
     inventory = type(inventory)(inventory.path, "trace", inventory.tensors, (), metadata)
     report = TraceCheckpointReport(label, "trace", None, inventory, tuple(found), trace=summary)
     return Report((report,), fail_on=severity, policy=pol.source if pol is not None else None)
-
-
-def _as_policy(policy: Policy | str | None) -> Policy | None:
-    """A ``Policy`` as given, or loaded from a file or preset name (``PolicyError``, exit 2, when it is not valid)."""
-    if policy is None or not isinstance(policy, str):
-        return policy
-    from ..policy import load_policy
-
-    return load_policy(policy)
-
-
-def _hardware(target: Target | str | None, policy: Policy | None) -> Target | None:
-    """``target`` (``--target``), else the policy's ``target:``; an unknown name is a ``UsageError``."""
-    chosen = target if target is not None else (policy.target if policy is not None else None)
-    if chosen is None or not isinstance(chosen, str):
-        return chosen
-    from ..targets import resolve
-
-    return resolve(chosen)
 
 
 def _matchers(patterns: Sequence[str], from_policy: Sequence[Matcher] = ()) -> Callable[[str], bool] | None:
