@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..checks import check, policy_findings
 from ..inventory import Finding, Severity, failing
+from ..options import effective
 from .collection import LiveInventory, collect
 from .findings import Snapshot, batch_findings, default_dtype_findings, drift_findings, snapshot
 from .verdict import render_findings
@@ -19,20 +20,8 @@ if TYPE_CHECKING:
 
 
 def as_policy(policy: Policy | str | None) -> Policy | None:
-    if policy is None or not isinstance(policy, str):
-        return policy
-    from ..policy import load_policy
-
-    return load_policy(policy)
-
-
-def _resolve_target(target: Target | str | None, policy: Policy | None) -> Target | None:
-    from ..targets import resolve
-
-    chosen = target if target is not None else (policy.target if policy is not None else None)
-    if chosen is None:
-        return None
-    return resolve(chosen) if isinstance(chosen, str) else chosen
+    """A policy given by name or file, loaded (``options.effective`` decides, as it does for the command line)."""
+    return effective(policy).policy
 
 
 def findings_for(live: LiveInventory, policy: Policy | None = None, target: Target | None = None) -> list[Finding]:
@@ -87,9 +76,9 @@ def audit(obj: Any, policy: Policy | str | None = None, *, target: Target | str 
     together. Reads metadata only: auditing a 7B model on the meta device takes milliseconds and no memory
     proportional to the model.
     """
-    pol = as_policy(policy)
+    chosen = effective(policy, target=target)
     live = collect(obj)
-    return Findings(findings_for(live, pol, _resolve_target(target, pol)))
+    return Findings(findings_for(live, chosen.policy, chosen.target))
 
 
 class Auditor:
@@ -106,8 +95,9 @@ class Auditor:
         fail_on: Severity | None = None,
         drift_severity: Severity = "warning",
     ) -> None:
-        self.policy = as_policy(policy)
-        self.target = _resolve_target(target, self.policy)
+        chosen = effective(policy, target=target)
+        self.policy = chosen.policy
+        self.target = chosen.target
         self.fail_on: Severity = fail_on or (self.policy.fail_on if self.policy and self.policy.fail_on else "error")
         self.drift_severity: Severity = drift_severity
         self.previous: Snapshot | None = None
