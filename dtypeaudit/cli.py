@@ -430,7 +430,7 @@ def _progress_callback():
 
 def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:
     from . import structure
-    from .checks import as_policies_see_it
+    from .checks import as_policies_see_it, loaded_names
     from .formats import factory
     from .pipeline import expand, read_target
     from .policy import decide
@@ -450,7 +450,8 @@ def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:
                 if f.rule == "model-mismatch":
                     typer.echo(f"dtypeaudit: error: {path}: {f.message}", err=True)
         # The tensor as the policy sees it: a quantized weight as its logical weight, a folder's as from_pretrained loads it
-        t = {r.name: r for r in as_policies_see_it(structure.annotate(inv))}.get(name)
+        # a folder's tensor goes by its loaded name; its stored name finds it too
+        t = {r.name: r for r in as_policies_see_it(structure.annotate(inv))}.get(loaded_names(inv).get(name, name))
         if t is None:
             continue
         found = True

@@ -239,3 +239,10 @@ def test_keep_in_fp32_lists_of_sub_models_apply(tmp_path: Path) -> None:
     wo = {n for n in ours if ".wo." in n}
     assert wo and {ours[n] for n in wo} == {"float32"} and {t.dtype for t in inv.tensors if t.name in wo} == {"float16"}
     assert "wo" in inv.metadata["from_pretrained_dtype"]["keep_in_fp32_modules"]  # type: ignore[index]
+
+
+def test_explain_finds_a_tensor_by_its_stored_or_loaded_name(vit_dir: Path) -> None:
+    for name in ("vit.encoder.layer.0.attention.attention.key.weight", "vit.layers.0.attention.k_proj.weight"):
+        result = run_cli("scan", str(vit_dir), "--preset", "fp16", "--explain", name)
+        assert result.returncode == 0, result.stderr
+        assert "vit.layers.0.attention.k_proj.weight" in result.stdout
