@@ -246,3 +246,24 @@ def test_explain_finds_a_tensor_by_its_stored_or_loaded_name(vit_dir: Path) -> N
         result = run_cli("scan", str(vit_dir), "--preset", "fp16", "--explain", name)
         assert result.returncode == 0, result.stderr
         assert "vit.layers.0.attention.k_proj.weight" in result.stdout
+
+
+def test_convert_plans_on_the_loaded_names(tmp_path: Path) -> None:
+    """A rule on loaded names holds the stored tensors it names when convert plans; from_pretrained then casts the
+    whole model to the config's one dtype, so the planned output fails that rule and nothing is written."""
+    from dtypeaudit.conversion import convert
+
+    src = tmp_path / "vit32"
+    _vit_model().save_pretrained(str(src))  # float32
+    policy = tmp_path / "p.yaml"
+    policy.write_text(
+        "version: 1\ndefault: float16\nrules:\n  - name: q-fp32\n    match: ['vit.layers.*.attention.q_proj.weight']\n    dtype: float32\n"
+    )
+    result = convert(src, "fp16", output=tmp_path / "vit16", policy=load_policy(str(policy)))
+    kept = {p.tensor.name for p in result.plan.tensors if p.target == "float32"}
+    assert kept == {f"vit.encoder.layer.{i}.attention.attention.query.weight" for i in (0, 1)}
+    assert result.output is None and not (tmp_path / "vit16").exists()
+    assert sorted(f.tensor or "" for f in result.failed if f.rule == "dtype-mismatch") == [
+        "vit.layers.0.attention.q_proj.weight",
+        "vit.layers.1.attention.q_proj.weight",
+    ]
