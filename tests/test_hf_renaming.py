@@ -155,6 +155,16 @@ def test_a_class_transformers_lacks_leaves_the_names_unknown(vit_dir: Path, tmp_
     assert inv.metadata["from_pretrained_dtype"]["names_unknown"]  # type: ignore[index]
 
 
+def test_a_config_asking_for_more_layers_than_the_folder_stores_is_not_built(vit_dir: Path, tmp_path: Path) -> None:
+    d = tmp_path / "huge"
+    shutil.copytree(vit_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_hidden_layers"] = 10**7  # from_pretrained would build ten million layers before finding no weights
+    (d / "config.json").write_text(json.dumps(cfg))
+    found = {f.rule: f for f in check(read_checkpoint(d))}
+    assert "num_hidden_layers is 10000000, more layers than the folder stores tensors" in found["load-names-unknown"].message
+
+
 def test_merged_moe_experts_are_refused_with_a_finding(tmp_path: Path) -> None:
     import transformers
 

@@ -243,11 +243,46 @@ def model_view(cfg: Mapping[str, Any], dtype: str, names: Iterable[str]) -> Mode
         return "transformers is not installed"
     if _transformers_class(arch) is None:
         return f"transformers has no class {arch}"
+    stored = list(names)
+    layers = _most_layers(cfg)
+    if layers is not None and layers[1] > max(len(stored), 1):
+        # Building it would cost time and memory in proportion (meta tensors, but real modules): not for a folder
+        # whose weights cannot fill it. from_pretrained would report most of that model's weights missing.
+        return f"config.json's {layers[0]} is {layers[1]}, more layers than the folder stores tensors ({len(stored)}); not built"
     try:
         model = _built(arch, json.dumps(dict(cfg), sort_keys=True), dtype)
     except Exception as exc:  # a config transformers refuses: from_pretrained would fail too, and we cannot tell how
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return f"transformers cannot build {arch} from config.json ({first[:200]})"
+    try:
+        return _view(model, dtype, stored)
+    except Exception as exc:  # transformers' own mapping code failed on this model: the names are not known
+        return f"transformers' conversion mapping of {arch} failed ({type(exc).__name__})"
+
+
+def _most_layers(cfg: Mapping[str, Any]) -> tuple[str, int] | None:
+    """The largest layer count config.json asks for (``num_hidden_layers``, ``n_layer``, ``encoder_layers``, in
+    sub-configs too), with its key."""
+    found: list[tuple[int, str]] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(v, int) and not isinstance(v, bool) and re.search(r"(^|_)(n_)?layers?$", str(k)):
+                    found.append((v, str(k)))
+                walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+
+    walk(cfg)
+    if not found:
+        return None
+    n, key = max(found)
+    return key, n
+
+
+def _view(model: Any, dtype: str, names: Sequence[str]) -> ModelView:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
