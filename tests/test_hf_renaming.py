@@ -277,3 +277,48 @@ def test_convert_plans_on_the_loaded_names(tmp_path: Path) -> None:
         "vit.layers.0.attention.q_proj.weight",
         "vit.layers.1.attention.q_proj.weight",
     ]
+
+
+_VISION = {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 24, "image_size": 16, "patch_size": 8}
+_TEXT = {
+    "vocab_size": 32,
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "max_position_embeddings": 16,
+}
+_SWEEP: dict[str, tuple[str, dict[str, Any]]] = {
+    "DeiTForImageClassification": ("DeiTConfig", _VISION),
+    "BeitForImageClassification": ("BeitConfig", _VISION),
+    "Dinov2Model": ("Dinov2Config", _VISION),
+    "ViTMAEModel": ("ViTMAEConfig", _VISION),
+    "CLIPModel": ("CLIPConfig", {"text_config": _TEXT, "vision_config": _VISION, "projection_dim": 8}),
+    "SiglipModel": ("SiglipConfig", {"text_config": _TEXT, "vision_config": _VISION}),
+    "Qwen2MoeForCausalLM": (
+        "Qwen2MoeConfig",
+        {**_TEXT, "num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8},
+    ),
+    "LlamaForCausalLM": ("LlamaConfig", {**_TEXT, "num_key_value_heads": 1}),
+    "BertForMaskedLM": ("BertConfig", _TEXT),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(_SWEEP))
+def test_loaded_names_and_dtypes_agree_with_from_pretrained(arch: str, tmp_path: Path) -> None:
+    """A sweep of classes with and without a conversion mapping, saved in float16: every stored tensor that is
+    not merged by a WeightConverter has the loaded model's name and dtype."""
+    import transformers
+
+    config_class, kwargs = _SWEEP[arch]
+    torch.manual_seed(0)
+    d = tmp_path / "m"
+    getattr(transformers, arch)(getattr(transformers, config_class)(**kwargs)).half().save_pretrained(str(d))
+    real = _real(d)
+    inv = read_checkpoint(d)
+    meta = inv.metadata["from_pretrained_dtype"]
+    assert meta["names_unknown"] is None  # type: ignore[index]
+    converted = set(meta["converted"])  # type: ignore[index]
+    ours = {n: dt for n, dt in _ours(inv).items() if n not in converted}
+    assert ours == {n: real[n] for n in ours}
