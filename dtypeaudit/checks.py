@@ -54,6 +54,8 @@ def as_policies_see_it(inv: Inventory) -> tuple[TensorRecord, ...]:
     """The tensors a policy is checked against: each quantized weight as its logical weight (``logical``), and in a
     Hugging Face folder each tensor under the name and in the dtype ``from_pretrained`` gives it. Scans and
     ``policy init`` alike; in the order of ``logical(inv).tensors``, one for one."""
+    from .formats.hfload import loaded_names
+
     loaded = loaded_dtype(inv)
     names = loaded_names(inv)
     return tuple(
@@ -418,13 +420,6 @@ def loaded_dtype(inv: Inventory) -> dict[str, str]:
 
     load = hfload.from_metadata(inv.metadata) if inv.format == "hf-directory" else None
     return hfload.loaded_dtypes(inv.tensors, load) if load is not None else {}
-
-
-def loaded_names(inv: Inventory) -> dict[str, str]:
-    """stored name -> the name from_pretrained gives the tensor, where they differ (HF folders only)."""
-    from .formats import hfload
-
-    return hfload.loaded_names(inv)
 
 
 def loaded_dtype_findings(inv: Inventory) -> list[Finding]:

@@ -430,8 +430,9 @@ def _progress_callback():
 
 def _explain(targets: list[str], pol, name: str, model: Optional[str]) -> None:
     from . import structure
-    from .checks import as_policies_see_it, loaded_names
+    from .checks import as_policies_see_it
     from .formats import factory
+    from .formats.hfload import loaded_names
     from .pipeline import expand, read_target
     from .policy import decide
     from .redact import redact
