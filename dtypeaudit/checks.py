@@ -52,20 +52,28 @@ def logical(inv: Inventory) -> Inventory:
 
 def as_policies_see_it(inv: Inventory) -> tuple[TensorRecord, ...]:
     """The tensors a policy is checked against: each quantized weight as its logical weight (``logical``), and in a
-    Hugging Face folder each tensor in the dtype ``from_pretrained`` gives it. Scans and ``policy init`` alike."""
+    Hugging Face folder each tensor under the name and in the dtype ``from_pretrained`` gives it. Scans and
+    ``policy init`` alike; in the order of ``logical(inv).tensors``, one for one."""
+    from .formats.hfload import loaded_names
+
     loaded = loaded_dtype(inv)
-    return tuple(t.with_(dtype=loaded[t.name]) if t.name in loaded else t for t in logical(inv).tensors)
+    names = loaded_names(inv)
+    return tuple(
+        t.with_(name=names.get(t.name, t.name), dtype=loaded.get(t.name, t.dtype)) if t.name in loaded or t.name in names else t
+        for t in logical(inv).tensors
+    )
 
 
 def policy_findings(inv: Inventory, policy: Policy) -> list[Finding]:
     from .policy import decide
 
     out = []
-    stored = {t.name: t.dtype for t in logical(inv).tensors}
-    for t in as_policies_see_it(inv):
+    for s, t in zip(logical(inv).tensors, as_policies_see_it(inv), strict=True):
         d = decide(policy, t)
         if not d.ok:
-            cast = f" (as from_pretrained loads it; stored as {stored[t.name]})" if stored[t.name] != t.dtype else ""
+            stored = [f"'{s.name}'"] if s.name != t.name else []
+            stored += [s.dtype] if s.dtype != t.dtype else []
+            cast = f" (as from_pretrained loads it; stored as {' in '.join(stored)})" if stored else ""
             out.append(
                 Finding(
                     "dtype-mismatch",

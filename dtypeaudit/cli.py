@@ -408,6 +408,7 @@ def _progress_callback():
 
 def _explain(targets: list[TargetRef], pol, name: str, model: Optional[str]) -> None:
     from .checks import as_policies_see_it
+    from .formats.hfload import loaded_names
     from .pipeline import expand_targets, model_inventory, prepare, read_target
     from .policy import decide
     from .redact import redact
@@ -426,7 +427,8 @@ def _explain(targets: list[TargetRef], pol, name: str, model: Optional[str]) -> 
                 if f.rule == "model-mismatch":
                     typer.echo(f"dtypeaudit: error: {path}: {f.message}", err=True)
         # The tensor as the policy sees it: a quantized weight as its logical weight, a folder's as from_pretrained loads it
-        t = {r.name: r for r in as_policies_see_it(inv)}.get(name)
+        # a folder's tensor goes by its loaded name; its stored name finds it too
+        t = {r.name: r for r in as_policies_see_it(inv)}.get(loaded_names(inv).get(name, name))
         if t is None:
             continue
         found = True

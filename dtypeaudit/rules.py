@@ -76,6 +76,27 @@ RULES: dict[str, FindingRule] = {
             "Install transformers to audit the dtypes from_pretrained gives those modules.",
         ),
         FindingRule(
+            "load-renamed",
+            "info",
+            "from_pretrained loads some tensors under other names than the stored ones (transformers 5's conversion mapping).",
+            "The policy is checked against the loaded names; the report's metadata lists each stored name beside its loaded one.",
+        ),
+        FindingRule(
+            "load-conversion-unmodelled",
+            "warning",
+            "from_pretrained merges or splits some stored tensors into others (a WeightConverter, e.g. fused MoE experts); "
+            "dtypeaudit does not model that conversion.",
+            "The stored tensors are judged under their stored names; check the loaded model's tensors with a live audit "
+            "(dtypeaudit.audit on the loaded model).",
+        ),
+        FindingRule(
+            "load-names-unknown",
+            "info",
+            "The model class named in config.json cannot be built here, so the names from_pretrained gives the tensors and "
+            "its sub-models' keep-in-fp32 modules are unknown.",
+            "Install transformers (a version that has the class) to audit the model as from_pretrained loads it.",
+        ),
+        FindingRule(
             "left-out",
             "info",
             "Files in a folder that no modelled loader would read, or that --exclude names, were not scanned.",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from .. import dtypes
 from ..errors import ConversionError, UsageError
+from ..formats.hfload import loaded_names
 from ..formats.sniff import format_of
 from ..inventory import Finding, Inventory, TensorRecord, severity_rank, unique_tensors
 from ..policy import Matcher, Policy, compile_matcher, decide
@@ -161,6 +162,7 @@ def make_plan(
             raise UsageError(f"--keep {pattern!r}: {exc}") from None
     held_units = frozenset(hold)
     stripped = stripped or {}
+    renamed = loaded_names(inv)  # a folder's policy is decided on the names from_pretrained gives, as scan decides it
 
     def dropped_by(t: TensorRecord) -> str | None:
         for path in stripped.get(t.file, ()):
@@ -187,7 +189,7 @@ def make_plan(
             what = t.layout if t.layout != "strided" else t.dtype
             plans.append(TensorPlan(t, t.dtype, "leave", f"{what} tensors are left exactly as they are"))
             continue
-        c = _choose(i, t, target, policy, keepers, include_optimizer, held_units)
+        c = _choose(i, t, target, policy, keepers, include_optimizer, held_units, renamed.get(t.name, t.name))
         choices.append(c)
         plans.append(TensorPlan(t, c.want, c.action, c.reason))
     plan = Plan(inv, target, plans, clamp=clamp, stripped=dict(stripped))
@@ -203,8 +205,10 @@ def _choose(
     keepers: list[Matcher],
     include_optimizer: bool,
     held_units: frozenset[str],
+    loaded_name: str,
 ) -> _Choice:
     own = frozenset({t.dtype})
+    judged = t.with_(name=loaded_name) if loaded_name != t.name else t
     if t.region == "optimizer" and not include_optimizer:
         return _Choice(i, t, own, t.dtype, "leave", "optimizer state is left as is (--include-optimizer to cast it)", True)
     for m in keepers:
@@ -215,13 +219,13 @@ def _choose(
     if policy is None:
         allowed = dtypes.CASTABLE
     else:
-        allowed = frozenset(d for d in dtypes.CASTABLE if decide(policy, t.with_(dtype=d)).ok)
+        allowed = frozenset(d for d in dtypes.CASTABLE if decide(policy, judged.with_(dtype=d)).ok)
     if target in allowed:
         return _Choice(
             i, t, allowed, target, "leave" if t.dtype == target else "cast", f"already {target}" if t.dtype == target else "", False
         )
     assert policy is not None
-    d = decide(policy, t.with_(dtype=target))
+    d = decide(policy, judged.with_(dtype=target))
     why = f"policy: {d.rule.label if d.rule else 'default'} expects {_names(d.expected)}"
     if t.dtype in allowed:
         return _Choice(i, t, allowed, t.dtype, "keep", why, False)

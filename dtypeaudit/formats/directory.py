@@ -547,15 +547,20 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory], *, exclude: tuple
         if isinstance(declared, str):
             metadata["config_dtype"] = declared
     if res.from_pretrained:
-        findings.extend(_load_dtype(path, res, cfg, first_tensors, metadata))
+        findings.extend(_load_dtype(path, res, cfg, first_tensors, metadata, [t.name for t in tensors]))
     return Inventory(str(path), "hf-directory", link_shared_storage(tensors), tuple(findings), metadata, parts=parts)
 
 
 def _load_dtype(
-    path: AnyPath, res: Resolution, cfg: dict[str, Any], first: tuple[TensorRecord, ...], metadata: dict[str, object]
+    path: AnyPath,
+    res: Resolution,
+    cfg: dict[str, Any],
+    first: tuple[TensorRecord, ...],
+    metadata: dict[str, object],
+    names: list[str],
 ) -> list[Finding]:
-    """What dtype from_pretrained gives the model (``hfload``), stored in ``metadata`` for the checks; findings
-    for a config.json key given twice. Refuses a dtype from_pretrained fails on."""
+    """What dtype and name from_pretrained gives each of the stored tensors ``names`` (``hfload``), stored in
+    ``metadata`` for the checks; findings for a config.json key given twice. Refuses a dtype from_pretrained fails on."""
     from . import hfload
 
     out = []
@@ -570,7 +575,7 @@ def _load_dtype(
     if res.index is not None:
         index = _load_json(path / res.index)
         index_meta = index.get("metadata") if isinstance(index, dict) else None
-    load = hfload.resolve(cfg, index_meta, res.files[0] if res.files else None, first)
+    load = hfload.resolve(cfg, index_meta, res.files[0] if res.files else None, first, names)
     if load is None:
         declared = hfload.config_dtype_value(cfg)
         where = "index metadata.dtype" if declared is None else "config.json's dtype"

@@ -30,6 +30,7 @@ from ..errors import FactoryError, UsageError
 from ..inventory import Finding, Inventory, TensorRecord, link_shared_storage
 from ..structure import MEASURED_DTYPES, is_torch_type, type_name
 from ..structure import WRAPPER_PREFIXES as WRAPPER_PREFIXES  # structure owns the list; diff reads it here
+from .hfload import loaded_names
 
 HF_PREFIX = "transformers:"
 FORMS = "a factory (path/to/file.py:func or package.module:func), transformers:MODEL_TYPE, or a directory with config.json"
@@ -485,7 +486,10 @@ def match_names(checkpoint: Inventory, model: Inventory) -> NameMatch:
     ``0.weight`` of another model does not).
     """
     known = {t.name: t.shape for t in model.tensors}
-    tensors = [t for t in checkpoint.tensors if t.region == "model"]
+    # A Hugging Face folder's tensors under the names from_pretrained gives them (transformers 5 renames keys on load)
+    renamed = loaded_names(checkpoint)
+    stored_as = {renamed.get(t.name, t.name): t.name for t in checkpoint.tensors if t.region == "model"}
+    tensors = [t.with_(name=renamed[t.name]) if t.name in renamed else t for t in checkpoint.tensors if t.region == "model"]
     if not known or not tensors:
         return NameMatch({}, len(tensors), (), None)
     heads: Counter[str] = Counter()
@@ -516,12 +520,12 @@ def match_names(checkpoint: Inventory, model: Inventory) -> NameMatch:
                     score = (counts[(t.name[:at], q)], -at, target)
                     best = score if best is None or score[:2] > best[:2] else best
         if best is not None:
-            matched[t.name] = best[2]
+            matched[stored_as[t.name]] = best[2]
     # For the message: by names alone, since a prefix that is right but meets other shapes is still the closest.
     ranked = tuple(
         (p, q, c, counts[(p, q)]) for (p, q), c in sorted(by_name.items(), key=lambda kv: (-kv[1], len(kv[0][0]) + len(kv[0][1])))
     )
-    unmatched = next((t.name for t in tensors if t.name not in matched), None)
+    unmatched = next((t.name for t in tensors if stored_as[t.name] not in matched), None)
     example = (unmatched, min(known, key=lambda k: (_distance(unmatched, k), k))) if unmatched is not None else None
     return NameMatch(matched, len(tensors), ranked, example)
 

@@ -13,21 +13,34 @@ Mirrors transformers 5.24 with from_pretrained's default arguments (``dtype`` no
   ``_keep_in_fp32_modules_strict`` (float16 or bfloat16), which load as float32, and tensors whose model parameter
   has its own dtype (integer buffers: we take a stored integer or bool tensor to stay as stored).
 
-The model class's keep-in-fp32 lists are class attributes: they are read from transformers' own class named by
-config.json's ``architectures`` when transformers is installed (importing transformers, never user code); else
-they are unknown and the report says so. Quantized checkpoints (``quantization_config``) are not modelled here.
+* ``get_model_conversion_mapping`` and ``rename_source_key`` (core_model_loading.py): transformers 5 renames the
+  keys on disk to the model's own names (a ViT saved as ``vit.encoder.layer.0.attention.attention.key.bias`` loads
+  as ``vit.layers.0.attention.k_proj.bias``), adds or strips the ``base_model_prefix``, and drops keys the model does
+  not have. The dtype plan above is matched against the loaded name. A ``WeightConverter`` (MoE experts fused
+  into one tensor, a split qkv) builds tensors of other names and shapes from several stored ones: not modelled,
+  and said so (``load-conversion-unmodelled``).
+
+The class is the one config.json's ``architectures`` names, taken from transformers itself (importing
+transformers, never user code), built as from_pretrained builds it: ``_from_config`` in the main dtype on the meta
+device. Its ``_keep_in_fp32_modules(_strict)`` are read from the built model, where ``post_init`` has gathered the
+lists of every sub-model (a composite model's vision or text tower that is itself a PreTrainedModel), and its
+conversion mapping comes from the instance, sub-models included, as 5.24 collects it. Without transformers, for a
+class it does not have, or a config it cannot build, the lists and the renaming are unknown and the report says
+so. Quantized checkpoints (``quantization_config``) are not modelled here.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import dtypes
-from ..inventory import Finding, TensorRecord
+from ..inventory import Finding, Inventory, TensorRecord
 
 DEFAULT_DTYPE = "float32"
 """torch.get_default_dtype() in a fresh process."""
@@ -46,6 +59,21 @@ class LoadDtype:
     keep_fp32_strict: tuple[str, ...] | None = ()
     """The class's ``_keep_in_fp32_modules_strict`` (float32 under float16 or bfloat16); None where unknown."""
     model_class: str | None = None
+    renamed: Mapping[str, str] = field(default_factory=dict)
+    """Stored name -> the name the loaded model gives it, where the two differ (the conversion mapping)."""
+    converted: Mapping[str, Converted] = field(default_factory=dict)
+    """Stored name -> the WeightConverter that merges or splits it into another tensor: not modelled."""
+    pinned: Mapping[str, str] = field(default_factory=dict)
+    """Loaded name -> the dtype the built model gives that parameter or buffer where it is not the main dtype
+    (from_pretrained then loads the tensor in the parameter's own dtype)."""
+    names_unknown: str | None = None
+    """Why the loaded names are not known (no transformers, not one of its classes, a config it cannot build);
+    None where they are, or where config.json names no class."""
+
+    def loaded_name(self, stored: str) -> str:
+        """The name ``stored`` has in the loaded model (the converter's target for a converted tensor)."""
+        conv = self.converted.get(stored)
+        return conv.into if conv is not None else self.renamed.get(stored, stored)
 
     def keep_patterns(self) -> tuple[str, ...] | None:
         """The name patterns that load as float32 under this main dtype (_get_dtype_plan); None where unknown."""
@@ -54,6 +82,16 @@ class LoadDtype:
         if self.keep_fp32_strict is None or (self.dtype == "float16" and self.keep_fp32 is None):
             return None
         return (self.keep_fp32 if self.dtype == "float16" else ()) + self.keep_fp32_strict  # type: ignore[operator]
+
+
+@dataclass(frozen=True)
+class Converted:
+    """A stored tensor that a ``WeightConverter`` merges or splits on load (MoE experts fused into one tensor)."""
+
+    into: str
+    """The loaded tensor it goes into (the converter's first target)."""
+    operations: tuple[str, ...]
+    """The converter's operations, by class name (``MergeModulelist``, ``Concatenate``)."""
 
 
 # The dtype attributes of torch that are not a dtype's own name: what getattr(torch, value) also accepts.
@@ -119,26 +157,161 @@ def main_dtype(
     return found, f"the first floating tensor of {first_file} (config.json names no dtype)"
 
 
-def keep_in_fp32(cfg: Mapping[str, Any]) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None, str | None]:
-    """The ``_keep_in_fp32_modules`` and ``_keep_in_fp32_modules_strict`` of the class config.json's
-    ``architectures`` names, read from transformers' own class (never user code); None where unknown."""
+def _arch(cfg: Mapping[str, Any]) -> str | None:
     archs = cfg.get("architectures")
-    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
-    if arch is None:
-        return (), (), None  # no class named: from_pretrained's caller names it, and it is unknown
+    return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+
+
+def _transformers_class(arch: str) -> type | None:
+    """transformers' own class of that name (never user code); None where it has none."""
     if importlib.util.find_spec("transformers") is None:
-        return None, None, arch
+        return None
     import transformers
 
     try:
         cls = getattr(transformers, arch, None)
     except Exception:  # a lazy import that fails: as unknown as a missing class
         cls = None
-    if not isinstance(cls, type):
+    return cls if isinstance(cls, type) else None
+
+
+def keep_in_fp32(cfg: Mapping[str, Any]) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None, str | None]:
+    """The ``_keep_in_fp32_modules`` and ``_keep_in_fp32_modules_strict`` of the class config.json's
+    ``architectures`` names, as class attributes of transformers' own class (never user code); None where unknown.
+
+    The top class's lists only: ``model_view`` gives the lists a built model gathers from its sub-models too, and
+    is what ``resolve`` uses; this is its fallback where the model cannot be built."""
+    arch = _arch(cfg)
+    if arch is None:
+        return (), (), None  # no class named: from_pretrained's caller names it, and it is unknown
+    cls = _transformers_class(arch)
+    if cls is None:
         return None, None, arch
     keep = tuple(sorted(getattr(cls, "_keep_in_fp32_modules", None) or ()))
     strict = tuple(sorted(getattr(cls, "_keep_in_fp32_modules_strict", None) or ()))
     return keep, strict, arch
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """What the class config.json names tells about loading the folder, from the model transformers builds."""
+
+    keep_fp32: tuple[str, ...]
+    keep_fp32_strict: tuple[str, ...]
+    renamed: dict[str, str]
+    converted: dict[str, Converted]
+    pinned: dict[str, str]
+
+
+@functools.lru_cache(maxsize=8)
+def _built(arch: str, config_json: str, dtype: str) -> Any:
+    """The model as from_pretrained builds it before loading (``get_init_context``: the main dtype as torch's
+    default, on the meta device), from config.json through the class's own ``config_class`` (what
+    ``cls.from_pretrained(folder)`` reads it with). Cached: a folder is often read twice (scan, then convert's plan)."""
+    import torch
+    import transformers
+
+    cls: Any = _transformers_class(arch)
+    if cls is None or not hasattr(cls, "_from_config"):
+        raise LookupError(f"{arch} is not a transformers model class")
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its warnings about a config are not ours to print
+    try:
+        config = cls.config_class.from_dict(json.loads(config_json))
+        with torch.device("meta"):
+            return cls._from_config(config, dtype=getattr(torch, dtype))
+    finally:
+        transformers.logging.set_verbosity(level)
+
+
+def model_view(cfg: Mapping[str, Any], dtype: str, names: Iterable[str]) -> ModelView | str:
+    """The keep-in-fp32 lists, the loaded name of each stored name and the pinned dtypes of the model
+    config.json's ``architectures`` names; a sentence saying why they are unknown where they are.
+
+    Mirrors transformers 5.24's from_pretrained: ``post_init`` gathers ``_keep_in_fp32_modules(_strict)`` from every
+    child that is a PreTrainedModel into the top model (read from the built model); ``get_model_conversion_mapping``
+    (no ``key_mapping``, no quantizer, the legacy renamings added) collects the mapping of the model and of each
+    sub-model, scoped to it; ``convert_and_load_state_dict_in_model`` renames each key with ``rename_source_key``
+    (every WeightRenaming in turn, then at most one WeightConverter, then the ``base_model_prefix`` added or
+    stripped), retries the key unrenamed where only that is a model key, and drops keys the model does not have.
+    The mapping's patterns are transformers' data: its own ``rename_source_key`` applies them, so the names are
+    the loader's to the letter."""
+    arch = _arch(cfg)
+    if arch is None:
+        return "config.json names no model class (architectures)"
+    if importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed"
+    if _transformers_class(arch) is None:
+        return f"transformers has no class {arch}"
+    stored = list(names)
+    layers = _most_layers(cfg)
+    if layers is not None and layers[1] > max(len(stored), 1):
+        # Building it would cost time and memory in proportion (meta tensors, but real modules): not for a folder
+        # whose weights cannot fill it. from_pretrained would report most of that model's weights missing.
+        return f"config.json's {layers[0]} is {layers[1]}, more layers than the folder stores tensors ({len(stored)}); not built"
+    try:
+        model = _built(arch, json.dumps(dict(cfg), sort_keys=True), dtype)
+    except Exception as exc:  # a config transformers refuses: from_pretrained would fail too, and we cannot tell how
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"transformers cannot build {arch} from config.json ({first[:200]})"
+    try:
+        return _view(model, dtype, stored)
+    except Exception as exc:  # transformers' own mapping code failed on this model: the names are not known
+        return f"transformers' conversion mapping of {arch} failed ({type(exc).__name__})"
+
+
+def _most_layers(cfg: Mapping[str, Any]) -> tuple[str, int] | None:
+    """The largest layer count config.json asks for (``num_hidden_layers``, ``n_layer``, ``encoder_layers``, in
+    sub-configs too), with its key."""
+    found: list[tuple[int, str]] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(v, int) and not isinstance(v, bool) and re.search(r"(^|_)(n_)?layers?$", str(k)):
+                    found.append((v, str(k)))
+                walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+
+    walk(cfg)
+    if not found:
+        return None
+    n, key = max(found)
+    return key, n
+
+
+def _view(model: Any, dtype: str, names: Sequence[str]) -> ModelView:
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    state = model.state_dict()
+    prefix = model.base_model_prefix
+    renamed: dict[str, str] = {}
+    converted: dict[str, Converted] = {}
+    for name in names:
+        new, pattern = rename_source_key(name, renamings, converters, prefix, state)
+        if new not in state and name in state:  # the loader's retry: only the prefix may change
+            new, pattern = rename_source_key(name, [], [], base_model_prefix=prefix, meta_state_dict=state)
+        if new not in state:
+            continue  # an unexpected key: from_pretrained drops it; it keeps its stored name here
+        if pattern is not None:
+            conv = next(c for c in converters if pattern in c.source_patterns)
+            converted[name] = Converted(new, tuple(type(op).__name__ for op in conv.operations))
+        elif new != name:
+            renamed[name] = new
+    pinned = {k: str(v.dtype).removeprefix("torch.") for k, v in state.items() if str(v.dtype) != f"torch.{dtype}"}
+    return ModelView(
+        tuple(sorted(model._keep_in_fp32_modules or ())),
+        tuple(sorted(model._keep_in_fp32_modules_strict or ())),
+        renamed,
+        converted,
+        pinned,
+    )
 
 
 def _pattern(globs: Sequence[str]) -> re.Pattern[str] | None:
@@ -147,16 +320,18 @@ def _pattern(globs: Sequence[str]) -> re.Pattern[str] | None:
 
 
 def loaded_dtype(t: TensorRecord, load: LoadDtype, keep: re.Pattern[str] | None) -> str:
-    """The dtype ``t`` has in the loaded model."""
+    """The dtype ``t`` has in the loaded model: the dtype plan and the model's own parameter dtypes are
+    matched against its loaded name, as ``convert_and_load_state_dict_in_model`` matches them."""
     if t.dtype not in dtypes.DTYPES or not dtypes.get(t.dtype).is_floating:
         return t.dtype  # an integer or bool buffer keeps the model's own dtype, which we take to be the stored one
-    if keep is not None and keep.search(t.name):
+    name = load.loaded_name(t.name)
+    if keep is not None and keep.search(name):
         return "float32"
-    return load.dtype
+    return load.pinned.get(name, load.dtype)
 
 
 def loaded_dtypes(tensors: Sequence[TensorRecord], load: LoadDtype) -> dict[str, str]:
-    """name -> loaded dtype, for every tensor whose loaded dtype is not its stored one."""
+    """stored name -> loaded dtype, for every tensor whose loaded dtype is not its stored one."""
     keep = _pattern(load.keep_patterns() or ())
     out = {}
     for t in tensors:
@@ -166,18 +341,29 @@ def loaded_dtypes(tensors: Sequence[TensorRecord], load: LoadDtype) -> dict[str,
     return out
 
 
-def resolve(cfg: Mapping[str, Any], index_metadata: Any, first_file: str | None, first_tensors: Sequence[TensorRecord]) -> LoadDtype | None:
-    """The LoadDtype of a folder; None where from_pretrained fails on its dtype (a name torch does not have)."""
+def resolve(
+    cfg: Mapping[str, Any],
+    index_metadata: Any,
+    first_file: str | None,
+    first_tensors: Sequence[TensorRecord],
+    names: Iterable[str] = (),
+) -> LoadDtype | None:
+    """The LoadDtype of a folder whose stored tensors are ``names``; None where from_pretrained fails on its dtype
+    (a name torch does not have)."""
     found = main_dtype(cfg, index_metadata, first_file, first_tensors)
     if found is None:
         return None
     dtype, why = found
-    keep, strict, arch = keep_in_fp32(cfg)
-    return LoadDtype(dtype, why, keep, strict, arch)
+    view = model_view(cfg, dtype, names)
+    if isinstance(view, ModelView):
+        return LoadDtype(dtype, why, view.keep_fp32, view.keep_fp32_strict, _arch(cfg), view.renamed, view.converted, view.pinned)
+    keep, strict, arch = keep_in_fp32(cfg)  # the top class's own lists, where it exists but cannot be built
+    return LoadDtype(dtype, why, keep, strict, arch, names_unknown=view if arch is not None else None)
 
 
 def as_metadata(load: LoadDtype) -> dict[str, object]:
-    """The inventory metadata that ``from_metadata`` reads back (and that travels with a planned conversion)."""
+    """The inventory metadata that ``from_metadata`` reads back (and that travels with a planned conversion).
+    ``renamed`` (stored -> loaded name) is how a report shows the stored names beside the loaded ones."""
 
     def listed(x: tuple[str, ...] | None) -> list[str] | None:
         return None if x is None else list(x)
@@ -188,6 +374,10 @@ def as_metadata(load: LoadDtype) -> dict[str, object]:
         "class": load.model_class,
         "keep_in_fp32_modules": listed(load.keep_fp32),
         "keep_in_fp32_modules_strict": listed(load.keep_fp32_strict),
+        "renamed": dict(load.renamed),
+        "converted": {k: {"into": c.into, "operations": list(c.operations)} for k, c in load.converted.items()},
+        "pinned": dict(load.pinned),
+        "names_unknown": load.names_unknown,
     }
 
 
@@ -201,19 +391,45 @@ def from_metadata(metadata: Mapping[str, object]) -> LoadDtype | None:
     def tup(x: object) -> tuple[str, ...] | None:
         return tuple(str(v) for v in x) if isinstance(x, list) else None
 
+    def names(x: object) -> dict[str, str]:
+        return {str(k): str(v) for k, v in x.items()} if isinstance(x, dict) else {}
+
     dtype, why = raw["dtype"], str(raw.get("why", ""))
     planned = metadata.get("config_dtype")
+    pinned = names(raw.get("pinned"))
     if isinstance(planned, str) and planned != dtype and _dtype_name(planned):
         dtype, why = planned, "config.json dtype"
+        pinned = {}  # the model built in another dtype: which parameters it pins is not known for this one
     cls = raw.get("class")
+    converted = raw.get("converted")
+    unknown = raw.get("names_unknown")
     return LoadDtype(
-        dtype, why, tup(raw.get("keep_in_fp32_modules")), tup(raw.get("keep_in_fp32_modules_strict")), cls if isinstance(cls, str) else None
+        dtype,
+        why,
+        tup(raw.get("keep_in_fp32_modules")),
+        tup(raw.get("keep_in_fp32_modules_strict")),
+        cls if isinstance(cls, str) else None,
+        names(raw.get("renamed")),
+        {
+            str(k): Converted(str(v["into"]), tuple(str(o) for o in v.get("operations", ())))
+            for k, v in (converted.items() if isinstance(converted, dict) else ())
+            if isinstance(v, dict) and "into" in v
+        },
+        pinned,
+        unknown if isinstance(unknown, str) else None,
     )
+
+
+def loaded_names(inv: Inventory) -> dict[str, str]:
+    """stored name -> the name from_pretrained gives the tensor, where they differ (Hugging Face folders only):
+    what the policy, ``--model`` and ``trace`` match names against."""
+    load = from_metadata(inv.metadata) if inv.format == "hf-directory" else None
+    return dict(load.renamed) if load is not None else {}
 
 
 def loaded_findings(tensors: Sequence[TensorRecord], load: LoadDtype, *, file: str = "config.json") -> list[Finding]:
     """``load-cast`` (warning) per stored -> loaded dtype pair, naming a few tensors; ``keep-in-fp32-unknown`` (info)
-    where the class's keep-in-fp32 lists could change dtypes and are not known."""
+    where the class's keep-in-fp32 lists could change dtypes and are not known; and ``name_findings``."""
     casts = loaded_dtypes(tensors, load)
     groups: dict[tuple[str, str], list[str]] = {}
     stored = {t.name: t.dtype for t in tensors}
@@ -233,6 +449,7 @@ def loaded_findings(tensors: Sequence[TensorRecord], load: LoadDtype, *, file: s
                 actual=after,
             )
         )
+    out.extend(name_findings(load, file=file))
     if load.keep_patterns() is None:
         what = f"class {load.model_class}" if load.model_class else "the model class"
         out.append(
@@ -241,6 +458,57 @@ def loaded_findings(tensors: Sequence[TensorRecord], load: LoadDtype, *, file: s
                 "info",
                 f"{what} is not known here (transformers not installed, or not one of its classes): its _keep_in_fp32_modules, "
                 f"which stay float32 under {load.dtype}, are not applied",
+                file=file,
+            )
+        )
+    return out
+
+
+def _few(pairs: Sequence[str]) -> str:
+    return ", ".join(pairs[:3]) + (f" and {len(pairs) - 3} more" if len(pairs) > 3 else "")
+
+
+def name_findings(load: LoadDtype, *, file: str = "config.json") -> list[Finding]:
+    """``load-renamed`` (info): stored names the loaded model knows by others, a few shown stored -> loaded (all of
+    them in the report's metadata); ``load-conversion-unmodelled`` (warning) per WeightConverter target: stored
+    tensors from_pretrained merges or splits into a tensor of another name and shape, which is not modelled;
+    ``load-names-unknown`` (info) where the class is named but cannot be built here."""
+    what = f"class {load.model_class}" if load.model_class else "the model class"
+    out = []
+    if load.renamed:
+        n = len(load.renamed)
+        out.append(
+            Finding(
+                "load-renamed",
+                "info",
+                f"{n} tensor{'s' if n != 1 else ''} load under another name (the conversion mapping of transformers' {what}): "
+                f"{_few([f'{a} -> {b}' for a, b in load.renamed.items()])}; the policy is checked against the loaded names",
+                file=file,
+            )
+        )
+    merged: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for stored, conv in load.converted.items():
+        merged.setdefault((conv.into, conv.operations), []).append(stored)
+    for (into, ops), stored_names in merged.items():
+        out.append(
+            Finding(
+                "load-conversion-unmodelled",
+                "warning",
+                f"from_pretrained builds {into} from {len(stored_names)} stored tensor{'s' if len(stored_names) != 1 else ''} "
+                f"({_few(stored_names)}) with {', '.join(ops)} ({what}'s WeightConverter); dtypeaudit does not model that "
+                "conversion: the policy judges those stored tensors under their stored names",
+                tensor=into,
+                file=file,
+            )
+        )
+    if load.names_unknown:
+        out.append(
+            Finding(
+                "load-names-unknown",
+                "info",
+                f"the names and keep-in-fp32 modules of the model from_pretrained builds are not known ({load.names_unknown}): "
+                "transformers 5 may rename keys on load (conversion mapping) and sub-models may keep more modules in float32; "
+                "the policy is checked against the stored names",
                 file=file,
             )
         )
