@@ -71,9 +71,9 @@ def policy_findings(inv: Inventory, policy: Policy) -> list[Finding]:
     for s, t in zip(logical(inv).tensors, as_policies_see_it(inv), strict=True):
         d = decide(policy, t)
         if not d.ok:
-            stored = [f"'{s.name}'"] if s.name != t.name else []
-            stored += [s.dtype] if s.dtype != t.dtype else []
-            cast = f" (as from_pretrained loads it; stored as {' in '.join(stored)})" if stored else ""
+            # The stored name is in the load-renamed note and the metadata, not here: findings that share a cause
+            # keep one message, so the report folds them into one line.
+            cast = f" (as from_pretrained loads it; stored as {s.dtype})" if s.dtype != t.dtype else ""
             out.append(
                 Finding(
                     "dtype-mismatch",
