@@ -9,7 +9,7 @@ from typing import Any
 
 from ..diff import Change, InventoryDiff
 from ..inventory import TensorRecord
-from .humanize import group_tensors, human_bytes, shape_text
+from .humanize import change_parts, group_tensors, human_bytes, shape_text
 from .json import tensor_dict
 
 
@@ -74,15 +74,7 @@ def _rows(d: InventoryDiff) -> list[_Row]:
     for t in d.added:
         add("+", t.name, f"{t.dtype} {shape_text(t.shape)}", (_view(t),))
     for c in d.changed:
-        parts = []
-        if c.dtype_changed:
-            parts.append(f"{c.before.dtype} -> {c.after.dtype}")
-        if c.shape_changed:
-            parts.append(f"{shape_text(c.before.shape)} -> {shape_text(c.after.shape)}")
-        if c.values_differ:
-            parts.append("values differ")
-        elif c.values is not None and c.values.state == "equal" and d.tolerance is not None:
-            parts.append(f"values within {d.tolerance:g}")
+        parts = change_parts(c, tolerance=d.tolerance)
         add("~", c.name, "; ".join(parts), (_view(c.before), _view(c.after)), c.values.max_abs_diff if c.values else None)
     for c in d.not_compared:
         add("?", c.name, f"values not compared: {c.values.reason if c.values else ''}", (_view(c.before), _view(c.after)))

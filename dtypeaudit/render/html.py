@@ -27,7 +27,7 @@ from ..inventory import CheckpointReport, Finding, Inventory, Report, TensorReco
 
 if TYPE_CHECKING:
     from ..diff import InventoryDiff
-from .humanize import human_bytes, human_count, shape_text
+from .humanize import change_parts, human_bytes, human_count, shape_text
 
 # -- colours -----------------------------------------------------------------------------------------
 
@@ -508,13 +508,7 @@ def render_diff(d: InventoryDiff) -> str:
             marks_a[i] = _CHANGE_MARKS["changed"]
         if j is not None:
             marks_b[j] = _CHANGE_MARKS["changed"]
-        parts = []
-        if c.dtype_changed:
-            parts.append(f"{c.before.dtype} \u2192 {c.after.dtype}")
-        if c.shape_changed:
-            parts.append(f"{shape_text(c.before.shape)} \u2192 {shape_text(c.after.shape)}")
-        if c.values_differ:
-            parts.append("values differ")
+        parts = change_parts(c, arrow="\u2192")
         changes.append(("changed", f"{c.name}: {'; '.join(parts)}", i, j))
     writer_a, writer_b = _MapWriter("a", a, marks_a), _MapWriter("b", b, marks_b)
     grid_a, grid_b = writer_a.write(), writer_b.write()

@@ -5,8 +5,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..inventory import Finding, TensorRecord
+
+if TYPE_CHECKING:
+    from ..diff import Change
 
 
 def human_bytes(n: int) -> str:
@@ -23,6 +27,21 @@ def human_count(n: int) -> str:
         if n >= limit:
             return f"{n / limit:.1f}{suffix}"
     return str(n)
+
+
+def change_parts(c: Change, *, arrow: str = "->", tolerance: float | None = None) -> list[str]:
+    """What changed in one tensor between two checkpoints, in words (``float32 -> float16``, ``values differ``);
+    with ``tolerance``, values equal within it say so. The diff's text and HTML renderers both say it this way."""
+    parts = []
+    if c.dtype_changed:
+        parts.append(f"{c.before.dtype} {arrow} {c.after.dtype}")
+    if c.shape_changed:
+        parts.append(f"{shape_text(c.before.shape)} {arrow} {shape_text(c.after.shape)}")
+    if c.values_differ:
+        parts.append("values differ")
+    elif c.values is not None and c.values.state == "equal" and tolerance is not None:
+        parts.append(f"values within {tolerance:g}")
+    return parts
 
 
 def shape_text(shape: tuple[int, ...]) -> str:
