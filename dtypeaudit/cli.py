@@ -401,6 +401,8 @@ def scan(
 
 def _require_torch_for_factories(targets: list[str], model: Optional[str], command: str) -> None:
     """A factory (a target, or --model) builds a torch model: without torch, the one line that names the extra."""
+    if not model and not any(":" in t for t in targets):
+        return  # no factory (each names ``module:attribute``): a file's scan does not import the factory module
     from .extras import require
     from .formats.factory import looks_like_factory
 

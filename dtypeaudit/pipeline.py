@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 from . import fleet
 from .checks import Check
 from .errors import CheckpointError, LimitExceeded, UsageError
-from .formats import directory, hub, locate, read_checkpoint, remote
-from .formats import factory as factory_mod
+from .formats import locate, read_checkpoint, remote
 from .formats.locate import AnyPath
 from .formats.remote import RemotePath
 from .formats.sniff import leave_out_reason
@@ -23,6 +22,26 @@ from .redact import redact
 
 if TYPE_CHECKING:
     from .policy import Policy
+
+
+# Factories, hub ids and directories are rare on the hot path (a pre-commit hook scanning one file): their modules
+# are imported where a target can be one, so that a file's scan does not pay for them.
+
+
+def _looks_like_factory(target: str) -> bool:
+    if ":" not in target:  # every factory names ``module:attribute``
+        return False
+    from .formats.factory import looks_like_factory
+
+    return looks_like_factory(target)
+
+
+def _is_hub_id(target: str) -> bool:
+    if "/" not in target or os.path.lexists(target):  # a hub id is ``org/name``, and never a local path
+        return False
+    from .formats.hub import is_hub_id
+
+    return is_hub_id(target)
 
 
 def expand(targets: Iterable[str], *, exclude: Sequence[str] = (), left_out: list[tuple[str, str]] | None = None) -> list[str]:
@@ -37,10 +56,10 @@ def expand(targets: Iterable[str], *, exclude: Sequence[str] = (), left_out: lis
     """
     out: list[str] = []
     for target in targets:
-        if factory_mod.looks_like_factory(target):
+        if _looks_like_factory(target):
             out.append(target)
             continue
-        if locate.is_url(target) or hub.is_hub_id(target):
+        if locate.is_url(target) or _is_hub_id(target):
             out.extend(_expand_remote(target))
             continue
         matches = sorted(glob.glob(target, recursive=True)) if glob.has_magic(target) else [target]
@@ -55,6 +74,8 @@ def expand(targets: Iterable[str], *, exclude: Sequence[str] = (), left_out: lis
 
 
 def _is_checkpoint_dir(path: AnyPath) -> bool:
+    from .formats import directory
+
     return (path / ".metadata").is_file() or directory.is_model_directory(path)
 
 
@@ -63,6 +84,8 @@ def _expand_one(path: AnyPath, exclude: tuple[str, ...] = (), left_out: list[tup
     by content (not by suffix): read, unless no loader would read it or ``exclude`` names it (told to ``left_out``)."""
     if not path.is_dir() or _is_checkpoint_dir(path):
         return [locate.target_string(path)]
+    from .formats import directory
+
     skipped: list[tuple[str, str]] = []
     walked = list(directory.walk_files(path, stop_at=_is_checkpoint_dir, on_skip=lambda p, why: skipped.append((str(p), why))))
 
@@ -95,7 +118,9 @@ def _expand_remote(target: str) -> list[str]:
     fails with one line for it alone, and the others are still reported.
     """
     try:
-        if hub.is_hub_id(target) or target.lower().startswith("hf://"):
+        if _is_hub_id(target) or target.lower().startswith("hf://"):
+            from .formats import hub
+
             found = hub.locate(target if locate.is_url(target) else f"hf://{target}")
             loc = found.location
             if not loc.is_dir() or _is_checkpoint_dir(loc):
@@ -117,9 +142,11 @@ def _expand_remote(target: str) -> list[str]:
 def read_target(target: str, exclude: tuple[str, ...] = ()) -> Inventory:
     """The inventory of one expanded target: a factory, a hub id, a URL or a local path; ``exclude``: globs of
     files a checkpoint directory's safety scan leaves out."""
-    if factory_mod.looks_like_factory(target):
-        return factory_mod.inventory(target)
-    if hub.is_hub_id(target):
+    if _looks_like_factory(target):
+        from .formats import factory
+
+        return factory.inventory(target)
+    if _is_hub_id(target):
         try:
             return read_checkpoint(f"hf://{target}", label=target, exclude=exclude)
         except CheckpointError as exc:
@@ -158,7 +185,11 @@ def scan(
     """
     left_out: list[tuple[str, str]] = []
     paths = expand(targets, exclude=exclude, left_out=left_out)
-    model_inv = factory_mod.inventory(model) if model else None
+    model_inv = None
+    if model:
+        from .formats import factory
+
+        model_inv = factory.inventory(model)
     work = fleet.Work(
         read=partial(read_target, exclude=tuple(exclude)), checks=tuple(checks), model=model_inv, strict=strict, raise_errors=raise_errors
     )
@@ -168,6 +199,8 @@ def scan(
         unused = policy.unused_rules(r.inventory for r in reports if r.inventory is not None)
         reports[read[0]] = replace(reports[read[0]], findings=reports[read[0]].findings + tuple(unused))
     if left_out and reports:
+        from .formats import directory
+
         reports[0] = replace(reports[0], findings=reports[0].findings + (directory.left_out_finding(left_out),))
     return Report(tuple(reports), fail_on=fail_on, policy=policy_name or (policy.source if policy else None), strict=strict)
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Union
 
 from ..errors import LimitExceeded
-from . import hub
 from .remote import RemotePath
 from .source import LocalSource, Source
 
@@ -37,6 +36,8 @@ def locate(target: str | AnyPath) -> AnyPath:
 
         return Path(unquote(urlsplit(target).path))
     if target.lower().startswith("hf://"):
+        from . import hub
+
         return hub.locate(target).location
     return RemotePath.from_url(target)
 
