@@ -5,7 +5,8 @@ light install (no torch), plus picklescan, which needs nothing else. A small ``t
 tensors) is written with this interpreter's torch. Then, as whole processes, interleaved over ``--repeat``
 rounds (each round in a rotated order, so that no command always runs first): ``python -c pass`` (the floor),
 ``picklescan -p small.pt``, ``python -c 'import typer'`` (Typer alone), ``dtypeaudit --version``,
-``dtypeaudit scan small.pt -f plain`` and, for the cost of Rich, ``-f json``. Median wall and CPU (user +
+``dtypeaudit scan small.pt -f plain``, ``-f json``, and the same scan and plain report run without the command
+line (``pipeline.scan`` and the plain renderer, no Typer). Median wall and CPU (user +
 system) time, and each command's ratio to picklescan in the same round (median over rounds). The load average
 is printed next to the figures: on a loaded machine, trust the ratios and the CPU times over the wall times.
 Target (issue 18): ``scan -f plain`` at most 1.0x picklescan.
@@ -247,6 +248,12 @@ def dtypeaudit_commands(venv: Path, small: Path, suffix: str = "") -> dict[str, 
     return commands
 
 
+NO_CLI_SCAN = (
+    "import sys; from dtypeaudit.pipeline import scan; from dtypeaudit.render import OutputFormat, renderer_for; "
+    "sys.stdout.write(renderer_for(OutputFormat.plain)(scan(sys.argv[1:], jobs=1)))"
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=30, help="interleaved rounds (default 30)")
@@ -264,6 +271,8 @@ def main() -> None:
         "python -c pass": [py, "-c", "pass"],
         "picklescan -p small.pt": [str(venv / "bin" / "picklescan"), "-p", str(small)],
         "python -c 'import typer'": [py, "-c", "import typer"],  # the part of the budget the CLI framework alone takes
+        # the same scan and plain report without the command line (no Typer): what the CLI framework costs a scan
+        "scan small.pt -f plain, no CLI": [py, "-c", NO_CLI_SCAN, str(small)],
         **dtypeaudit_commands(venv, small),
     }
     for src, other in others:
