@@ -14,6 +14,7 @@ Target (issue 18): ``scan -f plain`` at most 1.0x picklescan.
     python benchmarks/bench_startup.py                    # 30 rounds
     python benchmarks/bench_startup.py --imports 15       # and where a scan's imports go (median -X importtime)
     python benchmarks/bench_startup.py --also ../other    # another source tree (a branch, a prototype) in the same rounds
+    python benchmarks/bench_startup.py --split            # and the scan's start-up built up a piece at a time
 
 The venv is reinstalled (``--no-deps --force-reinstall``) when the source tree's files change.
 """
@@ -248,6 +249,20 @@ def dtypeaudit_commands(venv: Path, small: Path, suffix: str = "") -> dict[str, 
     return commands
 
 
+# --split: the scan's start-up built up a piece at a time, each a whole process in the same venv
+STDLIB_OF_A_SCAN = (
+    "import re, enum, typing, pathlib, dataclasses, json, struct, pickle, tarfile, contextvars, threading, mmap, glob, fnmatch"
+)
+SPLIT = {
+    "the standard library a scan uses": ["-c", STDLIB_OF_A_SCAN],
+    "import dtypeaudit.cli (Typer included)": ["-c", "import dtypeaudit.cli"],
+    "+ build the scan command": [
+        "-c",
+        "import dtypeaudit.cli as c, typer.main; c.only_the_invoked_command(['scan']); typer.main.get_command(c.app)",
+    ],
+    "import dtypeaudit.pipeline, dtypeaudit.render.plain": ["-c", "import dtypeaudit.pipeline, dtypeaudit.render.plain"],
+}
+
 NO_CLI_SCAN = (
     "import sys; from dtypeaudit.pipeline import scan; from dtypeaudit.render import OutputFormat, renderer_for; "
     "sys.stdout.write(renderer_for(OutputFormat.plain)(scan(sys.argv[1:], jobs=1)))"
@@ -259,6 +274,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=30, help="interleaved rounds (default 30)")
     parser.add_argument("--imports", type=int, default=0, metavar="N", help="also profile a scan's imports over N runs")
     parser.add_argument("--top", type=int, default=30, help="rows of each import table")
+    parser.add_argument("--split", action="store_true", help="also the scan's start-up built up a piece at a time")
     parser.add_argument("--also", type=Path, action="append", default=[], metavar="SRC", help="another source tree, measured alongside")
     args = parser.parse_args()
 
@@ -275,6 +291,8 @@ def main() -> None:
         "scan small.pt -f plain, no CLI": [py, "-c", NO_CLI_SCAN, str(small)],
         **dtypeaudit_commands(venv, small),
     }
+    if args.split:
+        commands.update({label: [py, *argv] for label, argv in SPLIT.items()})
     for src, other in others:
         commands.update(dtypeaudit_commands(other, small, f" [{src.name}]"))
     check_runs(commands, env)

@@ -1,12 +1,13 @@
 """``-f plain``: the blocks of ``blocks.py`` as plain text, without importing Rich (a pre-commit hook's output is a
 pipe, and Rich's import alone costs a third of a small scan).
 
-The characters are the ones ``text.py`` gets from a colourless Rich console: this module mirrors Rich 13-15's
+The characters are the ones ``text.py`` gets from a colourless Rich console: this module mirrors Rich's (15.0)
 layout of a borderless ``box.SIMPLE_HEAD`` table with ``pad_edge=False`` (``Table._calculate_column_widths``,
 ``_collapse_widths``, ``_ratio.ratio_reduce``, ``Measurement``, ``Padding``), and its wrapping of text
-(``Text.wrap``, ``_wrap.divide_line``, ``cells.chop_cells``, ``Text.truncate``). ``tests/test_render.py`` holds
-the two drawers equal. Widths are terminal cells: East Asian wide characters take two, combining and control
-characters none (Rich's own table differs from ``unicodedata`` only in rare code points).
+(``Text.wrap``, ``_wrap.divide_line``, ``cells.chop_cells``, ``Text.truncate``, ``Text.expand_tabs``).
+``tests/test_render.py`` holds the two drawers equal, against whichever Rich is installed. Widths are terminal
+cells: East Asian wide characters take two, combining and control characters none (Rich's own table differs
+from ``unicodedata`` only in rare code points).
 """
 
 from __future__ import annotations
