@@ -5,7 +5,8 @@ light install (no torch), plus picklescan, which needs nothing else. A small ``t
 tensors) is written with this interpreter's torch. Then, as whole processes, interleaved over ``--repeat``
 rounds (each round in a rotated order, so that no command always runs first): ``python -c pass`` (the floor),
 ``picklescan -p small.pt``, ``python -c 'import typer'`` (Typer alone), ``dtypeaudit --version``,
-``dtypeaudit scan small.pt -f plain`` and, for the cost of Rich, ``-f json``. Median wall and CPU (user +
+``dtypeaudit scan small.pt -f plain``, ``-f json``, and the same scan and plain report run without the command
+line (``pipeline.scan`` and the plain renderer, no Typer). Median wall and CPU (user +
 system) time, and each command's ratio to picklescan in the same round (median over rounds). The load average
 is printed next to the figures: on a loaded machine, trust the ratios and the CPU times over the wall times.
 Target (issue 18): ``scan -f plain`` at most 1.0x picklescan.
@@ -13,6 +14,7 @@ Target (issue 18): ``scan -f plain`` at most 1.0x picklescan.
     python benchmarks/bench_startup.py                    # 30 rounds
     python benchmarks/bench_startup.py --imports 15       # and where a scan's imports go (median -X importtime)
     python benchmarks/bench_startup.py --also ../other    # another source tree (a branch, a prototype) in the same rounds
+    python benchmarks/bench_startup.py --split            # and the scan's start-up built up a piece at a time
 
 The venv is reinstalled (``--no-deps --force-reinstall``) when the source tree's files change.
 """
@@ -247,11 +249,32 @@ def dtypeaudit_commands(venv: Path, small: Path, suffix: str = "") -> dict[str, 
     return commands
 
 
+# --split: the scan's start-up built up a piece at a time, each a whole process in the same venv
+STDLIB_OF_A_SCAN = (
+    "import re, enum, typing, pathlib, dataclasses, json, struct, pickle, tarfile, contextvars, threading, mmap, glob, fnmatch"
+)
+SPLIT = {
+    "the standard library a scan uses": ["-c", STDLIB_OF_A_SCAN],
+    "import dtypeaudit.cli (Typer included)": ["-c", "import dtypeaudit.cli"],
+    "+ build the scan command": [
+        "-c",
+        "import dtypeaudit.cli as c, typer.main; c.only_the_invoked_command(['scan']); typer.main.get_command(c.app)",
+    ],
+    "import dtypeaudit.pipeline, dtypeaudit.render.plain": ["-c", "import dtypeaudit.pipeline, dtypeaudit.render.plain"],
+}
+
+NO_CLI_SCAN = (
+    "import sys; from dtypeaudit.pipeline import scan; from dtypeaudit.render import OutputFormat, renderer_for; "
+    "sys.stdout.write(renderer_for(OutputFormat.plain)(scan(sys.argv[1:], jobs=1)))"
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=30, help="interleaved rounds (default 30)")
     parser.add_argument("--imports", type=int, default=0, metavar="N", help="also profile a scan's imports over N runs")
     parser.add_argument("--top", type=int, default=30, help="rows of each import table")
+    parser.add_argument("--split", action="store_true", help="also the scan's start-up built up a piece at a time")
     parser.add_argument("--also", type=Path, action="append", default=[], metavar="SRC", help="another source tree, measured alongside")
     args = parser.parse_args()
 
@@ -264,8 +287,12 @@ def main() -> None:
         "python -c pass": [py, "-c", "pass"],
         "picklescan -p small.pt": [str(venv / "bin" / "picklescan"), "-p", str(small)],
         "python -c 'import typer'": [py, "-c", "import typer"],  # the part of the budget the CLI framework alone takes
+        # the same scan and plain report without the command line (no Typer): what the CLI framework costs a scan
+        "scan small.pt -f plain, no CLI": [py, "-c", NO_CLI_SCAN, str(small)],
         **dtypeaudit_commands(venv, small),
     }
+    if args.split:
+        commands.update({label: [py, *argv] for label, argv in SPLIT.items()})
     for src, other in others:
         commands.update(dtypeaudit_commands(other, small, f" [{src.name}]"))
     check_runs(commands, env)

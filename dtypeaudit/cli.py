@@ -379,8 +379,11 @@ def scan(
 
 def _require_torch_for_factories(targets: list[TargetRef], model: Optional[str], command: str) -> None:
     """A factory (a target, or --model) builds a torch model: without torch, the one line that names the extra."""
-    from .extras import require
     from .formats.locate import TargetKind
+
+    if not model and not any(t.kind is TargetKind.FACTORY for t in targets):
+        return  # no factory: the targets were parsed once, and a file's scan never imports the factory module
+    from .extras import require
 
     if model:
         require("torch", f"dtypeaudit {command} --model")

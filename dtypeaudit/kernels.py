@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .kernel_table import BACKENDS, OUTCOMES
-
 RAISE = "raise"
 
 # Module types that run one measured kernel family. Shapes differ, the dtype checks do not: ATen runs a 1-d
@@ -71,6 +69,8 @@ class Verdict:
 
 def describe(backends: tuple[str, ...]) -> str:
     """``cpu-avx512-onednn-bf16 (measured on ...)``: a backend and where it was measured, for a message."""
+    from .kernel_table import BACKENDS  # 2,000 lines of data: only a module whose type --model gave looks it up
+
     return ", ".join(f"{b} ({BACKENDS[b]['measured_on']})" if b in BACKENDS else b for b in backends)
 
 
@@ -81,6 +81,8 @@ def row_key(kernel: str, x: str, leaves: Mapping[str, str]) -> str:
 
 def outcomes(kernel: str, x: str, leaves: Mapping[str, str]) -> dict[str, str]:
     """Backend -> what ``kernel`` did with input ``x`` and these leaf dtypes, where it was measured."""
+    from .kernel_table import OUTCOMES
+
     key = row_key(kernel, x, leaves)
     return {backend: rows[key] for backend, rows in OUTCOMES.items() if key in rows}
 

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 from . import fleet, structure
 from .checks import Check, run_checks
 from .errors import CheckpointError, DtypeAuditError, LimitExceeded, UsageError
-from .formats import Format, directory, locate, read_checkpoint, remote
-from .formats import factory as factory_mod
+from .formats import Format, locate, read_checkpoint, remote
 from .formats.locate import AnyPath, TargetKind, TargetRef
 from .formats.remote import RemotePath
 from .formats.sniff import leave_out_reason
@@ -25,6 +24,10 @@ from .redact import redact
 
 if TYPE_CHECKING:
     from .policy import Policy
+
+
+# Factories, hub ids and directories are rare on the hot path (a pre-commit hook scanning one file): their modules
+# are imported where a target can be one, so that a file's scan does not pay for them.
 
 
 def expand(targets: Iterable[str], *, exclude: Sequence[str] = (), left_out: list[tuple[str, str]] | None = None) -> list[str]:
@@ -71,6 +74,8 @@ def expand_targets(
 
 
 def _is_checkpoint_dir(path: AnyPath) -> bool:
+    from .formats import directory
+
     return (path / ".metadata").is_file() or directory.is_model_directory(path)
 
 
@@ -86,6 +91,8 @@ def _expand_one(
     to ``left_out``). ``hub_origin``: what the files of a hub repository read from the hub carry."""
     if not path.is_dir() or _is_checkpoint_dir(path):
         return [named or locate.path_target(path, hub_origin=hub_origin)]
+    from .formats import directory
+
     skipped: list[tuple[str, str]] = []
     walked = list(directory.walk_files(path, stop_at=_is_checkpoint_dir, on_skip=lambda p, why: skipped.append((str(p), why))))
 
@@ -144,7 +151,9 @@ def read_target(target: str | TargetRef, exclude: tuple[str, ...] = ()) -> Inven
     files a checkpoint directory's safety scan leaves out. A string is parsed first (``locate.parse_target``)."""
     target = locate.as_target(target)
     if target.kind is TargetKind.FACTORY:
-        return factory_mod.inventory(target.text)
+        from .formats import factory
+
+        return factory.inventory(target.text)
     if target.kind is TargetKind.HUB and not locate.is_url(target.text):
         try:
             return read_checkpoint(target, label=target.text, exclude=exclude)
@@ -174,14 +183,20 @@ class Work:
 
 def model_inventory(model: str | None) -> Inventory | None:
     """``--model``'s inventory (a factory, ``transformers:TYPE`` or a folder with config.json), built once, or None."""
-    return factory_mod.inventory(model) if model else None
+    if not model:
+        return None
+    from .formats import factory
+
+    return factory.inventory(model)
 
 
 def prepare(inv: Inventory, model: Inventory | None = None) -> Inventory:
     """The structure step of the pipeline: ``--model``'s module types attached (when given), then the structure's
     guesses (``structure.annotate``), so that checks and plans see the module types ``scan`` sees."""
     if model is not None and inv.format != Format.FACTORY:
-        inv = factory_mod.attach(inv, model)
+        from .formats import factory
+
+        inv = factory.attach(inv, model)
     return structure.annotate(inv)
 
 
@@ -236,6 +251,8 @@ def scan(
         unused = policy.unused_rules(r.inventory for r in reports if r.inventory is not None)
         reports[read[0]] = replace(reports[read[0]], findings=reports[read[0]].findings + tuple(unused))
     if left_out and reports:
+        from .formats import directory
+
         reports[0] = replace(reports[0], findings=reports[0].findings + (directory.left_out_finding(left_out),))
     return Report(tuple(reports), fail_on=fail_on, policy=policy_name or (policy.source if policy else None), strict=strict)
 

@@ -240,6 +240,69 @@ def test_import_and_scan_never_import_torch(light: Path, files: dict[str, Path],
     assert result.split(" ", 2)[2] == "[]", result
 
 
+# What a pre-commit hook's scan of one file imports is its start-up time (benchmarks/STARTUP.md): module sets are
+# stable where timings on a shared machine are not, so this holds the start-up work instead of a stopwatch.
+_MODULES_AFTER = """
+import io, json, sys
+sys.argv = ["dtypeaudit", *ARGS]
+sys.stdout = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # a pipe, as a hook's output is: -f plain by default
+from dtypeaudit.entry import main
+try:
+    main()
+except SystemExit as done:
+    code = done.code
+out = sys.stdout.buffer.getvalue().decode()
+sys.stdout = sys.__stdout__
+print(json.dumps({"code": code, "out": out, "modules": sorted(sys.modules)}))
+"""
+
+NOT_FOR_A_FILE_SCAN = (
+    "rich",  # -f plain draws without it (render/plain.py); a terminal's -f table still uses it
+    "yaml",
+    "numpy",
+    "torch",
+    "safetensors",
+    "fsspec",
+    "huggingface_hub",
+    "dask",
+    "pickletools",
+    "dtypeaudit.render.text",
+    "dtypeaudit.policy",
+    "dtypeaudit.conversion",
+    "dtypeaudit.trace",
+    "dtypeaudit.values",
+    "dtypeaudit.kernel_table",
+    "dtypeaudit.formats.dcp",
+    "dtypeaudit.formats.directory",
+    "dtypeaudit.formats.hub",
+    "dtypeaudit.formats.factory",
+)
+
+
+@pytest.mark.parametrize("args", [["scan", "{fp32}"], ["scan", "{st}", "-f", "plain"], ["scan", "{legacy}", "--format", "json"]])
+def test_scan_of_one_file_imports_only_what_it_uses(light: Path, files: dict[str, Path], args: list[str]) -> None:
+    argv = [a.format(**{k: str(v) for k, v in files.items()}) for a in args]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "COLUMNS")}
+    proc = subprocess.run([light, "-c", _MODULES_AFTER.replace("ARGS", repr(argv))], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert run["code"] in (0, None) and argv[1] in run["out"], run
+    assert ("✓ 1 checkpoint: no findings" in run["out"]) != (argv[-1] == "json"), run["out"]
+    modules = run["modules"]
+    imported = {m for m in modules for top in NOT_FOR_A_FILE_SCAN if m == top or m.startswith(top + ".")}
+    assert not imported, sorted(imported)
+    assert "dtypeaudit.formats.torchzip" in modules and "dtypeaudit.checks" in modules  # the scan did run
+
+
+def test_opcode_names_are_pickletools_names() -> None:
+    """picklevm names opcodes from pickle's constants, not pickletools (which a scan no longer imports)."""
+    import pickletools
+
+    from dtypeaudit.formats.picklevm import _OPCODE_NAMES
+
+    assert _OPCODE_NAMES == {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
+
+
 @pytest.mark.slow  # a real pip install from the package index
 def test_real_pip_install_is_light(tmp_path: Path) -> None:
     env_dir = tmp_path / "venv"

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import random
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -15,7 +19,8 @@ from dtypeaudit.cli import default_format
 from dtypeaudit.inventory import Report
 from dtypeaudit.pipeline import scan
 from dtypeaudit.policy import load_policy
-from dtypeaudit.render import OutputFormat, renderer_for
+from dtypeaudit.render import OutputFormat, plain, renderer_for, text
+from dtypeaudit.render.blocks import Block, Column, Grid, Line, Span, report_blocks
 
 from .helpers import ROOT
 
@@ -109,3 +114,74 @@ def test_default_format_follows_the_terminal(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("NO_COLOR")
     monkeypatch.setenv("TERM", "dumb")
     assert default_format(Tty()) is OutputFormat.plain
+
+
+# -- -f plain draws without Rich what a colourless Rich console draws ----------------------------------------------
+
+
+def _rich_plain(blocks: list[Block], width: int) -> str:
+    """The blocks through Rich (text.py's drawer) on a colourless console, trailing blanks dropped."""
+    buffer = io.StringIO()
+    text.draw(text.console_for(buffer, color=False, width=width), blocks)
+    return "".join(line.rstrip() + "\n" for line in buffer.getvalue().split("\n")[:-1])
+
+
+def _random_blocks(rng: random.Random) -> list[Block]:
+    """Paragraphs and tables of every column setting blocks.py can ask for, with long words, wide and combining
+    characters, tabs, carriage returns, runs of blanks and line breaks in the cells."""
+    oddities = ["é", "界", "·", "→", " ", "  ", "\n", "x" * 30, "\t", "\u0301", "\r"]
+
+    def word() -> str:
+        w = "".join(rng.choice("abcdefghij.__") for _ in range(rng.choice([1, 2, 3, 5, 8, 13, 25, 40])))
+        return w + rng.choice(oddities) if rng.random() < 0.3 else w
+
+    def cell() -> str:
+        return " ".join(word() for _ in range(rng.choice([0, 1, 1, 1, 2, 4, 9])))
+
+    def grid() -> Grid:
+        columns = []
+        for _ in range(rng.randint(1, 6)):
+            kind = rng.random()
+            columns.append(
+                Column(
+                    word()[:10] or "h",
+                    justify=rng.choice(["left", "right"]),
+                    width=rng.randint(3, 40) if kind < 0.2 else None,
+                    max_width=rng.randint(5, 40) if 0.2 <= kind < 0.4 else None,
+                    no_wrap=rng.random() < 0.3,
+                    overflow=rng.choice(["fold", "ellipsis"]),
+                )
+            )
+        rows = [tuple(Span(cell()) for _ in columns) for _ in range(rng.randint(1, 4))]
+        return Grid(cell()[:80], tuple(columns), rows)
+
+    return [grid() if rng.random() < 0.6 else Line((Span(cell()),)) for _ in range(3)]
+
+
+def test_plain_drawer_equals_rich_drawer() -> None:
+    """plain.py mirrors Rich's table layout and wrapping: the same characters for 80 random pages, tables that
+    fit and tables that must shrink or be cut, at widths from 20 to 200 columns."""
+    rng = random.Random(18)
+    for case in range(80):
+        width = rng.choice([20, 40, 80, 120, 200])
+        blocks = _random_blocks(rng)
+        assert plain.draw(blocks, width) == _rich_plain(blocks, width), f"case {case}, width {width}: {blocks!r}"
+
+
+@pytest.mark.parametrize("width", [80, 100, 120, 200])
+@pytest.mark.parametrize("verbose", [False, True])
+def test_plain_report_equals_rich_report(sample_report: Report, width: int, verbose: bool) -> None:
+    plain_text = renderer_for(OutputFormat.plain, width=width, verbose=verbose)(sample_report)
+    assert plain_text == _rich_plain(report_blocks(sample_report, width=width, verbose=verbose, quiet=False), width)
+    assert "─" * 40 in plain_text and "Findings" in plain_text and "\x1b" not in plain_text
+
+
+def test_plain_report_does_not_import_rich() -> None:
+    code = (
+        "import sys, os; os.chdir(sys.argv[1]);"
+        "from dtypeaudit.pipeline import scan; from dtypeaudit.render import OutputFormat, renderer_for;"
+        "out = renderer_for(OutputFormat.plain)(scan(['sample_models/cnn_fp32.pt'], jobs=1));"
+        "assert 'cnn_fp32.pt' in out, out; print(sorted(m for m in sys.modules if m.split('.')[0] == 'rich'))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

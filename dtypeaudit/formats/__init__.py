@@ -14,7 +14,7 @@ from pathlib import Path
 from ..errors import CheckpointError, DtypeAuditError
 from ..inventory import Inventory
 from ..redact import redact
-from . import dcp, directory, gguf, locate, safetensors, source, torchzip
+from . import gguf, locate, safetensors, source, torchzip
 from .locate import AnyPath, TargetRef
 from .sniff import Format, format_of, sniff
 from .source import Source
@@ -82,6 +82,8 @@ def _read(p: AnyPath, shown: str, exclude: tuple[str, ...] = ()) -> Inventory:
     if not p.exists():
         raise CheckpointError(source.missing_local_path(str(p)) if isinstance(p, Path) else "no such file or directory", path=shown)
     if p.is_dir():
+        from . import directory  # a directory's readers: a file's scan does not import them
+
         with directory.documents_parsed_once():
             return _read_directory(p, shown, exclude)
     return read_file(p)
@@ -89,6 +91,7 @@ def _read(p: AnyPath, shown: str, exclude: tuple[str, ...] = ()) -> Inventory:
 
 def _read_directory(p: AnyPath, shown: str, exclude: tuple[str, ...]) -> Inventory:
     """A directory as DCP or a Hugging Face model, its JSON files each parsed once (``documents_parsed_once``)."""
+    from . import dcp, directory
     is_dcp = (p / ".metadata").is_file() and not directory.excluded_by(".metadata", exclude)
     if is_dcp and directory.is_model_directory(p):
         # torch.distributed.checkpoint would load .metadata's tensors, from_pretrained its weight files: two models.

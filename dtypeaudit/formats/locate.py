@@ -9,13 +9,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 from urllib.parse import unquote, urlsplit
 
 from ..errors import LimitExceeded, UsageError
-from . import hub
 from .remote import RemotePath
 from .source import LocalSource, Source
+
+if TYPE_CHECKING:
+    from .hub import Located
 
 AnyPath = Union[Path, RemotePath]
 """What the directory logic and the readers take: a local path or a remote one."""
@@ -66,7 +68,7 @@ class TargetRef:
         """A hub target as an ``hf://`` URL, the form ``hub.locate`` takes."""
         return self.text if self.text.lower().startswith("hf://") else f"hf://{self.text}"
 
-    def located(self) -> tuple[AnyPath, hub.Located | None]:
+    def located(self) -> tuple[AnyPath, Located | None]:
         """Where the bytes lie, and for a hub target how the cache or the hub resolved it (None otherwise).
 
         Only a target not located yet is located: a hub id asks the cache (then the hub) once here.
@@ -76,6 +78,8 @@ class TargetRef:
         if self.kind is TargetKind.FACTORY:
             raise UsageError("is a factory: it builds a model, it names no file to read", path=self.text)
         if self.kind is TargetKind.HUB:
+            from . import hub  # hub ids are rare on the hot path (a pre-commit hook scanning one file)
+
             found = hub.locate(self.hub_url)
             return found.location, found
         if self.kind is TargetKind.URL:
@@ -106,8 +110,11 @@ def parse_target(text: str, *, models: bool = True) -> TargetRef:
         if text.lower().startswith("hf://"):
             return TargetRef(text, TargetKind.HUB)
         return TargetRef(text, TargetKind.URL)
-    if models and hub.is_hub_id(text):
-        return TargetRef(text, TargetKind.HUB)
+    if models and "/" in text and not os.path.lexists(text):  # a hub id is ``org/name``, never a local path
+        from .hub import is_hub_id  # imported only where a target can be one
+
+        if is_hub_id(text):
+            return TargetRef(text, TargetKind.HUB)
     return path_target(Path(text), text)
 
 

@@ -13,7 +13,7 @@ refuse (:attr:`Trace.weights_only_refusal`), since that decides which of the two
 
 Hostile input fails closed with a CheckpointError, and its cost is bounded: opcodes executed, memo
 entries, stack depth and the length of any single string are all capped (:class:`Limits`).
-Opcodes are named after CPython's ``pickletools`` table, and the dispatch is built from it.
+Opcodes are named after CPython's ``pickletools`` table (as ``pickle`` names them), and the dispatch is built from it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import _compat_pickle
 import codecs
 import mmap
-import pickletools
+import pickle
 import re
 import struct
 from collections.abc import Callable, Mapping
@@ -132,7 +132,9 @@ class _Mark:
 
 _MARK = _Mark()
 
-_OPCODE_NAMES: dict[int, str] = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
+# pickle's own one-byte opcode constants: the names and codes of pickletools.opcodes (a test holds them equal),
+# without importing pickletools' documentation tables on every scan
+_OPCODE_NAMES: dict[int, str] = {v[0]: k for k, v in vars(pickle).items() if k.isupper() and isinstance(v, bytes) and len(v) == 1}
 _WEIGHTS_ONLY_OPCODE_BYTES = frozenset(code for code, name in _OPCODE_NAMES.items() if name in allowlist.WEIGHTS_ONLY_OPCODES)
 
 # C strtol(s, &end, 0) as CPython's INT opcode calls it: optional space and sign, then 0x-hex, 0-octal or decimal.

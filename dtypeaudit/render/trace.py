@@ -81,7 +81,7 @@ def render_text(report: Report, *, color: bool = True, width: int = 120, verbose
     from rich.table import Table
     from rich.text import Text
 
-    from . import text
+    from . import blocks, text
 
     buffer = io.StringIO()
     console = text.console_for(buffer, color=color, width=width)
@@ -112,7 +112,7 @@ def render_text(report: Report, *, color: bool = True, width: int = 120, verbose
                 t.add_column(name, justify=justify)  # type: ignore[arg-type]
             total = sum(n for _, n in summary.activations) or 1
             for dtype, n in summary.activations:
-                t.add_row(Text(dtype, style=text.DTYPE_STYLE.get(dtype, "")), human_bytes(n), f"{n / total:.1%}")
+                t.add_row(Text(dtype, style=blocks.DTYPE_STYLE.get(dtype, "")), human_bytes(n), f"{n / total:.1%}")
             console.print(t)
         if c.tensors:
             console.print()
@@ -121,7 +121,7 @@ def render_text(report: Report, *, color: bool = True, width: int = 120, verbose
                 t.add_column(name, justify=justify)  # type: ignore[arg-type]
             for row in dtype_summary(c.tensors):
                 t.add_row(
-                    Text(row.dtype, style=text.DTYPE_STYLE.get(row.dtype, "")),
+                    Text(row.dtype, style=blocks.DTYPE_STYLE.get(row.dtype, "")),
                     str(row.tensors),
                     human_count(row.numel),
                     human_bytes(row.nbytes),
@@ -147,7 +147,7 @@ def _modules_section(console: Any, title: str, rows: list[tuple[str, ModuleSumma
     a list: each module's name, then its type and dtypes indented."""
     from rich.text import Text
 
-    from . import text
+    from . import blocks
 
     cells = [(label, m.type, _short(m.inputs), _short(m.compute), _short(m.outputs), _bytes(m.activation_bytes)) for label, m in rows]
     headers = ("module", "type", "in", "compute", "out", "activations")
@@ -156,7 +156,7 @@ def _modules_section(console: Any, title: str, rows: list[tuple[str, ModuleSumma
     type_w = max(len("type"), *(len(r[1]) for r in cells))
     longest = max(len(r[0]) for r in cells)
     component = max(len(part) for r in cells for part in name_parts(r[0]))
-    gaps = text.GAP * (len(headers) - 1)
+    gaps = blocks.GAP * (len(headers) - 1)
     widths = whole if console.width - type_w - sum(whole) - gaps >= min(longest, 24) else parts
     module_w = min(console.width - type_w - sum(widths) - gaps, longest)
     if module_w < component:
