@@ -287,6 +287,8 @@ def measures_errors(source: str, target: str) -> bool:
 
 CHILD_MIN_BYTES = 64 << 20
 """Value checks over at least this many bytes run in a child process, beside the parent's torch import."""
+PROGRESS_STEP = 32 << 20
+"""The child reports progress every this many bytes checked."""
 _STATS_FIELDS = tuple(f.name for f in fields(ValueStats) if f.name not in ("name", "source", "target", "findings"))
 
 
@@ -361,15 +363,25 @@ def serve_value_checks() -> None:
     check = ValueCheck()
     maps: dict[str, Any] = {}
     out: dict[str, list[float]] = {}
+    unreported = 0
+
+    def report(nbytes: int, *, flush: bool = False) -> None:
+        """A progress line per PROGRESS_STEP bytes checked (a large tensor moves the bar too), and at each job's end."""
+        nonlocal unreported
+        unreported += nbytes
+        if unreported and (flush or unreported >= PROGRESS_STEP):
+            sys.stdout.write(f"progress {unreported}\n")
+            sys.stdout.flush()
+            unreported = 0
+
     for job in (ValueJob(**j) for j in request["jobs"]):
         if job.path not in maps:
             with open(job.path, "rb") as fh:
                 maps[job.path] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         stats = ValueStats(job.unit, job.dtype, job.target)
-        check.run(stats, maps[job.path], job, clamp=request["clamp"])
+        check.run(stats, maps[job.path], job, clamp=request["clamp"], progress=report)
         out[job.unit] = [getattr(stats, name) for name in _STATS_FIELDS]
-        sys.stdout.write(f"progress {job.length}\n")
-        sys.stdout.flush()
+        report(0, flush=True)
     sys.stdout.write(f"result {json.dumps(out)}\n")
 
 

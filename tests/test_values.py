@@ -278,3 +278,30 @@ def test_a_failed_child_falls_back_to_checking_in_process(tmp_path: Path, monkey
     )
     result = convert(src, "fp16", dry_run=True)
     assert [s.name for s in result.unsafe] == ["w"] and result.unsafe[0].overflow == 1
+
+
+def test_the_child_reports_progress_within_a_large_tensor(tmp_path: Path) -> None:
+    """A bar that only moves when a whole tensor is done sits still for seconds on an embedding: the child
+    reports every PROGRESS_STEP bytes, and the reports add up to exactly the bytes checked."""
+    import json
+    import struct
+
+    from safetensors.torch import save_file
+
+    src = tmp_path / "big.safetensors"
+    save_file({"emb": torch.randn(10 << 20) * 0.02, "b": torch.ones(5)}, str(src))
+    raw = src.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + size])
+    jobs = [
+        values.ValueJob(name, str(src), "float32", "float16", 8 + size + h["data_offsets"][0], h["data_offsets"][1] - h["data_offsets"][0])
+        for name, h in header.items()
+        if name != "__metadata__"
+    ]
+    proc = values.start_value_checks(jobs, clamp=False)
+    stats = {j.unit: values.ValueStats(j.unit, "float32", "float16") for j in jobs}
+    seen: list[int] = []
+    assert values.finish_value_checks(proc, stats, seen.append)
+    assert sum(seen) == sum(j.length for j in jobs) == (10 << 20) * 4 + 20
+    assert len(seen) >= (10 << 20) * 4 // values.PROGRESS_STEP + 1
+    assert stats["emb"].numel == 10 << 20 and stats["b"].numel == 5 and stats["b"].nonzero == 5
