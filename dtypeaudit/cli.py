@@ -673,7 +673,18 @@ def convert(
             "and cast only the rest, instead of dequantizing them.",
         ),
     ] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show the plan and the value checks; write nothing.")] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", "-n", help="Show the plan (casts, sizes, refusals), from the headers alone; write nothing."),
+    ] = False,
+    check_values: Annotated[
+        bool,
+        typer.Option(
+            "--check-values",
+            help="With --dry-run: read every value too, as a conversion does (NaN/Inf, overflow, underflow, the cast's errors), "
+            "with a progress bar on a terminal.",
+        ),
+    ] = False,
     target: Annotated[
         Optional[str],
         typer.Option(
@@ -713,6 +724,7 @@ def convert(
       dtypeaudit convert model.bin --to fp16 -o model.safetensors
       dtypeaudit convert model.pt --to fp16 --preset fp16-mixed
       dtypeaudit convert model.pt --to fp16 --dry-run
+      dtypeaudit convert model.pt --to fp16 --dry-run --check-values
       dtypeaudit convert model.pt --to bf16 --dry-run --target t4
       dtypeaudit convert runs/*/final.pt --to bf16 --jobs 4
       dtypeaudit convert /shared/ft-*/ --to bf16 --cluster tcp://scheduler:8786
@@ -730,6 +742,8 @@ def convert(
             raise UsageError("give --in-place or --output, not both")
         if target is not None and not dry_run:
             raise UsageError("--target checks a plan: give --dry-run too")
+        if check_values and not dry_run:
+            raise UsageError("--check-values reads the values for a plan: give --dry-run too (a conversion always checks them)")
         if model:
             require("torch", "dtypeaudit convert --model")
         from .options import effective
@@ -742,6 +756,7 @@ def convert(
             "clamp": clamp,
             "keep_unsafe": keep_unsafe,
             "dry_run": dry_run,
+            "read_values": check_values,
             "force": force,
             "in_place": in_place,
             "max_shard_size": max_shard_size,

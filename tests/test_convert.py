@@ -388,34 +388,49 @@ def test_max_shard_size_reshards(hf_dir: Path, tmp_path: Path) -> None:
     assert run_cli("scan", str(out), "-f", "json").returncode == 0
 
 
-def test_progress_bar_on_a_terminal_and_not_in_logs(tmp_path: Path) -> None:
-    import pty
+def on_a_terminal(*args: str) -> tuple[int, bytes, bytes]:
+    """``python -m dtypeaudit ARGS`` with stderr on a pseudo-terminal: exit status, stdout, what the terminal showed.
 
-    src = tmp_path / "m.pt"
-    torch.save({f"w{i}": torch.randn(512, 512) for i in range(8)}, src)
+    The terminal is read while the command runs: a progress bar that refreshes for long enough (a loaded machine)
+    fills the pty's buffer, and a command blocked writing to it would never exit.
+    """
+    import pty
+    import threading
+
     master, slave = pty.openpty()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "xterm"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "dtypeaudit", "convert", str(src), "--to", "fp16"],
-        stdout=subprocess.PIPE,
-        stderr=slave,
-        env=env,
-        timeout=120,
-    )
+    proc = subprocess.Popen([sys.executable, "-m", "dtypeaudit", *args], stdout=subprocess.PIPE, stderr=slave, env=env)
     os.close(slave)
-    seen = b""
-    while True:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        seen += chunk
-    os.close(master)
-    assert proc.returncode == 0
+    seen: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the command's end of the terminal is closed
+                return
+            if not chunk:
+                return
+            seen.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        stdout, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        reader.join(timeout=10)
+        os.close(master)
+    return proc.returncode, stdout, b"".join(seen)
+
+
+def test_progress_bar_on_a_terminal_and_not_in_logs(tmp_path: Path) -> None:
+    src = tmp_path / "m.pt"
+    torch.save({f"w{i}": torch.randn(512, 512) for i in range(8)}, src)
+    returncode, stdout, seen = on_a_terminal("convert", str(src), "--to", "fp16")
+    assert returncode == 0
     assert b"checking values" in seen and b"writing" in seen
-    assert b"\x1b[" not in proc.stdout and b"checking values" not in proc.stdout  # the report itself stays clean
+    assert b"\x1b[" not in stdout and b"checking values" not in stdout  # the report itself stays clean
     piped = run_cli("convert", str(src), "--to", "bf16", "-o", str(tmp_path / "b.pt"))
     assert piped.returncode == 0 and piped.stderr == ""
 
@@ -428,3 +443,41 @@ def test_scan_values_finds_nan_in_half_precision_checkpoints(tmp_path: Path, dty
     assert proc.returncode == 1
     findings = [(f["rule"], f["tensor"], f["message"]) for f in json.loads(proc.stdout)["checkpoints"][0]["findings"]]
     assert findings == [("non-finite", "bad", "2 NaN/Inf values already present")]
+
+
+def test_dry_run_is_metadata_only_unless_values_are_asked_for(tmp_path: Path) -> None:
+    src = tmp_path / "m.pt"
+    torch.save({"big": torch.tensor([1.0, 7e4, -2e5]), "w": torch.randn(64, 64)}, src)
+    plan = run_cli("convert", str(src), "--to", "fp16", "--dry-run")
+    assert plan.returncode == 0, plan.stderr
+    assert "tensors: 2 cast; size" in plan.stdout and "values: not read (--check-values reads them" in plan.stdout
+    assert "unsafe" not in plan.stdout and "cast error" not in plan.stdout
+    doc = json.loads(run_cli("convert", str(src), "--to", "fp16", "--dry-run", "-f", "json").stdout)
+    assert doc["values_read"] is False and doc["values"] == [] and doc["unsafe"] == []
+    checked = run_cli("convert", str(src), "--to", "fp16", "--dry-run", "--check-values")
+    assert checked.returncode == 1 and "unsafe values" in checked.stdout
+    assert "big: 2 values beyond ±65504 would become inf" in checked.stdout and "values: not read" not in checked.stdout
+    doc = json.loads(run_cli("convert", str(src), "--to", "fp16", "--dry-run", "--check-values", "-f", "json").stdout)
+    assert doc["values_read"] is True and doc["unsafe"] == ["big"] and {v["tensors"] for v in doc["values"]} == {"big", "w"}
+    alone = run_cli("convert", str(src), "--to", "fp16", "--check-values", "-o", str(tmp_path / "o.pt"))
+    assert alone.returncode == 2 and "--check-values reads the values for a plan: give --dry-run too" in alone.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
+
+
+def test_metadata_only_dry_run_never_imports_torch(tmp_path: Path) -> None:
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.randn(8, 8), "b": torch.zeros(8, dtype=torch.float64)}, src)
+    proc = run_cli("convert", str(src), "--to", "bf16", "--dry-run", process=True, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert proc.returncode == 0 and "tensors: 2 cast" in proc.stdout, proc.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "dtypeaudit.conversion" in imported and "torch" not in imported and "numpy" not in imported
+
+
+def test_dry_run_value_checks_show_progress_on_a_terminal(tmp_path: Path) -> None:
+    src = tmp_path / "m.pt"
+    torch.save({f"w{i}": torch.randn(512, 512) for i in range(8)}, src)
+    returncode, stdout, seen = on_a_terminal("convert", str(src), "--to", "fp16", "--dry-run", "--check-values")
+    assert returncode == 0 and b"cast error (worst 5 of 8)" in stdout
+    assert b"checking values" in seen and b"\x1b[" not in stdout
+    returncode, stdout, seen = on_a_terminal("convert", str(src), "--to", "fp16", "--dry-run")
+    assert returncode == 0 and b"values: not read" in stdout and b"checking values" not in seen

@@ -278,3 +278,51 @@ def test_a_failed_child_falls_back_to_checking_in_process(tmp_path: Path, monkey
     )
     result = convert(src, "fp16", dry_run=True)
     assert [s.name for s in result.unsafe] == ["w"] and result.unsafe[0].overflow == 1
+
+
+def test_the_child_reports_progress_within_a_large_tensor(tmp_path: Path) -> None:
+    """A bar that only moves when a whole tensor is done sits still for seconds on an embedding: the child
+    reports every PROGRESS_STEP bytes, and the reports add up to exactly the bytes checked."""
+    import json
+    import struct
+
+    from safetensors.torch import save_file
+
+    src = tmp_path / "big.safetensors"
+    save_file({"emb": torch.randn(10 << 20) * 0.02, "b": torch.ones(5)}, str(src))
+    raw = src.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + size])
+    jobs = [
+        values.ValueJob(name, str(src), "float32", "float16", 8 + size + h["data_offsets"][0], h["data_offsets"][1] - h["data_offsets"][0])
+        for name, h in header.items()
+        if name != "__metadata__"
+    ]
+    proc = values.start_value_checks(jobs, clamp=False)
+    stats = {j.unit: values.ValueStats(j.unit, "float32", "float16") for j in jobs}
+    seen: list[int] = []
+    assert values.finish_value_checks(proc, stats, seen.append)
+    assert sum(seen) == sum(j.length for j in jobs) == (10 << 20) * 4 + 20
+    assert len(seen) >= (10 << 20) * 4 // values.PROGRESS_STEP + 1
+    assert stats["emb"].numel == 10 << 20 and stats["b"].numel == 5 and stats["b"].nonzero == 5
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_relative_error_of_normal_values_needs_no_full_pass_and_stays_exact(target: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Normal values' relative error is found from a few candidates, whatever the first values look like: exact
+    ones (every value then a candidate), a weak sample, or the worst value last; always equal to torch's figure."""
+    g = torch.Generator().manual_seed(11)
+    weights = torch.randn(values.CHUNK_BYTES // 4 - 8192, generator=g) * 0.02
+    exact = torch.full((8192,), 2.0**-8)  # representable in both targets, and below the weights' top binade
+    worst = bits(np.array([120]), np.array([1 << 15 if target == "bfloat16" else 1 << 12]), np.array([0]))
+    full_passes: list[int] = []
+    real = ValueCheck._errors
+    monkeypatch.setattr(ValueCheck, "_errors", lambda self, m, t, c: full_passes.append(len(m)) or real(self, m, t, c))
+    for x in (torch.cat([exact, weights]), torch.cat([weights, exact]), torch.cat([weights, worst])):
+        assert bit_errors(x, target, False) == torch_errors(x, target, False)
+    assert max(full_passes) < values.CHUNK_BYTES // 4 // 10
+    half = 1 << (12 if target == "float16" else 15)  # half a step of the target: a tie, on the smallest such mantissa
+    largest = float(np.float32(half) / np.float32((1 << 23) + half))  # the largest relative error a normal value can have
+    assert bit_errors(worst, target, False)[1] == torch_errors(worst, target, False)[1] == largest
+    if target == "bfloat16":  # (float16 flushes some weights to zero: a relative error of 1)
+        assert bit_errors(torch.cat([weights, worst]), target, False)[1] == largest

@@ -20,10 +20,10 @@ from ..formats.locate import TargetRef, as_target, parse_target
 from ..inventory import Finding, Inventory
 from ..pipeline import model_inventory, prepare
 from ..policy import Policy
-from ..torchcast import load_torch
-from ..values import ValueStats
+from ..torchcast import load_torch, one_thread
+from ..values import ValueStats, measures_errors
 from .atomic import atomic_output, check_destination, default_output, flushing
-from .checks import apply_value_policy, check_values, measure_errors, value_findings
+from .checks import apply_value_policy, check_values, measure_errors, units_to_cast, value_findings
 from .plan import Plan, TensorPlan, make_plan, plan_findings, unit_of
 from .source import MappedCheckpoint, Progress, open_sources
 from .verify import verify
@@ -39,6 +39,8 @@ class Result:
     unsafe: list[ValueStats]
     """Tensors whose values block the conversion; nothing was written."""
     dry_run: bool = False
+    values_read: bool = True
+    """False for a metadata-only dry run: ``plan.values`` is empty because no value was read, not because none was unsafe."""
     refused: tuple[Finding, ...] = ()
     """The reader's findings that forbid converting this checkpoint at all (see ``refusals``); nothing was written."""
     failed: tuple[Finding, ...] = ()
@@ -95,6 +97,7 @@ def convert(
     clamp: bool = False,
     keep_unsafe: bool = False,
     dry_run: bool = False,
+    read_values: bool = True,
     force: bool = False,
     in_place: bool = False,
     progress_factory: Callable[[str, int], Progress] | None = None,
@@ -111,6 +114,9 @@ def convert(
     raises: the Result says why. ``model`` (a factory, as ``scan --model``) gives tensors their module types.
     ``materialize_ties``: a safetensors output holds a copy of a tied tensor under each of its names, so that a
     plain ``load_file`` gives every key back (by default it is written once, the tie kept as a metadata alias).
+    ``read_values=False`` makes a dry run metadata-only: the plan, its sizes and refusals from the headers alone,
+    at the speed of a scan (the CLI's ``--dry-run``; ``--dry-run --check-values`` reads them). A conversion
+    that writes always reads them.
     """
     # Parsed once: a URL or a local path (convert takes no factory or bare hub id: there ``org/name`` is a path).
     named = as_target(source, models=False)
@@ -134,6 +140,7 @@ def convert(
                 "strip_optimizer": strip_optimizer,
                 "clamp": clamp,
                 "keep_unsafe": keep_unsafe,
+                "read_values": read_values,
                 "progress_factory": progress_factory,
                 "materialize_ties": materialize_ties,
                 "keep_quantized": keep_quantized,
@@ -204,8 +211,14 @@ def convert(
         # The planned output must pass what scan would check, before a byte is read.
         if plan_fails(plan, policy):
             return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
+        if dry_run and not read_values:  # metadata only: no value is read, torch is not even imported
+            return Result(plan, None, [], dry_run=True, values_read=False)
         check_progress = (lambda total: progress_factory("checking values", total)) if progress_factory else None
-        check_values(plan, sources, check_progress, meanwhile=load_torch if plan.counts().get("cast") else None)
+        # torch's import overlaps the checks when a cast will follow: always before a write, and on a dry run
+        # only for the casts whose errors numpy cannot measure from the bits (float64's)
+        casts = units_to_cast(plan, sources).values()
+        torch_next = bool(casts) and (not dry_run or any(not measures_errors(dtype, target) for _, dtype, _, _, target in casts))
+        check_values(plan, sources, check_progress, meanwhile=load_torch if torch_next else None)
         unsafe = apply_value_policy(plan, keep_unsafe=keep_unsafe)
         if keep_unsafe:
             plan = _hold_unsafe(plan, inv, to, options, sources)
@@ -215,6 +228,7 @@ def convert(
             measure_errors(plan, sources)
         if dry_run or unsafe:
             return Result(plan, None, unsafe, dry_run=dry_run)
+        stack.enter_context(one_thread())  # the casts and verification's recasts (see one_thread)
         check_destination(src_path, dest, force=force, in_place=in_place)
         total = sum(p.tensor.nbytes for p in plan.tensors if p.action != "drop")
         progress = progress_factory("writing", total) if progress_factory else None

@@ -9,7 +9,7 @@ from pathlib import Path
 from .. import dtypes
 from ..formats.sniff import format_of
 from ..inventory import Finding, Inventory, Severity, Span, TensorRecord, unique_tensors
-from ..torchcast import Caster, chunks, load_torch
+from ..torchcast import Caster, chunks, load_torch, one_thread
 from ..values import (
     CHILD_MIN_BYTES,
     UNDERFLOW_BLOCK_FRACTION,
@@ -111,15 +111,21 @@ def units_held(plan: Plan, sources: dict[str, MappedCheckpoint]) -> dict[str, tu
 
 
 def measure_errors(plan: Plan, sources: dict[str, MappedCheckpoint]) -> None:
-    """Make every planned cast without writing it, folding its errors into ``plan.values`` (dry runs, ``scan --values``)."""
-    for unit, (src, dtype, span, _, target) in units_to_cast(plan, sources).items():
-        stats = plan.values.get(unit)
-        if stats is None or stats.errors_measured:
-            continue
-        cast = Caster(dtype, target, clamp=plan.clamp, stats=stats)
-        itemsize = dtypes.get(dtype).itemsize
-        for x in chunks(src.mm, dtype, span.offset, span.length // itemsize, itemsize):
-            cast(x)
+    """Make every planned cast whose errors the value checks did not measure from the bits (float64's), without
+    writing it, folding its errors into ``plan.values`` (dry runs, ``scan --values``). Imports torch only then."""
+    todo = [
+        (stats, src, dtype, span, target)
+        for unit, (src, dtype, span, _, target) in units_to_cast(plan, sources).items()
+        if (stats := plan.values.get(unit)) is not None and not stats.errors_measured
+    ]
+    if not todo:
+        return
+    with one_thread():
+        for stats, src, dtype, span, target in todo:
+            cast = Caster(dtype, target, clamp=plan.clamp, stats=stats)
+            itemsize = dtypes.get(dtype).itemsize
+            for x in chunks(src.mm, dtype, span.offset, span.length // itemsize, itemsize):
+                cast(x)
 
 
 def units_to_cast(

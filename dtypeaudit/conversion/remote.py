@@ -220,6 +220,8 @@ def _directory(
     plan = make_plan(full, to, policy=policy, **plan_options)
     if plan_fails(plan, policy):
         return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
+    if dry_run and not options.get("read_values", True):  # metadata only: the remote headers said it all
+        return Result(plan, None, [], dry_run=True, values_read=False)
     expected = plan.output_inventory()
     unsafe: list[Any] = []
     total = 0

@@ -94,6 +94,8 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
             lines.append(f"cast error ({'all' if verbose else 'worst'} {len(worst)} of {len(ranked)}):")
             for s in worst:
                 lines.append(f"  {s.name}: max abs error {s.max_abs_error:.3g}, max rel error {s.max_rel_error:.3g}")
+    if not result.values_read:
+        lines.append("values: not read (--check-values reads them: NaN/Inf, overflow, underflow and the cast's errors)")
     lines.extend(f"note: {n}" for n in plan.notes)
     if plan.config_dtype is not None:
         lines.append(f"note: config.json's dtype becomes {plan.config_dtype}, the dtype of the converted model's layers")
@@ -115,6 +117,7 @@ def render_json(result: Result) -> str:
         "output": str(result.output) if result.output else None,
         "target": plan.target,
         "dry_run": result.dry_run,
+        "values_read": result.values_read,
         "refused": result.blocked,
         "refusals": [finding_dict(f) for f in result.refused],
         "plan_failures": [finding_dict(f) for f in result.failed],
