@@ -14,7 +14,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 from . import dtypes, kernels, structure
-from .inventory import Finding, Inventory, TensorRecord
+from .inventory import Finding, Format, Inventory, TensorRecord
 from .quant.checks import quant_consistency
 from .quant.group import policy_records, view
 from .structure import Module
@@ -409,7 +409,7 @@ def dtype_outliers(inv: Inventory) -> list[Finding]:
 def module_consistency(inv: Inventory) -> list[Finding]:
     """``module-dtype-mix`` and ``dtype-outlier``, over one inference of the model's structure (of the logical
     weights: a quantized Linear computes in the dtype it dequantizes to, not in its storage's)."""
-    if inv.format == "gguf":
+    if inv.format == Format.GGUF:
         return []  # llama.cpp computes each op in its tensors' own types; transformers' GGUF loader casts all to one dtype
     return _module_findings(logical(inv))
 
@@ -418,7 +418,7 @@ def loaded_dtype(inv: Inventory) -> dict[str, str]:
     """name -> the dtype from_pretrained gives the tensor, where it is not the stored one (HF folders only)."""
     from .formats import hfload
 
-    load = hfload.from_metadata(inv.metadata) if inv.format == "hf-directory" else None
+    load = hfload.from_metadata(inv.metadata) if inv.format == Format.HF_DIRECTORY else None
     return hfload.loaded_dtypes(inv.tensors, load) if load is not None else {}
 
 
@@ -426,7 +426,7 @@ def loaded_dtype_findings(inv: Inventory) -> list[Finding]:
     """``load-cast`` and ``keep-in-fp32-unknown`` for a Hugging Face folder (see ``formats.hfload``)."""
     from .formats import hfload
 
-    load = hfload.from_metadata(inv.metadata) if inv.format == "hf-directory" else None
+    load = hfload.from_metadata(inv.metadata) if inv.format == Format.HF_DIRECTORY else None
     return hfload.loaded_findings(inv.tensors, load) if load is not None else []
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from . import dtypes
-from .inventory import Inventory, TensorRecord, unique_tensors
+from .inventory import Format, Inventory, TensorRecord, unique_tensors
 from .structure import WRAPPER_PREFIXES
 
 CHUNK_ELEMENTS = 1 << 20
@@ -206,7 +206,7 @@ class TensorBytes:
 
     def _open(self, label: str) -> _File | str:
         inv = self.inv
-        if inv.format == "hf-directory":
+        if inv.format == Format.HF_DIRECTORY:
             from .formats import directory, read_checkpoint
 
             root = Path(inv.path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Literal, NamedTuple
 
 from .redact import redact
@@ -21,6 +22,68 @@ Region = Literal["model", "optimizer"]
 def severity_rank(severity: str) -> int:
     """info < warning < error."""
     return SEVERITIES.index(severity)
+
+
+class Format(StrEnum):
+    """The format an inventory names (``Inventory.format``), as the JSON report writes it: a ``str`` enum, so a
+    member is its string everywhere (comparisons, JSON, f-strings). It knows what ``convert`` does with each."""
+
+    TORCH_ZIP = "torch-zip"
+    """A ``torch.save`` zip archive (the default since torch 1.6)."""
+    TORCH_LEGACY = "torch-legacy"
+    """A pre-1.6 ``torch.save`` file (``_use_new_zipfile_serialization=False``)."""
+    TORCHSCRIPT = "torchscript"
+    SAFETENSORS = "safetensors"
+    GGUF = "gguf"
+    PICKLE = "pickle"
+    """A bare pickle that is no ``torch.save`` file."""
+    ZIP = "zip"
+    """A zip archive that is no ``torch.save`` one (its pickles' globals reported, nothing else read)."""
+    DCP = "dcp"
+    """A ``torch.distributed.checkpoint`` folder."""
+    HF_DIRECTORY = "hf-directory"
+    """A Hugging Face model folder, as ``from_pretrained`` resolves it."""
+    FACTORY = "factory"
+    """A model built by the user's code (``file.py:func``)."""
+    TRACE = "trace"
+    """A model traced on fake tensors (``dtypeaudit trace``)."""
+    LIVE = "live"
+    """Objects in memory (``dtypeaudit.audit``)."""
+
+    @property
+    def casts(self) -> bool:
+        """Whether ``convert`` casts this format's tensors itself (its value checks read them too); a quantized
+        checkpoint (GGUF among them) is dequantized instead (``conversion/dequantize.py``)."""
+        return self in _CASTS
+
+    @property
+    def torch_save(self) -> bool:
+        """A ``torch.save`` file, whose pickle a conversion re-emits."""
+        return self in (Format.TORCH_ZIP, Format.TORCH_LEGACY)
+
+    @property
+    def convert_refusal(self) -> str | None:
+        """Why ``convert`` refuses this format outright, or None."""
+        return _CONVERT_REFUSALS.get(self)
+
+
+_CASTS = frozenset({Format.TORCH_ZIP, Format.TORCH_LEGACY, Format.SAFETENSORS, Format.HF_DIRECTORY})
+_CONVERT_REFUSALS = {
+    Format.TORCHSCRIPT: "TorchScript archives carry compiled code and constants typed for the saved dtypes, so their weights "
+    "cannot be recast safely; convert the eager model's state_dict and script it again",
+    Format.DCP: "torch.distributed.checkpoint directories are written by the training job; convert them with "
+    "torch.distributed.checkpoint.format_utils.dcp_to_torch_save first, then convert the .pt",
+    Format.FACTORY: "a factory builds a model, it is not a checkpoint file to convert",
+    Format.PICKLE: "a bare pickle is not a torch.save checkpoint; nothing in it can be converted without running it",
+}
+
+
+def format_of(name: str) -> Format | None:
+    """The ``Format`` an inventory's format string names, or None for a name no reader writes."""
+    try:
+        return Format(name)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)

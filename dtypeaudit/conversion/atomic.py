@@ -14,6 +14,7 @@ from typing import BinaryIO
 
 from .. import dtypes
 from ..errors import ConversionError
+from ..inventory import Format
 from ..temporaries import remove_stale, temporary_path
 
 
@@ -21,7 +22,7 @@ def default_output(source: Path, target: str, out_format: str | None = None) -> 
     short = dtypes.short_name(target)
     if source.is_dir():
         return source.with_name(f"{source.name}-{short}")
-    suffix = ".safetensors" if out_format == "safetensors" else source.suffix
+    suffix = ".safetensors" if out_format == Format.SAFETENSORS else source.suffix
     return source.with_name(f"{source.stem}.{short}{suffix}")
 
 

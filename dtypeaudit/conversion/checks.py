@@ -7,8 +7,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from .. import dtypes
-from ..formats.sniff import format_of
-from ..inventory import Finding, Inventory, Severity, Span, TensorRecord, unique_tensors
+from ..inventory import Finding, Inventory, Severity, Span, TensorRecord, format_of, unique_tensors
 from ..torchcast import Caster, chunks, load_torch, one_thread
 from ..values import (
     CHILD_MIN_BYTES,

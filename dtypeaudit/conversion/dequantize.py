@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .. import dtypes
 from ..errors import ConversionError, UsageError
 from ..formats import directory as hfdir
-from ..inventory import Inventory, TensorRecord
+from ..inventory import Format, Inventory, TensorRecord
 from ..quant import model as qm
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ def _raw(src: MappedCheckpoint, t: TensorRecord) -> torch.Tensor:
     """A storage tensor as the dtype its file declares (GGUF's quantized blocks as bytes)."""
     from .source import materialize
 
-    if src.inv.format == "gguf" or t.dtype not in dtypes.DTYPES:
+    if src.inv.format == Format.GGUF or t.dtype not in dtypes.DTYPES:
         start = src.spans[t.name].offset if t.name in src.spans else t.offset
         return src.tensor_at("uint8", t.nbytes, start)
     if t.storage is None and t.name in src.spans:  # safetensors: the tensor's own contiguous bytes
@@ -356,7 +356,7 @@ def convert_quantized(
     supported(view)
     with ExitStack() as stack:
         sources = open_sources(src_path, inv, stack)
-        if inv.format == "gguf":
+        if inv.format == Format.GGUF:
             for src in sources.values():
                 src.spans = {t.name: _span(t) for t in inv.tensors}
         plan, shards = make_dequant_plan(inv, view, target, sources)

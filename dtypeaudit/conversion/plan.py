@@ -17,8 +17,7 @@ from dataclasses import dataclass, field, replace
 from .. import dtypes
 from ..errors import ConversionError, UsageError
 from ..formats.hfload import loaded_names
-from ..formats.sniff import format_of
-from ..inventory import Finding, Inventory, TensorRecord, severity_rank, unique_tensors
+from ..inventory import Finding, Format, Inventory, TensorRecord, format_of, severity_rank, unique_tensors
 from ..policy import Matcher, Policy, compile_matcher, decide
 from ..structure import annotate
 from ..values import ValueStats
@@ -371,7 +370,7 @@ def plan_config_dtype(plan: Plan) -> str | None:
     """What config.json's dtype becomes: the planned weights' dtype, checked against config-dtype-mismatch so
     that a scan of the result agrees (the check counts bytes; the structure counts compute layers)."""
     declared = plan.source.metadata.get("config_dtype")
-    if plan.source.format != "hf-directory" or declared == "auto":
+    if plan.source.format != Format.HF_DIRECTORY or declared == "auto":
         return None
     from ..checks import check
 

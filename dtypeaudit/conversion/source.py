@@ -22,7 +22,7 @@ from ..formats import read_checkpoint
 from ..formats.pickleout import keep_persistent
 from ..formats.picklevm import PickleVM
 from ..formats.ziparchive import ZipArchive
-from ..inventory import Inventory, Layout, Span, TensorRecord
+from ..inventory import Format, Inventory, Layout, Span, TensorRecord
 from ..torchcast import frombuffer
 
 Progress = Callable[[int], None]
@@ -132,7 +132,7 @@ def materialize(src: MappedCheckpoint, t: TensorRecord) -> Any:
 def open_sources(path: Path, inv: Inventory, stack: ExitStack) -> dict[str, MappedCheckpoint]:
     """Every weight file of ``inv`` mapped, by its label (``""`` for a single file), with the inventory its reader
     made of it: a directory's from ``Inventory.parts``, read again only where the directory came without them."""
-    if inv.format != "hf-directory":
+    if inv.format != Format.HF_DIRECTORY:
         return {"": MappedCheckpoint(path, inv, stack)}
     shards = inv.metadata.get("shards", [])
     assert isinstance(shards, list)

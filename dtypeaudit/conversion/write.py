@@ -17,7 +17,7 @@ from ..formats.pickleout import Persistent, dumps
 from ..formats.picklevm import Global, Opaque
 from ..formats.torchpickle import TensorRef, children, is_optimizer_state, torch_vm
 from ..formats.zipwrite import StoredZipWriter, crc32
-from ..inventory import Inventory, Span, TensorRecord
+from ..inventory import Format, Inventory, Span, TensorRecord
 from ..torchcast import Caster
 from ..values import CHUNK_BYTES, ValueStats
 from .atomic import Writeback, flushing
@@ -164,7 +164,7 @@ def _training_state_paths(root: Any, *, max_depth: int = 8) -> list[tuple[str, .
 
 def strip_keys(src: MappedCheckpoint) -> tuple[tuple[str, ...], ...]:
     """What ``--strip-optimizer`` removes from one torch.save file, as key paths (nothing from safetensors)."""
-    if src.inv.format not in ("torch-zip", "torch-legacy"):
+    if not Format(src.inv.format).torch_save:
         return ()
     root, _, _ = src.faithful
     return tuple(_training_state_paths(root))
@@ -269,7 +269,7 @@ def write_safetensors(
 ) -> Written:
     """Tensors only; a tensor under several names (tied weights) is written once, the aliases kept in metadata
     and said in a note with the load that restores them, unless ``materialize_ties`` writes a copy per name."""
-    if src.inv.format in ("torch-zip", "torch-legacy"):
+    if Format(src.inv.format).torch_save:
         _refuse_non_tensor_content(src)
     meta = dict(src.inv.metadata.get("safetensors_metadata") or {"format": "pt"})  # type: ignore[call-overload]
     items = [(p, src) for p in plan.tensors]
@@ -347,7 +347,7 @@ def safetensors_header(tensors: list[tuple[str, str, tuple[int, ...]]], meta: di
 def _refuse_non_tensor_content(src: MappedCheckpoint) -> None:
     """safetensors stores tensors only: refuse rather than silently drop an epoch or hyper-parameters."""
     buf, pos, _, _ = src.main_pickle()
-    root, _ = torch_vm(buf, source=str(src.path), legacy=src.inv.format == "torch-legacy").load(pos)
+    root, _ = torch_vm(buf, source=str(src.path), legacy=src.inv.format == Format.TORCH_LEGACY).load(pos)
     extra: list[str] = []
 
     def walk(v: Any, name: str) -> None:
@@ -378,7 +378,7 @@ def write_file(
     progress: Progress | None,
     materialize_ties: bool = False,
 ) -> Written:
-    if out_format == "safetensors":
+    if out_format == Format.SAFETENSORS:
         return write_safetensors(plan, src, out, progress=progress, materialize_ties=materialize_ties)
     return write_torch_zip(plan, src, out, strip=strip, progress=progress)
 
@@ -410,7 +410,7 @@ def write_directory(
     total = 0
     weight_map: dict[str, str] | None = None
     if max_shard_size is not None:
-        if any(src.inv.format != "safetensors" for src in sources.values()):
+        if any(src.inv.format != Format.SAFETENSORS for src in sources.values()):
             raise UsageError("--max-shard-size re-shards safetensors directories only")
         weight_map, total = _reshard(plan, sources, out_dir, max_shard_size, progress)
         shard_mode = file_mode(next(iter(sources.values())).path)
@@ -424,7 +424,7 @@ def write_directory(
                 sub,
                 src,
                 out,
-                "safetensors" if src.inv.format == "safetensors" else "torch-zip",
+                Format.SAFETENSORS if src.inv.format == Format.SAFETENSORS else Format.TORCH_ZIP,
                 strip=plan.stripped.get(label, ()),
                 progress=progress,
             )

@@ -12,11 +12,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import CheckpointError, DtypeAuditError
-from ..inventory import Inventory
+from ..inventory import Format, Inventory, format_of
 from ..redact import redact
 from . import gguf, locate, safetensors, source, torchzip
 from .locate import AnyPath, TargetRef
-from .sniff import Format, format_of, sniff
+from .sniff import sniff
 from .source import Source
 
 __all__ = ["Format", "format_of", "read_checkpoint", "read_file"]
@@ -92,6 +92,7 @@ def _read(p: AnyPath, shown: str, exclude: tuple[str, ...] = ()) -> Inventory:
 def _read_directory(p: AnyPath, shown: str, exclude: tuple[str, ...]) -> Inventory:
     """A directory as DCP or a Hugging Face model, its JSON files each parsed once (``documents_parsed_once``)."""
     from . import dcp, directory
+
     is_dcp = (p / ".metadata").is_file() and not directory.excluded_by(".metadata", exclude)
     if is_dcp and directory.is_model_directory(p):
         # torch.distributed.checkpoint would load .metadata's tensors, from_pretrained its weight files: two models.
