@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import dtypes
-from ..inventory import Finding, Inventory, TensorRecord
+from ..inventory import Finding, Format, Inventory, TensorRecord
 
 DEFAULT_DTYPE = "float32"
 """torch.get_default_dtype() in a fresh process."""
@@ -423,7 +423,7 @@ def from_metadata(metadata: Mapping[str, object]) -> LoadDtype | None:
 def loaded_names(inv: Inventory) -> dict[str, str]:
     """stored name -> the name from_pretrained gives the tensor, where they differ (Hugging Face folders only):
     what the policy, ``--model`` and ``trace`` match names against."""
-    load = from_metadata(inv.metadata) if inv.format == "hf-directory" else None
+    load = from_metadata(inv.metadata) if inv.format == Format.HF_DIRECTORY else None
     return dict(load.renamed) if load is not None else {}
 
 

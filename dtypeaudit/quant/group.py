@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import dtypes
-from ..inventory import Inventory, TensorRecord, unique_tensors
+from ..inventory import Format, Inventory, TensorRecord, unique_tensors
 from . import model
 from .model import LogicalWeight, QuantScheme, QuantView
 
@@ -150,7 +150,7 @@ class _Grouper:
     # -- families ------------------------------------------------------------------------------
 
     def run(self) -> QuantView:
-        if self.inv.format == _GGUF_METHOD:
+        if self.inv.format == Format.GGUF:
             return QuantView(tuple(_gguf_weights(self.inv)), _GGUF_METHOD)
         for t in self.inv.tensors:
             if t.name in self.taken:
@@ -485,7 +485,7 @@ def view(inv: Inventory) -> QuantView:
     for seen, quant in list(_recent):
         if seen is inv:
             return quant
-    if not _config(inv) and inv.format != _GGUF_METHOD and not any(_hint(t) for t in inv.tensors):
+    if not _config(inv) and inv.format != Format.GGUF and not any(_hint(t) for t in inv.tensors):
         quant = model.EMPTY
     else:
         quant = _Grouper(inv).run()
