@@ -461,8 +461,15 @@ def test_sigint_in_the_middle_of_a_write(tmp_path: Path) -> None:
     torch.save({f"w{i}": torch.randn(1024, 1024) for i in range(48)}, src)  # ~200 MB
     before_size, before_mtime = src.stat().st_size, src.stat().st_mtime_ns
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Ctrl-C as in a terminal: the child starts with SIGINT at its default even where this run was started with
+    # SIGINT ignored (a background job of a script), which a child would inherit unless a test before this one in the
+    # same worker happened to install a handler of its own.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dtypeaudit", "convert", str(src), "--to", "fp16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        [sys.executable, "-m", "dtypeaudit", "convert", str(src), "--to", "fp16"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(p.name.endswith(".tmp") for p in tmp_path.iterdir()):
