@@ -144,16 +144,20 @@ def test_lost_worker_is_a_failure_of_its_input_only(tree: Path, tmp_path: Path, 
 
 
 def test_unreachable_scheduler_is_one_line(tree: Path) -> None:
-    # dask's own setting says how long to keep trying (30 s by default)
-    proc = run_cli(
-        "scan",
-        str(tree / "run_0"),
-        "--cluster",
-        "tcp://127.0.0.1:9",
-        "--format",
-        "json",
-        env={"DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "1s"},
-    )
+    import dask
+
+    # dask's own setting says how long to keep trying (30 s by default). run_cli runs in this process, where dask
+    # read its environment when it was first imported, so the setting goes in through dask.config as well.
+    with dask.config.set({"distributed.comm.timeouts.connect": "1s"}):
+        proc = run_cli(
+            "scan",
+            str(tree / "run_0"),
+            "--cluster",
+            "tcp://127.0.0.1:9",
+            "--format",
+            "json",
+            env={"DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "1s"},
+        )
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert len(proc.stderr.splitlines()) == 1
