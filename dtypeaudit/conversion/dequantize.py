@@ -344,7 +344,6 @@ def convert_quantized(
 ) -> Result:
     """Dequantize ``inv`` (a quantized directory, safetensors file or GGUF file) to ``to``."""
     from ..checks import check
-    from ..torchcast import one_thread
     from . import Result
     from .atomic import atomic_output, check_destination, default_output
     from .source import open_sources
@@ -378,7 +377,6 @@ def convert_quantized(
         check_destination(src_path, dest, force=force, in_place=False)
         total = plan.bytes_after
         progress = progress_factory("writing", total) if progress_factory else None
-        stack.enter_context(one_thread())  # as convert's cast: memory-bound, and a second thread waits on the writer
         if is_dir:
             with atomic_output(dest, mode_from=src_path, is_dir=True) as tmp:
                 _write_directory(shards, inv, src_path, sources, tmp, target, progress)
