@@ -54,6 +54,8 @@ def as_policies_see_it(inv: Inventory) -> tuple[TensorRecord, ...]:
     """The tensors a policy is checked against: each quantized weight as its logical weight (``logical``), and in a
     Hugging Face folder each tensor under the name and in the dtype ``from_pretrained`` gives it. Scans and
     ``policy init`` alike; in the order of ``logical(inv).tensors``, one for one."""
+    if inv.format != Format.HF_DIRECTORY:  # only a folder loads under other names or dtypes: a file's scan skips hfload
+        return tuple(logical(inv).tensors)
     from .formats.hfload import loaded_names
 
     loaded = loaded_dtype(inv)
@@ -416,17 +418,21 @@ def module_consistency(inv: Inventory) -> list[Finding]:
 
 def loaded_dtype(inv: Inventory) -> dict[str, str]:
     """name -> the dtype from_pretrained gives the tensor, where it is not the stored one (HF folders only)."""
+    if inv.format != Format.HF_DIRECTORY:
+        return {}
     from .formats import hfload
 
-    load = hfload.from_metadata(inv.metadata) if inv.format == Format.HF_DIRECTORY else None
+    load = hfload.from_metadata(inv.metadata)
     return hfload.loaded_dtypes(inv.tensors, load) if load is not None else {}
 
 
 def loaded_dtype_findings(inv: Inventory) -> list[Finding]:
     """``load-cast`` and ``keep-in-fp32-unknown`` for a Hugging Face folder (see ``formats.hfload``)."""
+    if inv.format != Format.HF_DIRECTORY:
+        return []
     from .formats import hfload
 
-    load = hfload.from_metadata(inv.metadata) if inv.format == Format.HF_DIRECTORY else None
+    load = hfload.from_metadata(inv.metadata)
     return hfload.loaded_findings(inv.tensors, load) if load is not None else []
 
 

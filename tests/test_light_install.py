@@ -276,6 +276,7 @@ NOT_FOR_A_FILE_SCAN = (
     "dtypeaudit.formats.directory",
     "dtypeaudit.formats.hub",
     "dtypeaudit.formats.factory",
+    "dtypeaudit.formats.hfload",
 )
 
 
