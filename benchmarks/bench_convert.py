@@ -22,14 +22,10 @@ Also timed: ``convert --dry-run`` (the metadata-only plan), ``convert --dry-run 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from common import _anon_kb, make_transformer_checkpoint, python
+from common import Run, make_transformer_checkpoint, python, run_once
 
 NAIVE = (
     "import sys, torch\n"
@@ -39,36 +35,6 @@ NAIVE = (
 NAIVE_SYNC = NAIVE + "import os; os.sync()\n"
 SHAPES = {"1.5": (1024, 18), "3": (2048, 9)}
 """Checkpoint size in GB -> (hidden, layers) of the Llama-shaped state_dict (1.47 GB and 2.94 GB)."""
-
-
-@dataclass(frozen=True)
-class Run:
-    wall_s: float
-    cpu_s: float
-    """user + sys of the process and the children it waited for."""
-    peak_anon_mb: float
-    output_bytes: int
-
-
-def run_once(cmd: list[str], output: Path | None, outputs: list[Path]) -> Run:
-    for earlier in outputs:  # no run pays for freeing an earlier file; every run starts alike
-        earlier.unlink(missing_ok=True)
-    os.sync()
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    anon = 0
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        anon = max(anon, _anon_kb(proc.pid))
-        time.sleep(0.01)
-    wall = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) not in (0, 1):
-        err = proc.stderr.read().decode() if proc.stderr else ""
-        raise SystemExit(f"command failed: {' '.join(cmd)}\n{err}")
-    size = output.stat().st_size if output is not None and output.exists() else 0
-    return Run(wall, usage.ru_utime + usage.ru_stime, anon / 1024, size)
 
 
 def median(values: list[float]) -> float:

@@ -76,7 +76,20 @@ def _anon_kb(pid: int) -> int:
     return total
 
 
-def _run_once(cmd: list[str], output: Path | None, outputs: list[Path]) -> tuple[float, float, float, int]:
+@dataclass(frozen=True)
+class Run:
+    """One whole-process run of a command."""
+
+    wall_s: float
+    cpu_s: float
+    """user + sys of the process and the children it waited for."""
+    peak_rss_mb: float
+    peak_anon_mb: float
+    output_bytes: int
+
+
+def run_once(cmd: list[str], output: Path | None, outputs: list[Path]) -> Run:
+    """Run ``cmd`` once, polling its anonymous memory; every path in ``outputs`` is removed first."""
     # Every command's output goes before every run: no run pays for freeing an earlier file, and each
     # starts with the same page cache (here a cached 1.9 GB copy made the next torch.load run 2x slower).
     for earlier in outputs:
@@ -96,7 +109,7 @@ def _run_once(cmd: list[str], output: Path | None, outputs: list[Path]) -> tuple
         err = proc.stderr.read().decode() if proc.stderr else ""
         raise SystemExit(f"command failed: {' '.join(cmd)}\n{err}")
     size = output.stat().st_size if output is not None and output.exists() else 0
-    return wall, usage.ru_maxrss / 1024, anon / 1024, size
+    return Run(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, anon / 1024, size)
 
 
 def measure_all(commands: dict[str, tuple[list[str], Path | None]], *, repeat: int = 3) -> dict[str, Measurement]:
@@ -105,13 +118,18 @@ def measure_all(commands: dict[str, tuple[list[str], Path | None]], *, repeat: i
 
     Every command's ``output`` is removed before each run.
     """
-    runs: dict[str, list[tuple[float, float, float, int]]] = {label: [] for label in commands}
+    runs: dict[str, list[Run]] = {label: [] for label in commands}
     outputs = [output for _, output in commands.values() if output is not None]
     for _ in range(repeat):
         for label, (cmd, output) in commands.items():
-            runs[label].append(_run_once(cmd, output, outputs))
+            runs[label].append(run_once(cmd, output, outputs))
     return {
-        label: Measurement(statistics.median(r[0] for r in rs), max(r[1] for r in rs), max(r[2] for r in rs), max(r[3] for r in rs))
+        label: Measurement(
+            statistics.median(r.wall_s for r in rs),
+            max(r.peak_rss_mb for r in rs),
+            max(r.peak_anon_mb for r in rs),
+            max(r.output_bytes for r in rs),
+        )
         for label, rs in runs.items()
     }
 
