@@ -52,11 +52,6 @@ def is_hf_reference(target: str) -> bool:
     return (p.is_dir() and (p / "config.json").is_file()) or (p.is_file() and p.suffix == ".json")
 
 
-def is_model_reference(target: str) -> bool:
-    """Whether ``target`` names a model (any form ``resolve`` takes) rather than a checkpoint."""
-    return looks_like_factory(target) or target.startswith(HF_PREFIX)
-
-
 @dataclass(frozen=True)
 class ResolvedModel:
     """A model built from a reference, on the meta device where its builder allows it."""

@@ -137,13 +137,8 @@ def _loads(text: str) -> Any:
 # -- the header -----------------------------------------------------------------------------------
 
 
-def read_header(path: AnyPath | Source) -> tuple[dict[str, Any], int]:
-    """The parsed header and the offset where the data area starts: 8 bytes, then the header, nothing else."""
-    with locate.opened(path) as src:
-        return _read_header(src)
-
-
 def _read_header(src: Source) -> tuple[dict[str, Any], int]:
+    """The parsed header and the offset where the data area starts: 8 bytes, then the header, nothing else."""
     path = src.name
     size = src.size
     raw = src.read(0, 8)
