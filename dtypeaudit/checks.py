@@ -55,7 +55,7 @@ def as_policies_see_it(inv: Inventory) -> tuple[TensorRecord, ...]:
     Hugging Face folder each tensor under the name and in the dtype ``from_pretrained`` gives it. Scans and
     ``policy init`` alike; in the order of ``logical(inv).tensors``, one for one."""
     if inv.format != Format.HF_DIRECTORY:  # only a folder loads under other names or dtypes: a file's scan skips hfload
-        return tuple(logical(inv).tensors)
+        return logical(inv).tensors
     from .formats.hfload import loaded_names
 
     loaded = loaded_dtype(inv)
