@@ -1,0 +1,116 @@
+"""torch's CPU casts between float64, float32, float16 and bfloat16, computed with numpy from the bits.
+
+Conversion makes the bytes it writes here, so that a plain cast does not import torch (about a second
+of CPU, a third of a small conversion). Every finite and infinite value comes out bit-equal to torch's
+``Tensor.to`` (``tests/test_npcast.py`` compares all 2^16 float16 and bfloat16 values and every float32
+exponent at its rounding boundaries with torch; the slow run compares all 2^32 float32 values):
+
+- float32 -> float16: IEEE round-to-nearest-even, overflow to inf, subnormals kept (numpy's cast is the
+  same rounding);
+- float32 -> bfloat16: round-to-nearest-even on the top 16 bits, as c10's ``round_to_nearest_even``;
+- float64 -> float16 or bfloat16: through float32, rounding twice, as torch's CPU kernels do (c10's
+  Half and BFloat16 are built from a float);
+- float16 and bfloat16 widen exactly.
+
+A NaN stays a NaN of the same sign; its payload bits are not promised (torch's own differ between its
+vectorised and scalar loops, and between ISAs). With ``clamp``, values beyond the target's largest finite
+value become that value (``torch.clamp`` in the source dtype, then the cast), NaN left as it is; a bfloat16
+source is clamped widened to float32, because bfloat16 cannot hold float16's largest value (``torch.clamp``
+in bfloat16 rounds 65504 to 65536, which the cast to float16 makes inf).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The numpy dtype that holds each torch dtype's bytes: bfloat16 as its raw 16 bits.
+_STORAGE = {"float64": "float64", "float32": "float32", "float16": "float16", "bfloat16": "uint16"}
+CASTS = frozenset(_STORAGE)
+"""The dtypes this module casts between (any pair)."""
+
+_F32_MAX = 3.4028234663852886e38
+_LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": _F32_MAX, "float64": float("inf")}
+
+
+def storage_dtype(dtype: str) -> Any:
+    """The numpy dtype of a torch dtype's stored elements (``bfloat16`` as ``uint16`` bits)."""
+    import numpy as np
+
+    return np.dtype(_STORAGE[dtype])
+
+
+def _bfloat16_bits(x: Any, out: Any, scratch: Any) -> None:
+    """float32 ``x`` rounded to bfloat16 (nearest, ties to even), as raw bits into ``out``; NaN becomes 0x7FC0
+    with ``x``'s sign. ``scratch`` is a uint32 array of ``x``'s length."""
+    import numpy as np
+
+    bits = x.view(np.uint32)
+    # bits + 0x7FFF + (bit 16 of bits): adding just under half a step, plus one on an odd result, rounds the top
+    # half to nearest even. A finite value at most one step under float32's top carries into inf's pattern.
+    np.right_shift(bits, 16, out=scratch)
+    np.bitwise_and(scratch, 1, out=scratch)
+    np.add(scratch, 0x7FFF, out=scratch)
+    np.add(scratch, bits, out=scratch)
+    np.right_shift(scratch, 16, out=scratch)
+    np.copyto(out, scratch, casting="unsafe")
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = np.where(np.signbit(x[nan]), 0xFFC0, 0x7FC0).astype(np.uint16)
+
+
+class Caster:
+    """Casts consecutive numpy chunks of ``source`` values (their stored form) to ``target``'s stored form,
+    into reused buffers of ``capacity`` elements: the returned array is valid until the next call."""
+
+    def __init__(self, source: str, target: str, *, clamp: bool = False, capacity: int) -> None:
+        import numpy as np
+
+        if source not in CASTS or target not in CASTS:
+            raise ValueError(f"no numpy cast from {source} to {target}")
+        self.source, self.target = source, target
+        self._out = np.empty(capacity, storage_dtype(target))
+        # Every cast but a widening goes through float32 (torch rounds float64 to float32 first).
+        self._f32 = np.empty(capacity, np.float32)
+        self._scratch = np.empty(capacity, np.uint32)
+        limit = _LARGEST[target]
+        self._limit = limit if clamp and limit < _LARGEST[source] else None
+
+    def __call__(self, x: Any) -> Any:
+        import numpy as np
+
+        n = len(x)
+        out = self._out[:n]
+        if self.source == self.target and self._limit is None:
+            np.copyto(out, x)
+            return out
+        if self.source == "bfloat16":
+            wide = self._scratch[:n]
+            np.left_shift(x, 16, out=wide, dtype=np.uint32)
+            x = wide.view(np.float32)
+        if self._limit is not None:
+            # In the source's precision, as torch.clamp; float32 (bfloat16 widened) into the float32 buffer.
+            clamped = self._f32[:n] if x.dtype == np.float32 else np.empty(n, x.dtype)
+            np.clip(x, -self._limit, self._limit, out=clamped)
+            x = clamped
+        with np.errstate(over="ignore", invalid="ignore"):
+            if self.target == "float64":
+                np.copyto(out, x, casting="unsafe")
+            elif self.target in ("float32", "float16") and x.dtype != np.float64:
+                np.copyto(out, x, casting="unsafe")
+            else:
+                if x.dtype != np.float32:
+                    f32 = self._f32[:n]
+                    np.copyto(f32, x, casting="unsafe")  # float64 -> float32 first, as torch rounds
+                    x = f32
+                if self.target == "float32":
+                    np.copyto(out, x)
+                elif self.target == "float16":
+                    np.copyto(out, x, casting="unsafe")
+                else:
+                    _bfloat16_bits(x, out, self._scratch[:n])
+        return out
+
+
+def cast(x: Any, source: str, target: str, *, clamp: bool = False) -> Any:
+    """A new array: ``x`` (``source``'s stored form) cast to ``target``'s stored form."""
+    return Caster(source, target, clamp=clamp, capacity=len(x))(x).copy()

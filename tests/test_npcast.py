@@ -1,0 +1,94 @@
+"""npcast's casts against torch's own ``Tensor.to`` on this CPU: bit-equal for every non-NaN value."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dtypeaudit import npcast
+
+TORCH = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PAIRS = [(s, t) for s in TORCH for t in TORCH]
+
+
+def float32_boundaries() -> np.ndarray:
+    """Every float32 high half (sign, exponent, 7 mantissa bits) with low halves at and around every rounding
+    boundary of float16 (13 dropped bits) and bfloat16 (16): ties, one under, one over, and extremes."""
+    high = np.arange(1 << 16, dtype=np.uint32) << 16
+    lows = np.array([0, 1, 0x0FFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x2001, 0x7FFF, 0x8000, 0x8001, 0xFFFF], np.uint32)
+    bits = (high[:, None] | lows[None, :]).reshape(-1)
+    rng = np.random.default_rng(7)
+    bits = np.concatenate([bits, rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)])
+    return bits.view(np.float32)
+
+
+def source_values(source: str) -> np.ndarray:
+    if source in ("float16", "bfloat16"):  # every pattern
+        return np.arange(1 << 16, dtype=np.uint16).view(npcast.storage_dtype(source))
+    f32 = float32_boundaries()
+    if source == "float32":
+        return f32
+    rng = np.random.default_rng(11)  # doubles: float32 boundaries widened, plus random bits, plus out of float32's range
+    extra = rng.integers(0, 1 << 63, 1 << 18, dtype=np.uint64).view(np.float64)
+    with np.errstate(invalid="ignore"):
+        return np.concatenate([f32.astype(np.float64), extra, np.array([1e39, -1e39, 3.5e38, 65519.99, 65520.0])])
+
+
+def torch_bits(x: np.ndarray, source: str, target: str, clamp: bool) -> np.ndarray:
+    t = torch.from_numpy(x.copy()).view(TORCH[source])
+    if clamp:
+        largest = torch.finfo(TORCH[target]).max
+        if largest < torch.finfo(TORCH[source]).max:
+            # bfloat16 cannot hold float16's 65504 (it rounds to 65536, which becomes inf): clamp it widened
+            t = (t.float() if source == "bfloat16" else t).clamp(-largest, largest)
+    return t.to(TORCH[target]).view({8: torch.int64, 4: torch.int32, 2: torch.int16}[TORCH[target].itemsize]).numpy()
+
+
+def as_float(bits: np.ndarray, target: str) -> np.ndarray:
+    if target == "bfloat16":
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    return bits.view(npcast.storage_dtype(target))
+
+
+def assert_same(ours: np.ndarray, theirs: np.ndarray, target: str) -> None:
+    width = {"float64": np.uint64, "float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}[target]
+    ours_bits, theirs_bits = ours.view(width), theirs.view(width)
+    nan_ours, nan_theirs = np.isnan(as_float(ours_bits, target)), np.isnan(as_float(theirs_bits, target))
+    assert np.array_equal(nan_ours, nan_theirs)
+    differ = np.flatnonzero((ours_bits != theirs_bits) & ~nan_theirs)
+    assert differ.size == 0, f"{differ.size} values differ, first at {differ[:5]}: {ours_bits[differ[:5]]} vs {theirs_bits[differ[:5]]}"
+
+
+@pytest.mark.parametrize("clamp", [False, True], ids=["plain", "clamp"])
+@pytest.mark.parametrize(("source", "target"), PAIRS, ids=[f"{s}-{t}" for s, t in PAIRS])
+def test_cast_is_bit_equal_to_torch(source: str, target: str, clamp: bool) -> None:
+    x = source_values(source)
+    with np.errstate(all="ignore"):
+        ours = npcast.cast(x, source, target, clamp=clamp)
+    assert ours.dtype == npcast.storage_dtype(target)
+    assert_same(ours, torch_bits(x, source, target, clamp), target)
+
+
+def test_reused_buffers_give_each_chunk_its_own_result() -> None:
+    x = float32_boundaries()[: 3 * 4096]
+    caster = npcast.Caster("float32", "bfloat16", capacity=4096)
+    pieces = [caster(x[i : i + 4096]).copy() for i in range(0, len(x), 4096)]
+    assert_same(np.concatenate(pieces), torch_bits(x, "float32", "bfloat16", False), "bfloat16")
+    assert len(caster(x[:10])) == 10
+
+
+def test_refuses_a_dtype_it_does_not_cast() -> None:
+    with pytest.raises(ValueError, match="no numpy cast from int8"):
+        npcast.Caster("int8", "float16", capacity=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_every_float32_value(target: str) -> None:
+    caster = npcast.Caster("float32", target, capacity=1 << 24)
+    for start in range(0, 1 << 32, 1 << 24):
+        x = np.arange(start, start + (1 << 24), dtype=np.uint64).astype(np.uint32).view(np.float32)
+        with np.errstate(all="ignore"):
+            ours = caster(x)
+        assert_same(ours, torch_bits(x, "float32", target, False), target)
