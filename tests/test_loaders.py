@@ -21,7 +21,7 @@ from dtypeaudit.errors import CheckpointError
 from dtypeaudit.formats import read_checkpoint
 from dtypeaudit.pipeline import expand, scan
 
-from .helpers import json_report
+from .helpers import json_report, run_cli
 
 needs_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None,
@@ -79,6 +79,29 @@ def test_exclude_leaves_a_file_out_and_says_so(tmp_path: Path) -> None:
     assert len(notes) == 1 and "training_args.bin (--exclude training_args.bin)" in notes[0]["message"]
     assert "README.md (not a pickle" in notes[0]["message"]  # nothing is left out without being named
     assert "config.json" not in notes[0]["message"]  # from_pretrained reads it: not left out
+
+
+@needs_transformers
+def test_a_trainers_training_args_fails_in_one_line_that_says_what_to_do(tmp_path: Path) -> None:
+    """A Trainer's training_args.bin pickles TrainingArguments and its enums, which weights_only refuses: the
+    folder fails, as the loader would; the report folds the globals into one line naming the file, and says
+    that --exclude leaves it out (the loader does not read it), which then passes."""
+    import transformers
+
+    path = _hf_folder(tmp_path / "m")
+    torch.save(transformers.TrainingArguments(output_dir=str(tmp_path / "out")), path / "training_args.bin")
+    with pytest.raises(Exception):  # noqa: B017 - whatever torch raises, it refuses
+        torch.load(path / "training_args.bin", weights_only=True)
+    proc = run_cli("scan", str(path), "-f", "plain")
+    assert proc.returncode == 1
+    lines = [line for line in proc.stdout.splitlines() if "unsafe-global" in line]
+    assert len(lines) == 1 and "unsafe-global ×" in lines[0] and "training_args.bin: calls each of these" in proc.stdout
+    assert "transformers.training_args." in proc.stdout  # the globals are the subjects, in the where column
+    code, doc, _ = json_report("scan", str(path))
+    found = [f for f in doc["checkpoints"][0]["findings"] if f["rule"] == "unsafe-global"]
+    assert code == 1 and found and all(f["file"] == "training_args.bin" for f in found)
+    assert all(f["message"].endswith("--exclude training_args.bin leaves it out, if you trust where it came from") for f in found)
+    assert run_cli("scan", str(path), "--exclude", "training_args.bin").returncode == 0
 
 
 def test_an_unreadable_file_beside_the_weights_refuses_the_folder(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, overload
 
@@ -404,6 +404,16 @@ def left_out_finding(left_out: list[tuple[str, str]], *, file: str | None = None
 # -- reading --------------------------------------------------------------------------------------
 
 
+def _as_companion(finding: Finding, label: str) -> Finding:
+    """A companion file's finding, as the folder's: its file named from the folder; an unsafe global says what to
+    do next, since a Trainer's own ``training_args.bin`` (TrainingArguments, which ``weights_only`` refuses) is
+    the common case and no loader reads it for weights."""
+    message = finding.message
+    if finding.rule == "unsafe-global":
+        message += f"; the model loader does not read {label}: --exclude {label} leaves it out, if you trust where it came from"
+    return replace(finding, file=f"{label}/{finding.file}" if finding.file else label, message=message)
+
+
 def companions(
     path: AnyPath,
     used: set[Any],
@@ -461,7 +471,7 @@ def companions(
         note = link_out_note(path, p)
         if note:
             out.append(Finding("followed-link", "info", note, file=label))
-        out.extend(Finding(**{**f.__dict__, "file": f"{label}/{f.file}" if f.file else label}) for f in inv.findings)
+        out.extend(_as_companion(f, label) for f in inv.findings)
         if inv.tensors and unused_message is not None:
             out.append(Finding("unused-weights", "warning", unused_message(label), file=label))
     if left:

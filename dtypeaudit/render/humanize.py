@@ -239,28 +239,39 @@ def group_findings(findings: Iterable[Finding]) -> list[FindingGroup]:
 
     Findings about tensors share a cause when their messages are equal. Findings about no tensor (a global
     the pickle calls) share one when their messages differ in one word only, the same word for all: that word
-    is the subject. A ``pickled-module`` finding's class is also reported as an ``unsafe-global``: one cause,
-    so those ``unsafe-global`` findings are folded into the ``pickled-module`` group.
+    is the subject. So do those about one file of a folder (the globals ``training_args.bin`` calls): the cause
+    then names the file, and the file is the subject when nothing else varies. A ``pickled-module`` finding's
+    class is also reported as an ``unsafe-global``: one cause, so those ``unsafe-global`` findings are folded
+    into the ``pickled-module`` group.
     """
     from ..inventory import severity_rank
 
     items = sorted(findings, key=lambda f: -severity_rank(f.severity))
     named: dict[tuple[str, str, str], list[str]] = {}
-    loose: dict[tuple[str, str, int], list[list[str]]] = {}
+    loose: dict[tuple[str, str, str, int], list[list[str]]] = {}
+    in_files: dict[tuple[str, str, str], list[str]] = {}
     for f in items:
-        if f.tensor or f.file:
-            named.setdefault((f.severity, f.rule, f.message), []).append(f.tensor or f.file or "")
+        if f.tensor:
+            named.setdefault((f.severity, f.rule, f.message), []).append(f.tensor)
+        elif f.file:
+            in_files.setdefault((f.severity, f.rule, f.message), []).append(f.file)
         else:
-            tokens = _TOKEN.findall(f.message)
-            loose.setdefault((f.severity, f.rule, len(tokens)), []).append(tokens)
+            loose.setdefault((f.severity, f.rule, "", len(tokens := _TOKEN.findall(f.message))), []).append(tokens)
+    for (severity, rule, message), files in in_files.items():
+        if len(files) > 1:  # the same words about several files: the files are the subjects
+            named[(severity, rule, message)] = files
+        else:
+            tokens = _TOKEN.findall(message)
+            loose.setdefault((severity, rule, files[0], len(tokens)), []).append(tokens)
     groups: dict[tuple[str, str, str], list[str]] = {key: subjects for key, subjects in named.items()}
-    for (severity, rule, _), messages in loose.items():
+    for (severity, rule, file, _), messages in loose.items():
         at = _varying_word(messages)
         for tokens in messages:
             if at is None:
-                groups.setdefault((severity, rule, "".join(tokens)), []).append("")
+                groups.setdefault((severity, rule, "".join(tokens)), []).append(file)
             else:
-                groups.setdefault((severity, rule, _masked(tokens, at)), []).append(tokens[at])
+                cause = _masked(tokens, at)
+                groups.setdefault((severity, rule, f"{file}: {cause}" if file else cause), []).append(tokens[at])
     out = [FindingGroup(s, r, c, tuple(subjects)) for (s, r, c), subjects in groups.items()]
     return _fold_pickled_modules(out)
 
