@@ -25,16 +25,20 @@ class Effective:
     target: Target | None
     """``--target``, else the policy's own ``target:``, else None."""
 
+    @property
+    def policy_alone(self) -> Policy | None:
+        """The policy without its own ``target:``: the effective target is checked apart, once."""
+        return replace(self.policy, target=None) if self.policy is not None and self.policy.target else self.policy
+
     def checks(self) -> list[Check]:
         """Every per-checkpoint check: ``checks_for`` the policy, with the effective target's in place of its own."""
         from .checks import checks_for
 
-        own = replace(self.policy, target=None) if self.policy is not None and self.policy.target else self.policy
         if self.target is None:
-            return checks_for(own)
+            return checks_for(self.policy_alone)
         from .targets import check_for
 
-        return [*checks_for(own), check_for(self.target)]
+        return [*checks_for(self.policy_alone), check_for(self.target)]
 
 
 def effective(policy: Policy | str | None = None, *, preset: str | None = None, target: Target | str | None = None) -> Effective:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..checks import check, policy_findings
 from ..inventory import Finding, Severity, failing
-from ..options import effective
+from ..options import Effective, effective
 from .collection import LiveInventory, collect
 from .findings import Snapshot, batch_findings, default_dtype_findings, drift_findings, snapshot
 from .verdict import render_findings
@@ -24,27 +23,25 @@ def as_policy(policy: Policy | str | None) -> Policy | None:
     return effective(policy).policy
 
 
-def findings_for(live: LiveInventory, policy: Policy | None = None, target: Target | None = None) -> list[Finding]:
-    """Every finding for a collected object: ``check`` on its model and optimizer tensors, the policy on its batch,
-    the target on everything, the batch against the first layer, the default dtype, and unused policy rules."""
+def findings_for(live: LiveInventory, chosen: Effective) -> list[Finding]:
+    """Every finding for a collected object: ``check`` on its model and optimizer tensors under the policy, the
+    policy on its batch, the effective target (``options.effective``) on everything, the batch against the first
+    layer, the default dtype, and unused policy rules."""
     from ..targets import target_findings
 
     model = live.part(batch=False)
     batch = live.part(batch=True)
-    own_target = policy.target if policy is not None else None
-    checked_policy = policy
-    if policy is not None and own_target is not None and target is not None:
-        checked_policy = replace(policy, target=None)  # an explicit target overrides the policy's
-    out = check(model, checked_policy) if model.tensors or policy is not None else []
+    policy = chosen.policy
+    out = check(model, chosen.policy_alone) if model.tensors or policy is not None else []
     if policy is not None and batch.tensors:
         out += policy_findings(batch, policy)
-    if target is not None:
-        out += target_findings(live.inventory, target)
+    if chosen.target is not None:
+        out += target_findings(live.inventory, chosen.target)
     out += batch_findings(live)
     out += default_dtype_findings(live.inventory, policy)
     if policy is not None:
         out += policy.unused_rules([live.inventory])
-    return list(dict.fromkeys(out))  # a check that runs twice (the policy's own target) reports once
+    return out
 
 
 class Findings(list[Finding]):
@@ -78,7 +75,7 @@ def audit(obj: Any, policy: Policy | str | None = None, *, target: Target | str 
     """
     chosen = effective(policy, target=target)
     live = collect(obj)
-    return Findings(findings_for(live, chosen.policy, chosen.target))
+    return Findings(findings_for(live, chosen))
 
 
 class Auditor:
@@ -95,9 +92,9 @@ class Auditor:
         fail_on: Severity | None = None,
         drift_severity: Severity = "warning",
     ) -> None:
-        chosen = effective(policy, target=target)
-        self.policy = chosen.policy
-        self.target = chosen.target
+        self.chosen = effective(policy, target=target)
+        self.policy = self.chosen.policy
+        self.target = self.chosen.target
         self.fail_on: Severity = fail_on or (self.policy.fail_on if self.policy and self.policy.fail_on else "error")
         self.drift_severity: Severity = drift_severity
         self.previous: Snapshot | None = None
@@ -107,7 +104,7 @@ class Auditor:
     def audit(self, obj: Any = None, *, label: str = "the last audit", parts: Iterable[tuple[str, Any]] | None = None) -> list[Finding]:
         """Findings for ``obj`` now, plus ``dtype-drift`` against the previous audit; remembers this one as ``label``."""
         live = collect(obj, parts=parts)
-        found = findings_for(live, self.policy, self.target)
+        found = findings_for(live, self.chosen)
         now = snapshot(live, label)
         if self.previous is not None:
             found += drift_findings(self.previous, now, severity=self.drift_severity)
