@@ -5,8 +5,7 @@ of CPU, a third of a small conversion). Every finite and infinite value comes ou
 ``Tensor.to`` (``tests/test_npcast.py`` compares all 2^16 float16 and bfloat16 values and every float32
 exponent at its rounding boundaries with torch; the slow run compares all 2^32 float32 values):
 
-- float32 -> float16: IEEE round-to-nearest-even, overflow to inf, subnormals kept (numpy's cast is the
-  same rounding);
+- float32 -> float16: IEEE round-to-nearest-even, overflow to inf, subnormals kept;
 - float32 -> bfloat16: round-to-nearest-even on the top 16 bits, as c10's ``round_to_nearest_even``;
 - float64 -> float16 or bfloat16: through float32, rounding twice, as torch's CPU kernels do (c10's
   Half and BFloat16 are built from a float);
@@ -58,6 +57,45 @@ def _bfloat16_bits(x: Any, out: Any, scratch: Any) -> None:
         out[nan] = np.where(np.signbit(x[nan]), 0xFFC0, 0x7FC0).astype(np.uint16)
 
 
+def _float16_bits(x: Any, out: Any, magnitude: Any, scratch: Any) -> None:
+    """float32 ``x`` rounded to float16 (nearest, ties to even), as raw bits into ``out``; NaN becomes 0x7E00 with
+    ``x``'s sign. ``magnitude`` and ``scratch`` are uint32 arrays of ``x``'s length.
+
+    From the bits, not numpy's ``astype``: numpy's cast raises the underflow flag one element at a time, which
+    makes values below float16's normal range (optimizer moments, small biases) 20x slower (27 s/GB against
+    1.3 s/GB for N(0, 1), measured here); this costs about 1 s/GB whatever the values.
+    """
+    import numpy as np
+
+    bits = x.view(np.uint32)
+    np.bitwise_and(bits, 0x7FFFFFFF, out=magnitude)
+    # Within float16's normal range: rebias the exponent by -112 (adding 0xC8000000 wraps to that), add just under
+    # half of the 13 dropped bits plus the kept lowest bit, and shift: round to nearest, ties to even. A carry
+    # out of the mantissa steps the exponent, up to inf's pattern for 65520 and above.
+    np.right_shift(magnitude, 13, out=scratch)
+    np.bitwise_and(scratch, 1, out=scratch)
+    np.add(scratch, magnitude, out=scratch)
+    np.add(scratch, 0xC8000FFF, out=scratch)
+    np.right_shift(scratch, 13, out=scratch)
+    if magnitude.min() < _F16_NORMAL:
+        # Below 2^-14 float16 steps by 2^-24 whatever the exponent: adding 0.5 (whose step is 2^-24) lets the
+        # hardware round, and the sum's low bits are the float16 subnormal (or the smallest normal, rounded up).
+        small = magnitude < _F16_NORMAL
+        sums = magnitude[small].view(np.float32) + np.float32(0.5)
+        scratch[small] = sums.view(np.uint32) - np.uint32(0x3F000000)
+    if magnitude.max() >= _F16_INF:  # 65536 and above, inf, NaN
+        big = magnitude >= _F16_INF
+        scratch[big] = np.where(magnitude[big] > 0x7F800000, 0x7E00, 0x7C00)
+    np.right_shift(bits, 16, out=magnitude)
+    np.bitwise_and(magnitude, 0x8000, out=magnitude)
+    np.bitwise_or(scratch, magnitude, out=scratch)
+    np.copyto(out.view(np.uint16), scratch, casting="unsafe")
+
+
+_F16_NORMAL = 113 << 23  # 2^-14, float16's smallest normal, as float32 bits
+_F16_INF = 143 << 23  # 2^16: every float32 from here on is beyond float16's range
+
+
 class Caster:
     """Casts consecutive numpy chunks of ``source`` values (their stored form) to ``target``'s stored form,
     into reused buffers of ``capacity`` elements: the returned array is valid until the next call."""
@@ -72,6 +110,7 @@ class Caster:
         # Every cast but a widening goes through float32 (torch rounds float64 to float32 first).
         self._f32 = np.empty(capacity, np.float32)
         self._scratch = np.empty(capacity, np.uint32)
+        self._magnitude = np.empty(capacity if target == "float16" else 0, np.uint32)
         limit = _LARGEST[target]
         self._limit = limit if clamp and limit < _LARGEST[source] else None
 
@@ -84,18 +123,18 @@ class Caster:
             np.copyto(out, x)
             return out
         if self.source == "bfloat16":
-            wide = self._scratch[:n]
-            np.left_shift(x, 16, out=wide, dtype=np.uint32)
-            x = wide.view(np.float32)
+            wide = self._f32[:n]
+            np.left_shift(x, 16, out=wide.view(np.uint32), dtype=np.uint32)
+            x = wide
         if self._limit is not None:
-            # In the source's precision, as torch.clamp; float32 (bfloat16 widened) into the float32 buffer.
+            # In the source's precision, as torch.clamp; float32 (bfloat16 widened) in the float32 buffer.
             clamped = self._f32[:n] if x.dtype == np.float32 else np.empty(n, x.dtype)
             np.clip(x, -self._limit, self._limit, out=clamped)
             x = clamped
         with np.errstate(over="ignore", invalid="ignore"):
             if self.target == "float64":
                 np.copyto(out, x, casting="unsafe")
-            elif self.target in ("float32", "float16") and x.dtype != np.float64:
+            elif self.target == "float32" and x.dtype != np.float64 or self.target == "float16" and x.dtype == np.float16:
                 np.copyto(out, x, casting="unsafe")
             else:
                 if x.dtype != np.float32:
@@ -105,7 +144,7 @@ class Caster:
                 if self.target == "float32":
                     np.copyto(out, x)
                 elif self.target == "float16":
-                    np.copyto(out, x, casting="unsafe")
+                    _float16_bits(x, out, self._magnitude[:n], self._scratch[:n])
                 else:
                     _bfloat16_bits(x, out, self._scratch[:n])
         return out
