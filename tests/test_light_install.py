@@ -277,6 +277,15 @@ NOT_FOR_A_FILE_SCAN = (
     "dtypeaudit.formats.hub",
     "dtypeaudit.formats.factory",
     "dtypeaudit.formats.hfload",
+    # the console script runs a scan line it fully understands without the Typer app (cli_parse.py)
+    "typer",
+    "click",
+    "dtypeaudit.cli",
+    # an unquantized checkpoint: quant/hints.py says so without the grouping, its records or its checks
+    "dtypeaudit.quant.group",
+    "dtypeaudit.quant.model",
+    "dtypeaudit.quant.checks",
+    "dtypeaudit.quant.dequant",
 )
 
 
