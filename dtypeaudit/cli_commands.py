@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -54,8 +53,20 @@ def chosen_format(fmt: Optional[OutputFormat], output: Optional[Path]) -> Output
 
 
 def terminal_width() -> int:
-    """The terminal's width (or $COLUMNS), kept between 80 and 200 columns; 120 when unknown."""
-    return max(80, min(shutil.get_terminal_size((120, 24)).columns, 200))
+    """The terminal's width (or $COLUMNS), kept between 80 and 200 columns; 120 when unknown.
+
+    The columns of ``shutil.get_terminal_size((120, 24))``, asked as it asks (a positive integer $COLUMNS, else
+    stdout's terminal, else the fallback) without importing shutil, whose archive modules a scan never uses."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns or 120  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 120
+    return max(80, min(columns, 200))
 
 
 def emit(text: str, output: Optional[Path]) -> None:

@@ -155,3 +155,15 @@ def test_help_and_completion_go_to_typer() -> None:
     assert light_command(["scan", "a.pt"], {"_DTYPEAUDIT_COMPLETE": "bash_complete"}) is None
     assert light_command(["convert", "a.pt", "--to", "fp16"], {}) is None
     assert light_command(["--version", "scan", "a.pt"], {}) is None
+
+
+@pytest.mark.parametrize("columns", [None, "", "0", "-5", "abc", "50", "90", "120 ", "300"])
+def test_terminal_width_is_shutils(monkeypatch: pytest.MonkeyPatch, columns: Optional[str]) -> None:
+    """cli_commands.terminal_width asks what shutil.get_terminal_size asks, without importing shutil on a scan."""
+    import shutil
+
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
+    assert cli_commands.terminal_width() == max(80, min(shutil.get_terminal_size((120, 24)).columns, 200))
