@@ -167,3 +167,34 @@ def test_terminal_width_is_shutils(monkeypatch: pytest.MonkeyPatch, columns: Opt
     else:
         monkeypatch.setenv("COLUMNS", columns)
     assert cli_commands.terminal_width() == max(80, min(shutil.get_terminal_size((120, 24)).columns, 200))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["{pt}"], ["{pt}", "-f", "json"], ["{pt}", "{st}", "-qfplain"], ["{pt}", "--policy", "{missing}"], ["{missing}"]],
+    ids=["plain", "json", "quiet-two", "bad-policy", "unreadable"],
+)
+def test_both_fronts_run_scan_alike(
+    args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The light path (what entry.main runs, here without its os._exit after torch, which this process has loaded)
+    and the Typer app: the same exit code, report and stderr."""
+    import torch
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    torch.save({"fc.weight": torch.ones(4, 2), "fc.bias": torch.zeros(4, dtype=torch.float16)}, tmp_path / "m.pt")
+    save_file({"w": torch.ones(2, dtype=torch.bfloat16)}, tmp_path / "m.safetensors")
+    paths = {"pt": tmp_path / "m.pt", "st": tmp_path / "m.safetensors", "missing": tmp_path / "nothing.yaml"}
+    argv = ["scan", *(a.format(**{k: str(v) for k, v in paths.items()}) for a in args)]
+    env = {"NO_COLOR": "1", "COLUMNS": "100"}
+    typer_run = CliRunner().invoke(app, argv, env=env, prog_name="dtypeaudit")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    run = light_command(argv, {})
+    assert run is not None  # the light path runs it
+    with pytest.raises(SystemExit) as done:
+        run()
+    out, err = capsys.readouterr()
+    assert (done.value.code, out, err) == (typer_run.exit_code, typer_run.stdout, typer_run.stderr)
+    assert out or err
