@@ -105,6 +105,7 @@ def _lines(seed: int, count: int) -> list[list[str]]:
 
 ACCEPTED = [
     ["model.pt"],
+    ["--format", "plain", "--quiet", "a.pt", "b.safetensors"],  # the pre-commit hook's entry (.pre-commit-hooks.yaml)
     ["a.pt", "b.pt", "-f", "json"],
     ["--format=plain", "a.pt", "-o", "out.txt"],
     ["-fjson", "-vq", "a.pt"],
