@@ -35,6 +35,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
+
 def _help_keeps_hyphenated_words() -> None:
     """Click wraps help text with textwrap's default break_on_hyphens: '--keep-unsafe' and 'security-sensitive'
     were split at their hyphens. Its wrapper class is looked up at each call (in the Click that Typer vendors as
