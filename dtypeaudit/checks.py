@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Literal
 
 from . import dtypes, kernels, structure
 from .inventory import Finding, Format, Inventory, TensorRecord
-from .quant.checks import quant_consistency
-from .quant.group import policy_records, view
+from .quant.hints import might_be_quantized
 from .structure import Module
 
 if TYPE_CHECKING:  # the policy module (and YAML) load only when a policy is in use
@@ -46,6 +45,10 @@ def decision_message(d: Decision) -> str:
 def logical(inv: Inventory) -> Inventory:
     """``inv`` as the loaded model holds it: each quantized logical weight one tensor in the dtype it dequantizes
     to (``quant.group.policy_records``), its scales and zeros folded into it; ``inv`` itself when nothing is quantized."""
+    if not might_be_quantized(inv):  # the usual case: quant/ is not even imported
+        return inv
+    from .quant.group import policy_records
+
     records = policy_records(inv)
     return inv if records is inv.tensors else replace(inv, tensors=records)
 
@@ -444,7 +447,7 @@ def config_dtype(inv: Inventory) -> list[Finding]:
     name = dtypes.canonical(declared)
     # The config dtype is what from_pretrained builds the unquantized parts in; quantized weights and their
     # scales stay as the quantizer keeps them (FP8Linear's float8 weight and float32 weight_scale_inv).
-    quantized = view(inv).consumed
+    quantized = quantized_storage(inv)
     weights = Counter()  # type: Counter[str]
     for t in inv.tensors:
         if t.name in quantized:
@@ -466,6 +469,26 @@ def config_dtype(inv: Inventory) -> list[Finding]:
             actual=dominant,
         )
     ]
+
+
+def quantized_storage(inv: Inventory) -> frozenset[str]:
+    """The names of the tensors that quantized weights consume (``quant.group.view``); none, without importing
+    quant/, where nothing hints at quantization."""
+    if not might_be_quantized(inv):
+        return frozenset()
+    from .quant.group import view
+
+    return view(inv).consumed
+
+
+def quant_consistency(inv: Inventory) -> list[Finding]:
+    """The quantization consistency findings (``quant.checks.quant_consistency``); none, without importing quant/,
+    where nothing hints at quantization."""
+    if not might_be_quantized(inv):
+        return []
+    from .quant.checks import quant_consistency as consistency
+
+    return consistency(inv)
 
 
 def checks_for(policy: Policy | None) -> list[Check]:

@@ -266,6 +266,8 @@ NOT_FOR_A_FILE_SCAN = (
     "huggingface_hub",
     "dask",
     "pickletools",
+    "tarfile",  # sniff.py's checksum pre-check (_may_be_tar) says no first, as tarfile would
+    "shutil",  # and its archive modules: cli_commands.terminal_width asks the terminal as shutil does
     "dtypeaudit.render.text",
     "dtypeaudit.policy",
     "dtypeaudit.conversion",
@@ -277,6 +279,15 @@ NOT_FOR_A_FILE_SCAN = (
     "dtypeaudit.formats.hub",
     "dtypeaudit.formats.factory",
     "dtypeaudit.formats.hfload",
+    # the console script runs a scan line it fully understands without the Typer app (cli_parse.py)
+    "typer",
+    "click",
+    "dtypeaudit.cli",
+    # an unquantized checkpoint: quant/hints.py says so without the grouping, its records or its checks
+    "dtypeaudit.quant.group",
+    "dtypeaudit.quant.model",
+    "dtypeaudit.quant.checks",
+    "dtypeaudit.quant.dequant",
 )
 
 
@@ -293,6 +304,49 @@ def test_scan_of_one_file_imports_only_what_it_uses(light: Path, files: dict[str
     imported = {m for m in modules for top in NOT_FOR_A_FILE_SCAN if m == top or m.startswith(top + ".")}
     assert not imported, sorted(imported)
     assert "dtypeaudit.formats.torchzip" in modules and "dtypeaudit.checks" in modules  # the scan did run
+
+
+def test_tar_precheck_never_refuses_what_tarfile_opens(files: dict[str, Path]) -> None:
+    """sniff._may_be_tar says no only where tarfile.open(mode="r:") raises ReadError on the first block: over tar
+    headers of every format, blocks with a valid unsigned or signed checksum, random blocks, and the heads of the
+    checkpoints a scan sees (which it must refuse, or the scan imports tarfile)."""
+    import io
+    import random
+    import tarfile
+
+    from dtypeaudit.formats.sniff import _may_be_tar
+
+    def checksummed(block: bytearray, signed: bool) -> bytes:
+        block[148:156] = b" " * 8
+        total = sum((b - 256 if b > 127 else b) if signed else b for b in block)
+        block[148:156] = f"{total & 0o7777777:06o}".encode() + b"\0 "
+        return bytes(block)
+
+    rng = random.Random(18)
+    blocks: list[bytes] = []
+    for fmt in (tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+            info = tarfile.TarInfo("a" * rng.randint(1, 150))
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"abc"))
+        blocks.append(buf.getvalue()[:512])
+    opened = len(blocks)
+    for i in range(1500):
+        block = bytearray(rng.randbytes(512)) if i % 3 else bytearray(rng.choice((0, 32, 48, 200)) for _ in range(512))
+        blocks.append(checksummed(block, signed=i % 2 == 0) if i < 1000 else bytes(block))
+    blocks += [b"\0" * 512, b"\0" * 100, b"x" * 511, b"\x80" * 512, b"\xff" * 512]
+    heads = [files[name].read_bytes() for name in ("fp32", "legacy", "st")]
+    refused = 0
+    for block in blocks + heads:
+        data = block + b"\0" * 1024 if len(block) == 512 else block  # a block, or a whole file
+        if _may_be_tar(data[:65536], len(data)):
+            continue
+        refused += 1
+        with pytest.raises(tarfile.ReadError):
+            tarfile.open(fileobj=io.BytesIO(data), mode="r:")
+    assert all(_may_be_tar(b, 4096) for b in blocks[:opened]) and not any(_may_be_tar(h[:65536], len(h)) for h in heads)
+    assert refused > 400  # random blocks mostly fail the checksum: the pre-check does refuse
 
 
 def test_opcode_names_are_pickletools_names() -> None:

@@ -123,6 +123,24 @@ def _tar(src: Source, size: int) -> str | None:
         return "tar"
 
 
+def _may_be_tar(head: bytes, size: int) -> bool:
+    """False only where ``tarfile.open(mode="r:")`` refuses the first block, on what it checks first
+    (``TarInfo.frombuf``: a file shorter than a block, then ``nti`` of bytes 148-156 and ``calc_chksums``, mirrored
+    here), so that a zip or a pickle does not import tarfile; anything else goes to tarfile."""
+    if size < 512:
+        return False  # tarfile: EmptyHeaderError or TruncatedHeaderError at offset 0, a ReadError
+    block = head[:512]
+    if len(block) < 512 or not block.strip(b"\0") or block[148] in (0o200, 0o377):
+        return True
+    field = block[148:156].split(b"\0", 1)[0]
+    try:
+        chksum = int(field.decode("ascii").strip() or "0", 8)
+    except ValueError:  # tarfile: InvalidHeaderError at offset 0, a ReadError
+        return False
+    rest = block[:148] + block[156:]
+    return chksum in (256 + sum(rest), 256 + sum(b - 256 if b > 127 else b for b in rest))
+
+
 def _tar_block(head: bytes) -> bool:
     """The first 512 bytes are a tar header with a valid checksum (the check tarfile makes first)."""
     import tarfile
@@ -206,7 +224,7 @@ def sniff(path: AnyPath | Source) -> str:
     formats: list[str] = []
     if _is_zip(head):
         formats.append("zip")
-    tar = _tar(src, size)
+    tar = _tar(src, size) if _may_be_tar(head, size) else None
     if tar is not None:
         formats.append("tar")
     first = _first_pickle(src, head, size)

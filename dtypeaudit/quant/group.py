@@ -32,9 +32,9 @@ from typing import Any
 from .. import dtypes
 from ..inventory import Format, Inventory, TensorRecord, unique_tensors
 from . import model
+from .hints import FLOAT8, hints_quantization
 from .model import LogicalWeight, QuantScheme, QuantView
 
-FLOAT8 = frozenset({"float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"})
 _FP8_SHORT = {"float8_e4m3fn": "fp8-e4m3", "float8_e4m3fnuz": "fp8-e4m3fnuz", "float8_e5m2": "fp8-e5m2", "float8_e5m2fnuz": "fp8-e5m2fnuz"}
 _BNB_STATE = re.compile(r"^(?P<w>.+)\.quant_state\.bitsandbytes__(?P<type>nf4|fp4)$")
 _GGUF_METHOD = "gguf"
@@ -485,19 +485,12 @@ def view(inv: Inventory) -> QuantView:
     for seen, quant in list(_recent):
         if seen is inv:
             return quant
-    if not _config(inv) and inv.format != Format.GGUF and not any(_hint(t) for t in inv.tensors):
+    if not _config(inv) and inv.format != Format.GGUF and not any(hints_quantization(t) for t in inv.tensors):
         quant = model.EMPTY
     else:
         quant = _Grouper(inv).run()
     _recent[:] = [(inv, quant), *_recent[:1]]
     return quant
-
-
-_HINT_SUFFIXES = (".qweight", ".weight_packed", "_blocks", ".SCB", ".absmax", ".quant_map")
-
-
-def _hint(t: TensorRecord) -> bool:
-    return t.dtype in FLOAT8 or t.name.endswith(_HINT_SUFFIXES) or (t.dtype == "int8" and t.name.endswith(".weight"))
 
 
 def policy_records(inv: Inventory, quant: QuantView | None = None) -> tuple[TensorRecord, ...]:

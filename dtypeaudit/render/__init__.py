@@ -5,8 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from enum import Enum
 from importlib import import_module
+from typing import TYPE_CHECKING, Optional
 
-from ..inventory import Report
+from ..inventory import Inventory, Report
+from ..quant.hints import might_be_quantized
+
+if TYPE_CHECKING:
+    from ..quant.model import QuantView
 
 
 class OutputFormat(str, Enum):
@@ -23,6 +28,16 @@ class OutputFormat(str, Enum):
 
 
 Renderer = Callable[[Report], str]
+
+
+def quant_view(inv: Optional[Inventory]) -> Optional[QuantView]:
+    """The logical weights a report shows for a checkpoint (``quant.group.view``); None for one without any, found
+    without importing quant/ where nothing hints at quantization (most checkpoints)."""
+    if inv is None or not might_be_quantized(inv):
+        return None
+    from ..quant.group import view
+
+    return view(inv) or None
 
 
 def renderer_for(fmt: OutputFormat, *, width: int = 120, verbose: bool = False, quiet: bool = False) -> Renderer:

@@ -7,12 +7,14 @@ a log, ``-f plain``), so that a plain run does not pay Rich's import. No Rich he
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Union
+from typing import TYPE_CHECKING, NamedTuple, Union
 
 from ..inventory import CheckpointReport, Report, TensorRecord, dtype_summary, unique_tensors
-from ..quant.group import policy_records, scheme_summary, view
-from ..quant.model import QuantView
+from . import quant_view
 from .humanize import FindingGroup, group_findings, group_tensors, human_bytes, human_count, name_parts, shape_text, wrap_name
+
+if TYPE_CHECKING:
+    from ..quant.model import QuantView
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 DTYPE_STYLE = {"float32": "blue", "float16": "green", "bfloat16": "magenta", "float64": "bright_blue"}
@@ -93,7 +95,7 @@ def checkpoint_blocks(c: CheckpointReport, *, width: int, verbose: bool, quiet: 
     if c.findings:
         blocks += [BLANK, *findings_blocks(c, width=width, verbose=verbose)]
     if tensors and not quiet:
-        quant = view(c.inventory) if c.inventory else QuantView(())
+        quant = quant_view(c.inventory)
         blocks += [BLANK, _summary(c)]
         if quant:
             blocks += [BLANK, _scheme_summary(c, quant)]
@@ -162,6 +164,8 @@ def _summary(c: CheckpointReport) -> Grid:
 
 def _scheme_summary(c: CheckpointReport, quant: QuantView) -> Grid:
     assert c.inventory is not None
+    from ..quant.group import scheme_summary  # only a quantized checkpoint's report has this block
+
     columns = (Column("scheme"), *(Column(name, justify="right") for name in ("weights", "elements", "bytes", "bits/weight", "share")))
     rows = [
         _spans(
@@ -175,6 +179,8 @@ def _scheme_summary(c: CheckpointReport, quant: QuantView) -> Grid:
 def _logical_rows(c: CheckpointReport, quant: QuantView) -> list[TensorRecord]:
     """The tensors as the model holds them: each quantized weight once, its dtype cell ``int4 (gptq g128) → float16``."""
     assert c.inventory is not None
+    from ..quant.group import policy_records
+
     schemes = {w.name: w.scheme for w in quant.weights}
     out = []
     for t in policy_records(c.inventory, quant):

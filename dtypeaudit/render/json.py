@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from .._version import __version__
 from ..inventory import CheckpointReport, Finding, Report, TensorRecord, dtype_summary, unique_tensors
-from ..quant.group import scheme_summary, view
-from ..quant.model import LogicalWeight, QuantView
+from . import quant_view
+
+if TYPE_CHECKING:
+    from ..quant.model import LogicalWeight, QuantView
 
 SCHEMA = "dtypeaudit.report/1"
 
@@ -78,10 +80,12 @@ def weight_dict(w: LogicalWeight) -> dict[str, Any]:
     }
 
 
-def _quant_fields(c: CheckpointReport, quant: QuantView) -> dict[str, Any]:
+def _quant_fields(c: CheckpointReport, quant: Optional[QuantView]) -> dict[str, Any]:
     """Added only for quantized checkpoints, so an unquantized one's JSON is unchanged."""
     if not quant or c.inventory is None:
         return {}
+    from ..quant.group import scheme_summary
+
     return {
         "quantized": [weight_dict(w) for w in quant.weights],
         "by_scheme": [
@@ -98,7 +102,7 @@ def _quant_fields(c: CheckpointReport, quant: QuantView) -> dict[str, Any]:
     }
 
 
-def _tensor_dicts(tensors: tuple[TensorRecord, ...], quant: QuantView) -> list[dict[str, Any]]:
+def _tensor_dicts(tensors: tuple[TensorRecord, ...], quant: Optional[QuantView]) -> list[dict[str, Any]]:
     if not quant:
         return [tensor_dict(t) for t in tensors]
     owner = quant.by_storage()
@@ -116,7 +120,7 @@ def _tensor_dicts(tensors: tuple[TensorRecord, ...], quant: QuantView) -> list[d
 def checkpoint_dict(c: CheckpointReport) -> dict[str, Any]:
     tensors = c.tensors
     unique = unique_tensors(tensors)
-    quant = view(c.inventory) if c.inventory else QuantView(())
+    quant = quant_view(c.inventory)
     return {
         "path": c.path,
         "format": c.format,

@@ -1,0 +1,21 @@
+"""Whether an inventory may hold quantized weights at all: a name, a dtype, the format or config.json's
+``quantization_config`` hints at it. Cheap and import-free, so that a scan of an unquantized checkpoint (the
+usual case) imports none of the grouping (group.py), its records (model.py) or its checks (checks.py)."""
+
+from __future__ import annotations
+
+from ..inventory import Format, Inventory, TensorRecord
+
+FLOAT8 = frozenset({"float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"})
+# The tensors that anchor a quantized weight in each family group.py knows (its docstring lists them)
+_HINT_SUFFIXES = (".qweight", ".weight_packed", "_blocks", ".SCB", ".absmax", ".quant_map")
+
+
+def hints_quantization(t: TensorRecord) -> bool:
+    return t.dtype in FLOAT8 or t.name.endswith(_HINT_SUFFIXES) or (t.dtype == "int8" and t.name.endswith(".weight"))
+
+
+def might_be_quantized(inv: Inventory) -> bool:
+    """False only where group.view finds no logical weight and quant/checks.py no finding: no
+    ``quantization_config`` key at all, not GGUF, and no tensor that hints at quantization."""
+    return "quantization_config" in inv.metadata or inv.format == Format.GGUF or any(hints_quantization(t) for t in inv.tensors)

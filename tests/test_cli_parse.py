@@ -1,0 +1,201 @@
+"""The light interpreter (cli_parse.py) against Click's own parse of the same line (Typer's scan command, built
+from the same table): for every command line it either declines (Typer answers) or gives the scan body exactly
+the values Typer gives it. Lines are generated from a fixed seed over every option of scan, in every spelling
+Click knows (--opt value, --opt=value, -ovalue, clusters, repeats, --), with values Click refuses among them."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import random
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import typer.main
+
+from dtypeaudit import cli_commands, cli_options
+from dtypeaudit.cli import app
+from dtypeaudit.cli_parse import Declined, light_command, parse
+from dtypeaudit.render import OutputFormat
+
+
+@pytest.fixture(scope="module")
+def click_scan():
+    """What Typer's parse gives the scan body for a line (None: it did not call it: an error, help)."""
+    group = typer.main.get_command(app)
+    recorded: list[dict[str, Any]] = []
+
+    def body(**values: Any) -> None:
+        recorded.append(values)
+
+    def run(argv: list[str]) -> Optional[dict[str, Any]]:
+        recorded.clear()
+        saved = cli_commands.scan
+        cli_commands.scan = body  # type: ignore[assignment]  # the callback looks the body up by name at each call
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                group.main(["scan", *argv], prog_name="dtypeaudit", standalone_mode=False)
+        except Exception as exc:  # Click's usage errors (NoSuchOption, BadParameter, MissingParameter ...)
+            assert type(exc).__module__.startswith(("typer._click", "click")), repr(exc)
+        finally:
+            cli_commands.scan = saved  # type: ignore[assignment]
+        return recorded[0] if recorded else None
+
+    return run
+
+
+def light(argv: list[str]) -> Optional[dict[str, Any]]:
+    try:
+        return parse(cli_options.SCAN, argv)
+    except Declined:
+        return None
+
+
+def _words() -> list[str]:
+    words = []
+    for opt in cli_options.SCAN.params:
+        words.extend(opt.flags)
+    return words + [
+        "--",
+        "-",
+        "-h",
+        "--help",
+        "--nope",
+        "-z",
+        "--format=json",
+        "--format=bogus",
+        "--values=1",
+        "--jobs=3",
+        "--jobs=x",
+        "--exclude=*.bin",
+        "--policy=",
+        "-fjson",
+        "-f=json",
+        "-fplain",
+        "-vq",
+        "-qv",
+        "-vfjson",
+        "-vj2",
+        "-j4",
+        "-jx",
+        "-pp.yaml",
+        "-oout.txt",
+        "-mmod:f",
+        "-vm",
+        "-qh",
+    ]
+
+
+VALUES = ["a.pt", "b dir/", "json", "plain", "table", "sarif", "JSON", "bogus", "3", "-1", " 4", "2.5", "x", ""]
+VALUES += ["--", "-", "-v", "=", "é.pt"]
+
+
+def _lines(seed: int, count: int) -> list[list[str]]:
+    rng = random.Random(seed)
+    words = _words()
+    lines = []
+    for _ in range(count):
+        line = [rng.choice(words) if rng.random() < 0.55 else rng.choice(VALUES) for _ in range(rng.randint(0, 7))]
+        if rng.random() < 0.7:
+            line.insert(rng.randint(0, len(line)), "model.pt")
+        lines.append(line)
+    return lines
+
+
+ACCEPTED = [
+    ["model.pt"],
+    ["--format", "plain", "--quiet", "a.pt", "b.safetensors"],  # the pre-commit hook's entry (.pre-commit-hooks.yaml)
+    ["a.pt", "b.pt", "-f", "json"],
+    ["--format=plain", "a.pt", "-o", "out.txt"],
+    ["-fjson", "-vq", "a.pt"],
+    ["a.pt", "--exclude", "*.bin", "--exclude=*.pt", "-j", "2", "--jobs=3"],
+    ["--values", "--include-optimizer", "--strict", "--debug", "a.pt", "--", "-f", "--help"],
+    ["-pp.yaml", "--preset", "fp16", "--target", "t4", "--fail-on", "warning", "--explain", "fc.weight", "a.pt"],
+    ["-m", "net.py:build", "--cluster", "local", "-", "a.pt", "-j", "-1"],
+    ["a.pt", "-f", "json", "--format", "sarif"],
+]
+DECLINED = [[], ["--help"], ["a.pt", "-h"], ["a.pt", "-vh"], ["a.pt", "--format"], ["a.pt", "-f", "bogus"], ["a.pt", "--frmat=json"]]
+
+
+@pytest.mark.parametrize("argv", ACCEPTED, ids=lambda a: " ".join(a))
+def test_lines_it_runs(click_scan, argv: list[str]) -> None:
+    expected = click_scan(argv)
+    assert expected is not None and light(argv) == expected
+
+
+@pytest.mark.parametrize("argv", DECLINED, ids=lambda a: " ".join(a) or "nothing")
+def test_lines_it_leaves_to_typer(click_scan, argv: list[str]) -> None:
+    assert light(argv) is None
+
+
+def test_values_are_typed_as_typer_types_them(click_scan) -> None:
+    values = light(["a.pt", "-f", "json", "-o", "r.json", "-j", "2", "--exclude", "x"])
+    assert values is not None
+    assert values["fmt"] is OutputFormat.json and values["output"] == Path("r.json") and values["jobs"] == 2
+    assert values["targets"] == ["a.pt"] and values["exclude"] == ["x"] and values["policy"] is None and values["values"] is False
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_generated_lines_agree_with_click(click_scan, seed: int) -> None:
+    ran = declined_valid = 0
+    for argv in _lines(seed, 250):
+        expected, got = click_scan(argv), light(argv)
+        if got is not None:
+            assert got == expected, argv
+            ran += 1
+        elif expected is not None:
+            declined_valid += 1
+    # the interpreter declines only what it does not understand: most lines Click accepts, it runs
+    assert ran > 0 and declined_valid * 10 <= ran, (ran, declined_valid)
+
+
+def test_help_and_completion_go_to_typer() -> None:
+    assert light_command(["scan", "a.pt"], {}) is not None
+    assert light_command(["scan", "a.pt", "--help"], {}) is None
+    assert light_command(["scan", "a.pt"], {"_DTYPEAUDIT_COMPLETE": "bash_complete"}) is None
+    assert light_command(["convert", "a.pt", "--to", "fp16"], {}) is None
+    assert light_command(["--version", "scan", "a.pt"], {}) is None
+
+
+@pytest.mark.parametrize("columns", [None, "", "0", "-5", "abc", "50", "90", "120 ", "300"])
+def test_terminal_width_is_shutils(monkeypatch: pytest.MonkeyPatch, columns: Optional[str]) -> None:
+    """cli_commands.terminal_width asks what shutil.get_terminal_size asks, without importing shutil on a scan."""
+    import shutil
+
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
+    assert cli_commands.terminal_width() == max(80, min(shutil.get_terminal_size((120, 24)).columns, 200))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["{pt}"], ["{pt}", "-f", "json"], ["{pt}", "{st}", "-qfplain"], ["{pt}", "--policy", "{missing}"], ["{missing}"]],
+    ids=["plain", "json", "quiet-two", "bad-policy", "unreadable"],
+)
+def test_both_fronts_run_scan_alike(
+    args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The light path (what entry.main runs, here without its os._exit after torch, which this process has loaded)
+    and the Typer app: the same exit code, report and stderr."""
+    import torch
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    torch.save({"fc.weight": torch.ones(4, 2), "fc.bias": torch.zeros(4, dtype=torch.float16)}, tmp_path / "m.pt")
+    save_file({"w": torch.ones(2, dtype=torch.bfloat16)}, tmp_path / "m.safetensors")
+    paths = {"pt": tmp_path / "m.pt", "st": tmp_path / "m.safetensors", "missing": tmp_path / "nothing.yaml"}
+    argv = ["scan", *(a.format(**{k: str(v) for k, v in paths.items()}) for a in args)]
+    env = {"NO_COLOR": "1", "COLUMNS": "100"}
+    typer_run = CliRunner().invoke(app, argv, env=env, prog_name="dtypeaudit")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    run = light_command(argv, {})
+    assert run is not None  # the light path runs it
+    with pytest.raises(SystemExit) as done:
+        run()
+    out, err = capsys.readouterr()
+    assert (done.value.code, out, err) == (typer_run.exit_code, typer_run.stdout, typer_run.stderr)
+    assert out or err
