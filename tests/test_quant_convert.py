@@ -193,6 +193,36 @@ def test_fp8_convert_imports_no_torch_and_writes_the_torch_dequantizers_bytes(fp
             assert torch.equal(got[name].view(torch.int16), value.to(torch.bfloat16).view(torch.int16)), name
 
 
+def test_fp8_weight_in_many_pieces_with_partial_edge_blocks(tmp_path: Path) -> None:
+    """A weight that convert dequantizes in several pieces of rows (1000 x 8300: eight pieces of 128 rows, the last
+    one short), its last row and column blocks partial (DeepSeek-V3 shapes), scales in bfloat16: bit-equal to the
+    torch dequantizer over the whole weight, for each target."""
+    from safetensors.torch import load_file, save_file
+
+    from dtypeaudit.quant import dequant as dq
+
+    g = torch.Generator().manual_seed(5)
+    src = tmp_path / "fp8"
+    src.mkdir()
+    weight = (torch.randn(1000, 8300, generator=g) * 60).to(torch.float8_e4m3fn)
+    scale = (torch.rand(8, 65, generator=g) * 1e-3).to(torch.bfloat16)
+    save_file({"layer.weight": weight, "layer.weight_scale_inv": scale}, src / "model.safetensors", metadata={"format": "pt"})
+    config = {
+        "model_type": "llama",
+        "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    }
+    (src / "config.json").write_text(json.dumps(config))
+    products = dq.fp8_block(weight, scale, (128, 128))
+    for to, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
+        out = tmp_path / to
+        proc = run_cli("convert", str(src), "--to", to, "-o", str(out))
+        assert proc.returncode == 0, proc.stderr
+        got = load_file(out / "model.safetensors")["layer.weight"]
+        want = products.to(dtype)
+        assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), to
+
+
 def test_fp8_products_beyond_float16_are_refused(fp8_dir: Path, tmp_path: Path) -> None:
     """A block whose products exceed float16's range: --to fp16 refuses (exit 2, the count of values, nothing
     written) rather than write inf; --to bf16 holds them."""
