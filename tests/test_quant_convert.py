@@ -171,13 +171,17 @@ def test_keep_quantized_keeps_storage_byte_for_byte(fp8_dir: Path, tmp_path: Pat
     assert config["dtype"] == "float32"  # not float8_e4m3fn: the config dtype is the unquantized parts'
 
 
-def test_fp8_convert_imports_no_torch_and_writes_the_torch_dequantizers_bytes(fp8_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("to", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_fp8_convert_imports_no_torch_and_writes_the_torch_dequantizers_bytes(
+    fp8_dir: Path, tmp_path: Path, to: str, dtype: torch.dtype
+) -> None:
     """An FP8 block checkpoint dequantizes with numpy alone: the converting process (the CLI, as a user runs it)
-    never imports torch (about 2.5 s of CPU), and every weight is what the torch dequantizer gives, cast by torch."""
+    never imports torch (about 2.5 s of CPU), and every weight is what the torch dequantizer gives, cast by torch;
+    the bf16 norms and embeddings are copied (to bf16) or cast as torch casts them (to fp16)."""
     from dtypeaudit.quant import dequant as dq
 
-    out = tmp_path / "bf16"
-    proc = run_cli("convert", str(fp8_dir), "--to", "bf16", "-o", str(out), process=True, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    out = tmp_path / to
+    proc = run_cli("convert", str(fp8_dir), "--to", to, "-o", str(out), process=True, env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert proc.returncode == 0, proc.stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert {"numpy", "dtypeaudit.npcast", "dtypeaudit.conversion.dequantize"} <= imported  # the check sees imports
@@ -187,10 +191,13 @@ def test_fp8_convert_imports_no_torch_and_writes_the_torch_dequantizers_bytes(fp
     assert len(quantized) == 14 and set(got) == {k for k in source if not k.endswith("_scale_inv")}
     for name, value in source.items():
         if name in quantized:
-            want = dq.fp8_block(value, source[name + "_scale_inv"], (128, 128)).to(torch.bfloat16)
-            assert torch.equal(got[name].view(torch.int16), want.view(torch.int16)), name
+            want = dq.fp8_block(value, source[name + "_scale_inv"], (128, 128)).to(dtype)
         elif name in got:
-            assert torch.equal(got[name].view(torch.int16), value.to(torch.bfloat16).view(torch.int16)), name
+            assert value.dtype == torch.bfloat16
+            want = value.to(dtype)
+        else:
+            continue
+        assert got[name].dtype == dtype and torch.equal(got[name].view(torch.int16), want.view(torch.int16)), name
 
 
 def test_fp8_weight_in_many_pieces_with_partial_edge_blocks(tmp_path: Path) -> None:

@@ -316,9 +316,9 @@ def _gathered(src: MappedCheckpoint, t: TensorRecord, target: str) -> Any:
 
 
 def _cast_pieces(src: MappedCheckpoint, span: Span, dtype: str, target: str) -> Iterator[Task]:
-    """A contiguous tensor copied (same dtype) or cast by :mod:`dtypeaudit.npcast` (bit-equal to torch's cast),
-    a piece at a time."""
-    if dtype == target or dtype not in npcast.CASTS or target not in npcast.CASTS:
+    """A contiguous tensor copied (same dtype: quantized storage kept, integers, tensors already in the target) or
+    cast by :mod:`dtypeaudit.npcast` (bit-equal to torch's cast but for NaN payloads), a piece at a time."""
+    if dtype == target:
         for start in range(0, span.length, COPY_BYTES):
             yield partial(src.bytes_at, span.offset + start, min(COPY_BYTES, span.length - start)), 0
         return
