@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConversionError
@@ -90,6 +91,7 @@ FLOAT8_FORMATS = {
 }
 
 
+@cache  # once per dtype, not once per piece (a 2 GB checkpoint has thousands); read-only, shared
 def float8_values(dtype: str) -> Any:
     """float32 ``[256]``: the value of each code of a float8 dtype, bit-equal to torch's conversion (c10's
     ``fp8e4m3fn_to_fp32_value`` and friends), NaN bits included: e4m3fn keeps its mantissa bits in the NaN,
@@ -115,7 +117,9 @@ def float8_values(dtype: str) -> Any:
         bits = np.where(special, sign | 0x7F800000 | (man << (23 - mbits)) | np.where(man > 0, 0x400000, 0), bits)
     else:
         bits = np.where(code == 0x80, 0x7F800001, bits)
-    return bits.astype(np.uint32).view(np.float32)
+    values = bits.astype(np.uint32).view(np.float32)
+    values.flags.writeable = False
+    return values
 
 
 # torch's vectorised CPU cast to bfloat16 (ATen's cvtfp32_bf16) writes every NaN as 0xFFFF.
