@@ -11,10 +11,13 @@ Baseline: what people adapt from DeepSeek's ``fp8_cast_bf16.py`` when they have 
 Targets (issue 17): wall time <= 0.5x the baseline, peak anonymous memory <= 0.25x of it. dtypeaudit fsyncs its
 output before renaming it into place; the script leaves 4 GB dirty in the page cache. So a third row runs the
 script followed by ``os.sync()``: the same bytes, durable, as the like-for-like time.
-Both run as whole processes, interleaved, ``--repeat`` times each: medians of wall time, peaks of memory.
+Both run as whole processes, interleaved, ``--repeat`` times each: medians of wall and CPU time (user + sys),
+peaks of memory. ``--also REV`` adds a row for dtypeaudit as it was at a git revision (its package extracted
+under benchmarks/_work), for before/after figures from one run.
 
     python benchmarks/bench_dequant.py              # ~2 GB
     python benchmarks/bench_dequant.py --layers 4   # a quick ~0.4 GB run
+    python benchmarks/bench_dequant.py --also main  # and the same convert as main has it
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from common import WORK, measure_all, python
+from common import WORK, Run, python, run_once
+
+ROOT = Path(__file__).resolve().parent.parent
 
 NAIVE = """
 import json, sys, torch
@@ -112,11 +118,31 @@ def _write_fp8(path: Path, hidden: int, layers: int, vocab: int) -> None:
     tmp.rename(path)
 
 
+def package_at(rev: str) -> Path:
+    """dtypeaudit's package as it was at git revision ``rev``, extracted once under benchmarks/_work."""
+    git = ["git", "-C", str(ROOT)]
+    commit = subprocess.run([*git, "rev-parse", "--short", rev], check=True, capture_output=True, text=True).stdout.strip()
+    where = WORK / f"rev-{commit}"
+    if not (where / "dtypeaudit").is_dir():
+        where.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run([*git, "archive", commit, "dtypeaudit"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    return where
+
+
+def ours(package: Path, src: Path, out: Path) -> list[str]:
+    """``dtypeaudit convert`` from the package under ``package``, whatever PYTHONPATH says."""
+    argv = ["dtypeaudit", "convert", str(src), "--to", "bf16", "-o", str(out), "--force"]
+    code = f"import sys; sys.path.insert(0, {str(package)!r}); sys.argv = {argv!r}; from dtypeaudit.entry import main; main()"
+    return [python(), "-c", code]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=28, help="28 layers of hidden 2048: 2.1 GB")
+    parser.add_argument("--also", metavar="REV", help="also run dtypeaudit as it was at this git revision")
     args = parser.parse_args()
     src = make_fp8_checkpoint(WORK / f"fp8_h{args.hidden}_l{args.layers}", hidden=args.hidden, layers=args.layers)
     ours_out, naive_out = WORK / "dequant_ours", WORK / "dequant_naive"
@@ -125,25 +151,47 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
     naive_cmd = [python(), "-c", NAIVE, str(src), str(naive_out)]
     synced_cmd = [python(), "-c", NAIVE + "import os\nos.sync()\n", str(src), str(naive_out)]
-    ours_cmd = [python(), "-m", "dtypeaudit", "convert", str(src), "--to", "bf16", "-o", str(ours_out), "--force"]
-    commands = {"ours": (ours_cmd, ours_out / shard), "naive": (naive_cmd, naive_out / shard), "synced": (synced_cmd, naive_out / shard)}
-    runs = measure_all(commands, repeat=args.repeat)
-    ours, naive, synced = runs["ours"], runs["naive"], runs["synced"]
+    commands = {
+        "naive": (naive_cmd, naive_out / shard),
+        "synced": (synced_cmd, naive_out / shard),
+        "ours": (ours(ROOT, src, ours_out), ours_out / shard),
+    }
+    labels = {
+        "naive": "naive load_file + block loop + save_file",
+        "synced": "the same, then os.sync()",
+        "ours": "dtypeaudit convert --to bf16",
+    }
+    if args.also:
+        commands["also"] = (ours(package_at(args.also), src, ours_out), ours_out / shard)
+        labels["also"] = f"dtypeaudit convert at {args.also}"
+    # interleaved (A B C, A B C, ...) so that a drifting machine touches each alike
+    runs: dict[str, list[Run]] = {label: [] for label in commands}
+    outputs = [output for _, output in commands.values()]
+    for _ in range(args.repeat):
+        for label, (cmd, output) in commands.items():
+            runs[label].append(run_once(cmd, output, outputs))
+    wall = {k: statistics.median(r.wall_s for r in rs) for k, rs in runs.items()}
+    cpu = {k: statistics.median(r.cpu_s for r in rs) for k, rs in runs.items()}
+    rss = {k: max(r.peak_rss_mb for r in rs) for k, rs in runs.items()}
+    anon = {k: max(r.peak_anon_mb for r in rs) for k, rs in runs.items()}
     size = (src / shard).stat().st_size
-    sizes = f"{size / 1e9:.2f} GB fp8 -> {ours.output_bytes / 1e9:.2f} GB bf16; baseline wrote {naive.output_bytes / 1e9:.2f} GB"
-    print(f"checkpoint: {src.name} ({sizes})")
-    print(f"{'':40}{'wall s':>9}{'peak RSS MB':>13}{'peak anon MB':>14}")
-    rows = (
-        ("naive load_file + block loop + save_file", naive),
-        ("the same, then os.sync()", synced),
-        ("dtypeaudit convert --to bf16", ours),
-    )
-    for label, m in rows:
-        print(f"{label:40}{m.wall_s:9.2f}{m.peak_rss_mb:13.0f}{m.peak_anon_mb:14.0f}")
-    print(f"wall ratio        {ours.wall_s / naive.wall_s:.3f}x   (target <= 0.5x)")
-    print(f"anon memory ratio {ours.peak_anon_mb / naive.peak_anon_mb:.3f}x   (target <= 0.25x)")
-    print(f"RSS ratio         {ours.peak_rss_mb / naive.peak_rss_mb:.3f}x")
-    print(f"wall ratio against the synced script {ours.wall_s / synced.wall_s:.3f}x")
+    written = max(r.output_bytes for r in runs["ours"])
+    print(f"checkpoint: {src.name} ({size / 1e9:.2f} GB fp8 -> {written / 1e9:.2f} GB bf16), {args.repeat} runs each, medians")
+    print(f"{'':42}{'wall s':>8}{'CPU s':>8}{'peak RSS MB':>13}{'peak anon MB':>14}")
+    for k, label in labels.items():
+        print(f"{label:42}{wall[k]:8.2f}{cpu[k]:8.2f}{rss[k]:13.0f}{anon[k]:14.0f}")
+
+    def paired(k: str, base: str, what: str) -> float:
+        """The median over rounds of the ratio within each round: the load drifts less within a round."""
+        return statistics.median(getattr(a, what) / getattr(b, what) for a, b in zip(runs[k], runs[base], strict=True))
+
+    for k in [k for k in ("ours", "also") if k in runs]:
+        print(f"{labels[k]} (medians of per-round ratios):")
+        synced = paired(k, "synced", "wall_s")
+        print(f"  wall {paired(k, 'naive', 'wall_s'):.3f}x the script (target <= 0.5x), {synced:.3f}x the synced script")
+        print(f"  CPU {paired(k, 'naive', 'cpu_s'):.3f}x the script; peak anon memory {anon[k] / anon['naive']:.3f}x (target <= 0.25x)")
+    for what in ("wall_s", "cpu_s"):
+        print(f"each round's {what}: " + "; ".join(f"{k} " + " ".join(f"{getattr(r, what):.1f}" for r in rs) for k, rs in runs.items()))
     for d in (ours_out, naive_out):
         shutil.rmtree(d, ignore_errors=True)
 

@@ -81,6 +81,76 @@ def test_fp8_block_by_table_equals_the_products(target: str) -> None:
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+FLOAT8 = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+
+
+@pytest.mark.parametrize("fp8", FLOAT8)
+def test_float8_values_are_torchs_bit_for_bit(fp8: str) -> None:
+    """The numpy table of the 256 codes (what lets convert dequantize FP8 without torch) against torch's own
+    float8 -> float32 conversion, compared as bits: zeros' signs, subnormals, inf, and each NaN's bits."""
+    import numpy as np
+
+    ours = dq.float8_values(fp8)
+    theirs = torch.arange(256, dtype=torch.uint8).view(getattr(torch, fp8)).to(torch.float32).numpy()
+    assert ours.dtype == np.float32 and ours.shape == (256,)
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+    assert np.isnan(ours).sum() == {"float8_e4m3fn": 2, "float8_e5m2": 6}.get(fp8, 1)
+
+
+@pytest.mark.parametrize("target", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("fp8", FLOAT8)
+def test_fp8_block_cast_np_equals_the_products_cast_by_torch(fp8: str, target: str) -> None:
+    """The numpy path convert takes, for every float8 format: the 256 codes in every block, partial edge blocks,
+    scales that underflow and overflow float16; bit-equal to torch's products cast by torch, and the count of
+    values a float16 target turned infinite is exactly torch's."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(17)
+    codes = torch.randint(0, 256, (300, 260), dtype=torch.uint8, generator=g)
+    s = torch.rand(3, 3, generator=g) * 1e-2
+    s[0, 0], s[1, 2], s[2, 2] = 1e-30, 1e4, 300.0
+    products = dq.fp8_block(codes.view(getattr(torch, fp8)), s, (128, 128))
+    want = products.to(getattr(torch, target))
+    got, overflow = dq.fp8_block_cast_np(codes.numpy(), s.numpy(), fp8, (128, 128), target)
+    assert got.dtype == {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}[target]
+    assert np.array_equal(got.view(np.uint8), want.view(torch.uint8).numpy())
+    expected = int((torch.isinf(want) & torch.isfinite(products)).sum()) if target == "float16" else 0
+    assert overflow == expected and (expected > 0) == (target == "float16")
+
+
+def test_ordered_keeps_order_and_bounds_the_bytes_in_flight() -> None:
+    """convert's pipeline: results in the tasks' order, and the results computed and not yet consumed never
+    hold more than the budget plus one task's (each task says what its result holds)."""
+    import threading
+    import time
+
+    from dtypeaudit.quant.parallel import ordered
+
+    lock = threading.Lock()
+    held, worst = [0], [0]
+
+    def task(i: int) -> int:
+        time.sleep(0.001 * (i % 3))  # finish out of order
+        return i
+
+    def tasks():  # type: ignore[no-untyped-def]
+        for i in range(60):
+            cost = 50 if i % 10 == 0 else 5  # now and then a large result
+            with lock:
+                held[0] += cost
+                worst[0] = max(worst[0], held[0])
+            yield (lambda i=i: task(i)), cost
+
+    out = []
+    for i in ordered(tasks(), 3, budget=20):
+        out.append(i)
+        with lock:
+            held[0] -= 50 if i % 10 == 0 else 5
+    assert out == list(range(60))
+    assert worst[0] <= 20 + 50
+    assert list(ordered(iter([((lambda: 7), 1)]), 1, budget=0)) == [7]
+
+
 def test_fp8_per_tensor_and_bad_scale_shape() -> None:
     q = (torch.randn(8, 16) * 10).to(torch.float8_e4m3fn)
     s = torch.tensor([0.5])

@@ -171,6 +171,95 @@ def test_keep_quantized_keeps_storage_byte_for_byte(fp8_dir: Path, tmp_path: Pat
     assert config["dtype"] == "float32"  # not float8_e4m3fn: the config dtype is the unquantized parts'
 
 
+@pytest.mark.parametrize(("to", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_fp8_convert_imports_no_torch_and_writes_the_torch_dequantizers_bytes(
+    fp8_dir: Path, tmp_path: Path, to: str, dtype: torch.dtype
+) -> None:
+    """An FP8 block checkpoint dequantizes with numpy alone: the converting process (the CLI, as a user runs it)
+    never imports torch (about 2.5 s of CPU), and every weight is what the torch dequantizer gives, cast by torch;
+    the bf16 norms and embeddings are copied (to bf16) or cast as torch casts them (to fp16)."""
+    from dtypeaudit.quant import dequant as dq
+
+    out = tmp_path / to
+    proc = run_cli("convert", str(fp8_dir), "--to", to, "-o", str(out), process=True, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert proc.returncode == 0, proc.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert {"numpy", "dtypeaudit.npcast", "dtypeaudit.conversion.dequantize"} <= imported  # the check sees imports
+    assert not [m for m in imported if m.split(".")[0] == "torch"]
+    source, got = _read(fp8_dir), _read(out)
+    quantized = [k for k, v in source.items() if v.dtype == torch.float8_e4m3fn]
+    assert len(quantized) == 14 and set(got) == {k for k in source if not k.endswith("_scale_inv")}
+    for name, value in source.items():
+        if name in quantized:
+            want = dq.fp8_block(value, source[name + "_scale_inv"], (128, 128)).to(dtype)
+        elif name in got:
+            assert value.dtype == torch.bfloat16
+            want = value.to(dtype)
+        else:
+            continue
+        assert got[name].dtype == dtype and torch.equal(got[name].view(torch.int16), want.view(torch.int16)), name
+
+
+def test_fp8_weight_in_many_pieces_with_partial_edge_blocks(tmp_path: Path) -> None:
+    """A weight that convert dequantizes in several pieces of rows (1000 x 8300: eight pieces of 128 rows, the last
+    one short), its last row and column blocks partial (DeepSeek-V3 shapes), scales in bfloat16: bit-equal to the
+    torch dequantizer over the whole weight, for each target."""
+    from safetensors.torch import load_file, save_file
+
+    from dtypeaudit.quant import dequant as dq
+
+    g = torch.Generator().manual_seed(5)
+    src = tmp_path / "fp8"
+    src.mkdir()
+    weight = (torch.randn(1000, 8300, generator=g) * 60).to(torch.float8_e4m3fn)
+    scale = (torch.rand(8, 65, generator=g) * 1e-3).to(torch.bfloat16)
+    save_file({"layer.weight": weight, "layer.weight_scale_inv": scale}, src / "model.safetensors", metadata={"format": "pt"})
+    config = {
+        "model_type": "llama",
+        "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    }
+    (src / "config.json").write_text(json.dumps(config))
+    products = dq.fp8_block(weight, scale, (128, 128))
+    for to, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
+        out = tmp_path / to
+        proc = run_cli("convert", str(src), "--to", to, "-o", str(out))
+        assert proc.returncode == 0, proc.stderr
+        got = load_file(out / "model.safetensors")["layer.weight"]
+        want = products.to(dtype)
+        assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), to
+
+
+def test_fp8_products_beyond_float16_are_refused(fp8_dir: Path, tmp_path: Path) -> None:
+    """A block whose products exceed float16's range: --to fp16 refuses (exit 2, the count of values, nothing
+    written) rather than write inf; --to bf16 holds them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dtypeaudit.quant import dequant as dq
+
+    big = tmp_path / "big"
+    shutil.copytree(fp8_dir, big)
+    name = "model.layers.1.mlp.down_proj.weight"
+    for f in big.glob("*.safetensors"):
+        state = load_file(f)
+        if name + "_scale_inv" in state:
+            state[name + "_scale_inv"][0, 1] *= 1e6
+            save_file(state, f, metadata={"format": "pt"})
+            scale = state[name + "_scale_inv"]
+    weight = _read(big)[name]
+    products = dq.fp8_block(weight, scale, (128, 128))
+    beyond = int(torch.isinf(products.to(torch.float16)).sum())
+    assert beyond > 0
+    proc = run_cli("convert", str(big), "--to", "fp16", "-o", str(tmp_path / "fp16"))
+    assert proc.returncode == 2, proc.stdout
+    assert f"'{name}' has {beyond} dequantized values beyond float16's range" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "fp16").exists()
+    assert run_cli("convert", str(big), "--to", "bf16", "-o", str(tmp_path / "bf16")).returncode == 0
+
+
 # ----------------------------------------------------------------------------------------------- GPTQ
 
 

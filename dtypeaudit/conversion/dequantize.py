@@ -1,12 +1,15 @@
 """``convert --to bf16|fp16|fp32`` on a quantized checkpoint: every logical weight dequantized on the CPU.
 
-Shard by shard, a tensor at a time: each output shard is the source shard with its quantized storage
+Shard by shard, a piece at a time: each output shard is the source shard with its quantized storage
 (packed values, scales, zero points, group indices, quant states) replaced by the dequantized weights at
 their logical names, every other floating tensor cast to the target and the rest copied. config.json loses
 its ``quantization_config`` and names the target dtype, so that a plain ``from_pretrained`` loads the result
-as the model it was. Memory stays bounded by the largest single weight (its storage, its float32
-dequantization and its cast), never the shard. Anything that cannot be dequantized exactly is refused
-before the output appears (the output is written to a temporary and renamed only when verified).
+as the model it was. The pieces compute on a few threads while the previous ones are written; memory stays
+bounded by ``PIPELINE_BYTES`` plus the largest single weight of a scheme dequantized whole (its storage, its
+float32 dequantization and its cast), never the shard. FP8 block weights and every tensor stored whole are
+read and cast with numpy (``quant.dequant.fp8_block_cast_np``, ``npcast``): converting an FP8 checkpoint never
+imports torch. Anything that cannot be dequantized exactly is refused before the output appears (the output
+is written to a temporary and renamed only when verified).
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import dtypes
+from .. import dtypes, npcast
 from ..errors import ConversionError, UsageError
 from ..formats import directory as hfdir
-from ..inventory import Format, Inventory, TensorRecord
+from ..inventory import Format, Inventory, Span, TensorRecord
 from ..quant import model as qm
 
 if TYPE_CHECKING:
@@ -171,45 +174,83 @@ def _cast(x: torch.Tensor, target: str, name: str) -> torch.Tensor:
         # A dequantized value beyond float16's range would silently become inf: refuse instead.
         overflow = int((torch.isinf(y) & torch.isfinite(x)).sum())
         if overflow:
-            raise ConversionError(f"'{name}' has {overflow} dequantized values beyond float16's range; convert --to bf16 or fp32; refused")
+            raise _overflow(name, overflow)
     return y
 
 
+def _overflow(name: str, count: int) -> ConversionError:
+    return ConversionError(f"'{name}' has {count} dequantized values beyond float16's range; convert --to bf16 or fp32; refused")
+
+
+PIPELINE_BYTES = 64 << 20
+"""Results computed ahead of the writer, at most (plus one): a few FP8 pieces, or one whole weight of another scheme."""
+COPY_BYTES = 8 << 20
+"""Source bytes per piece of a tensor copied or cast."""
+
+Task = tuple[Callable[[], Any], int]
+"""A piece of an output tensor: what computes its bytes (any buffer), and the bytes they hold."""
+
+
 def _write_shard(shard: _Shard, inv: Inventory, sources: dict[str, MappedCheckpoint], out: Path, progress: Progress | None) -> Written:
-    """One safetensors file, tensor by tensor; returns what it wrote (each tensor and its bytes' CRC-32) for verification."""
+    """One safetensors file, its tensors' bytes computed a piece at a time on a few threads while this one writes
+    the pieces before them, across tensors (a weight's dequantization overlaps the previous one's write); returns
+    what it wrote (each tensor and its bytes' CRC-32) for verification."""
+    import traceback
+
+    try:
+        return _write_pieces(shard, inv, sources, out, progress)
+    except BaseException as exc:
+        # The frames it leaves behind hold numpy views of the source mappings, which then could not close
+        # (BufferError) and would hide this error: drop their locals.
+        traceback.clear_frames(exc.__traceback__)
+        raise
+
+
+def _write_pieces(shard: _Shard, inv: Inventory, sources: dict[str, MappedCheckpoint], out: Path, progress: Progress | None) -> Written:
     from ..formats.zipwrite import crc32
+    from ..quant.parallel import ordered, workers
     from .atomic import Writeback
-    from .source import contiguous_span
     from .verify import Written
-    from .write import safetensors_header, stream_cast, tensor_bytes
+    from .write import safetensors_header
 
     written = Written(tensors={e.name: (e.target, e.shape) for e in shard.entries})
     crcs = written.crcs
-    with out.open("wb") as fh, Writeback(fh) as writeback:
+    plans = [_pieces(e, inv, sources) for e in shard.entries]
+
+    def tasks() -> Iterator[Task]:
+        for e, (pieces, _) in zip(shard.entries, plans, strict=True):
+            yield from pieces
+            yield partial(_itself, e), 0  # the entry itself, once all of its pieces are written
+
+    with ExitStack() as stack:
+        if any(uses_torch for _, uses_torch in plans):
+            from ..torchcast import one_thread
+
+            # each task's torch ops on one thread: under load, torch's intra-op threads on a small piece spin
+            # far more than they compute
+            stack.enter_context(one_thread())
+        fh = stack.enter_context(out.open("wb"))
+        writeback = stack.enter_context(Writeback(fh))
         fh.write(safetensors_header([(e.name, e.target, e.shape) for e in shard.entries], {"format": "pt"}))
-        for e in shard.entries:
-            crcs[e.name] = 0
-
-            def sink(data: Any, name: str = e.name) -> None:
+        crc = 0
+        for data in ordered(tasks(), workers(), budget=PIPELINE_BYTES):
+            if isinstance(data, _Entry):
+                crcs[data.name] = crc
+                crc = 0
+                _release(inv, sources, data)
+                writeback()
+                continue
+            n = memoryview(data).nbytes
+            if n:
                 fh.write(data)
-                crcs[name] = crc32(data, crcs[name])
-
-            if e.weight is not None:
-                for y in _in_order(_piece_tasks(e.weight, e.shape, e.target, inv, sources)):
-                    if y.numel():
-                        sink(tensor_bytes(y))
-                    if progress:
-                        progress(y.numel() * y.element_size())
-                    del y
-            else:
-                t = e.tensor
-                assert t is not None
-                src = sources[t.file]
-                span = contiguous_span(src, t) if t.dtype in dtypes.DTYPES else None
-                stream_cast(src, span, t.dtype, e.target, sink, progress, clamp=False, tensor=t)
-            _release(inv, sources, e)
-            writeback()
+                crc = crc32(data, crc)
+            if progress:
+                progress(n)
     return written
+
+
+def _itself(e: _Entry) -> _Entry:
+    return e
 
 
 def _release(inv: Inventory, sources: dict[str, MappedCheckpoint], e: _Entry) -> None:
@@ -231,66 +272,130 @@ def _release(inv: Inventory, sources: dict[str, MappedCheckpoint], e: _Entry) ->
             src.mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
-def _piece_tasks(
-    w: qm.LogicalWeight, shape: tuple[int, ...], target: str, inv: Inventory, sources: dict[str, MappedCheckpoint]
-) -> Iterator[Callable[[], torch.Tensor]]:
-    """The dequantized weight, cast to ``target``, in row order, as tasks that compute one piece each: FP8 a few
-    blocks of rows at a time (its float32 products stay in cache, memory stays bounded by a chunk, and the
-    pieces compute in parallel), every other scheme whole (a weight at a time)."""
+def _pieces(e: _Entry, inv: Inventory, sources: dict[str, MappedCheckpoint]) -> tuple[Iterator[Task], bool]:
+    """An output tensor's bytes as tasks in order, and whether any of them needs torch: FP8 block weights and
+    tensors stored whole (safetensors, GGUF) are read and cast with numpy; other schemes, and views a
+    torch.save file holds, with torch."""
+    if e.weight is not None:
+        fp8 = _fp8_tasks(e.weight, e.shape, e.target, inv, sources)
+        if fp8 is not None:
+            return iter(fp8), False
+        return iter([(partial(_dequantized, e.weight, e.shape, e.target, inv, sources), 8 * _numel(e.shape))]), True
+    from .source import contiguous_span
+
+    t = e.tensor
+    assert t is not None
+    src = sources[t.file]
+    span = contiguous_span(src, t) if t.dtype in dtypes.DTYPES else None
+    if span is None:
+        return iter([(partial(_gathered, src, t, e.target), t.numel * dtypes.get(e.target).itemsize)]), True
+    return _cast_pieces(src, span, t.dtype, e.target), False
+
+
+def _dequantized(w: qm.LogicalWeight, shape: tuple[int, ...], target: str, inv: Inventory, sources: dict[str, MappedCheckpoint]) -> Any:
+    """A whole weight dequantized by its scheme's dequantizer and cast to ``target``, as bytes."""
     from ..quant import dequant
+    from .write import tensor_bytes
+
+    value = dequant.dequantize(w, _storage(w, inv, sources))
+    if tuple(value.shape) != shape:
+        if value.numel() != _numel(shape):
+            raise ConversionError(f"'{w.name}' dequantizes to {list(value.shape)}, not {list(shape)}; refused")
+        value = value.reshape(shape)
+    return tensor_bytes(_cast(value, target, w.name))
+
+
+def _gathered(src: MappedCheckpoint, t: TensorRecord, target: str) -> Any:
+    """A tensor that is a view into its storage (torch.save), gathered and cast by torch, as bytes."""
+    import torch
+
+    from .source import materialize
+    from .write import tensor_bytes
+
+    return tensor_bytes(materialize(src, t).to(getattr(torch, target)))
+
+
+def _cast_pieces(src: MappedCheckpoint, span: Span, dtype: str, target: str) -> Iterator[Task]:
+    """A contiguous tensor copied (same dtype: quantized storage kept, integers, tensors already in the target) or
+    cast by :mod:`dtypeaudit.npcast` (bit-equal to torch's cast but for NaN payloads), a piece at a time."""
+    if dtype == target:
+        for start in range(0, span.length, COPY_BYTES):
+            yield partial(src.bytes_at, span.offset + start, min(COPY_BYTES, span.length - start)), 0
+        return
+    itemsize = dtypes.get(dtype).itemsize
+    step = COPY_BYTES // itemsize
+    numel = span.length // itemsize
+    for first in range(0, numel, step):
+        count = min(step, numel - first)
+        yield partial(_cast_piece, src, span.offset + first * itemsize, count, dtype, target), count * dtypes.get(target).itemsize
+
+
+def _cast_piece(src: MappedCheckpoint, offset: int, count: int, dtype: str, target: str) -> Any:
+    import numpy as np
+
+    x = np.frombuffer(src.mm, dtype=npcast.storage_dtype(dtype), count=count, offset=offset)
+    return npcast.cast(x, dtype, target).view(np.uint8)
+
+
+def _array(src: MappedCheckpoint, t: TensorRecord) -> Any:
+    """A tensor stored whole in its own bytes (safetensors) as a read-only numpy array of its stored form (float8
+    as uint8 codes, bfloat16 as uint16 bits), without copying; None for any other record."""
+    import numpy as np
+
+    from ..quant.dequant import FLOAT8_FORMATS
+
+    if src.inv.format == Format.GGUF or t.storage is not None or t.name not in src.spans:
+        return None
+    if t.dtype in FLOAT8_FORMATS:
+        dtype = np.dtype(np.uint8)
+    elif t.dtype in npcast.CASTS:
+        dtype = npcast.storage_dtype(t.dtype)
+    else:
+        return None
+    span = src.spans[t.name]
+    if span.length != t.numel * dtype.itemsize:
+        return None
+    return np.frombuffer(src.mm, dtype=dtype, count=t.numel, offset=span.offset).reshape(t.shape)
+
+
+def _fp8_tasks(
+    w: qm.LogicalWeight, shape: tuple[int, ...], target: str, inv: Inventory, sources: dict[str, MappedCheckpoint]
+) -> list[Task] | None:
+    """An FP8 block-scaled 2-D weight (transformers' ``fp8``) dequantized and cast with numpy, a few blocks of rows
+    a task (the pieces compute in parallel and each one's tables stay in cache); None for any other weight."""
+    from ..quant.dequant import FLOAT8_FORMATS
     from ..values import CHUNK_BYTES
 
-    storage = _storage(w, inv, sources)
     group = tuple(w.scheme.group or ())
-    if w.scheme.family == qm.FP8 and len(shape) == 2 and len(group) == 2 and {"weight", "scale"} <= set(storage):
-        weight, scale = storage["weight"], storage["scale"]
-        bm = group[0]
-        if scale.ndim == 2 and scale.shape[0] == -(-shape[0] // bm) and tuple(weight.shape) == shape:
-            step = max(1, (4 * CHUNK_BYTES) // max(1, shape[1] * 4) // bm) * bm
-            for r0 in range(0, shape[0], step):
-                part, part_scale = weight[r0 : r0 + step], scale[r0 // bm : (r0 + step) // bm]
-                yield partial(_fp8_piece, part, part_scale, group, target, w.name)
-            return
+    if w.scheme.family != qm.FP8 or len(shape) != 2 or len(group) != 2 or not {"weight", "scale"} <= set(w.storage):
+        return None
+    by = _records(inv)
+    wt, st = by[w.storage["weight"]], by[w.storage["scale"]]
+    codes, scale = _array(sources[wt.file], wt), _array(sources[st.file], st)
+    bm = group[0]
+    if codes is None or scale is None or wt.dtype not in FLOAT8_FORMATS or st.dtype not in npcast.CASTS:
+        return None
+    if tuple(codes.shape) != shape or scale.ndim != 2 or scale.shape[0] != -(-shape[0] // bm):
+        return None
+    if st.dtype != "float32":  # the loader multiplies in float32: widen (or round) the scales as torch's cast does
+        scale = npcast.cast(scale.reshape(-1), st.dtype, "float32").reshape(scale.shape)
+    step = max(1, (4 * CHUNK_BYTES) // max(1, shape[1] * 4) // bm) * bm
+    piece_bytes = step * shape[1] * dtypes.get(target).itemsize
+    return [
+        (partial(_fp8_piece, codes[r0 : r0 + step], scale[r0 // bm : (r0 + step) // bm], wt.dtype, group, target, w.name), piece_bytes)
+        for r0 in range(0, shape[0], step)
+    ]
 
-    def whole() -> torch.Tensor:
-        value = dequant.dequantize(w, storage)
-        if tuple(value.shape) != shape:
-            if value.numel() != _numel(shape):
-                raise ConversionError(f"'{w.name}' dequantizes to {list(value.shape)}, not {list(shape)}; refused")
-            value = value.reshape(shape)
-        return _cast(value, target, w.name)
 
-    yield whole
-
-
-def _fp8_piece(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], target: str, name: str) -> torch.Tensor:
-    import torch
+def _fp8_piece(codes: Any, scale: Any, fp8: str, block: tuple[int, ...], target: str, name: str) -> Any:
+    import numpy as np
 
     from ..quant import dequant
 
-    y = dequant.fp8_block_cast(weight, scale, block, target)
-    if target == "float16" and bool(torch.isinf(y).any()):
-        # a product beyond float16's range, or an inf code: the general path tells which
-        return _cast(dequant.fp8_block(weight, scale, block), target, name)
-    return y
-
-
-def _in_order(tasks: Iterator[Callable[[], torch.Tensor]]) -> Iterator[torch.Tensor]:
-    """Run ``tasks`` on a few threads (torch and numpy release the GIL), results in order, at most two per
-    thread in flight (memory stays bounded by a few pieces). Each task's torch ops run on one thread: under
-    load, torch's own intra-op threads on a small piece spin far more than they compute."""
-    import torch
-
-    from ..quant.parallel import ordered
-
-    threads = torch.get_num_threads()
-    workers = max(1, min(4, threads))
-    torch.set_num_threads(1)
-    try:
-        for y in ordered(tasks, workers):
-            yield y.contiguous()
-    finally:
-        torch.set_num_threads(threads)
+    out, overflow = dequant.fp8_block_cast_np(codes, scale, fp8, block, target)
+    if overflow:
+        raise _overflow(name, overflow)
+    return out.reshape(-1).view(np.uint8)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -1,7 +1,8 @@
-"""Ordered results from tasks run on a few threads, a bounded number in flight."""
+"""Ordered results from tasks run on a few threads, the memory their results hold in flight bounded."""
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -10,22 +11,36 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def ordered(tasks: Iterator[Callable[[], T]], workers: int, *, ahead: int = 2) -> Iterator[T]:
-    """Each task's result, in the tasks' order; at most ``workers * ahead`` submitted and not yet consumed.
-    One worker runs them inline (no thread)."""
-    if workers <= 1:
-        for task in tasks:
+def workers(most: int = 4) -> int:
+    """Threads for CPU work: the cores this process may run on, at most ``most``."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(most, cores))
+
+
+def ordered(tasks: Iterator[tuple[Callable[[], T], int]], threads: int, *, budget: int, ahead: int = 2) -> Iterator[T]:
+    """Each task's result, in the tasks' order. Tasks come with the bytes their result holds; a task is submitted
+    while those in flight and not yet consumed hold less than ``budget`` and number fewer than ``threads * ahead``
+    (one always may: memory stays under ``budget`` plus one result). One thread runs them inline (no pool)."""
+    if threads <= 1:
+        for task, _ in tasks:
             yield task()
         return
-    window: deque[Future[T]] = deque()
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dtypeaudit-dequant") as pool:
+    window: deque[tuple[Future[T], int]] = deque()
+    held = 0
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dtypeaudit-dequant") as pool:
         try:
-            for task in tasks:
-                window.append(pool.submit(task))
-                if len(window) >= workers * ahead:
-                    yield window.popleft().result()
+            for task, cost in tasks:
+                while window and (held >= budget or len(window) >= threads * ahead):
+                    future, done_cost = window.popleft()
+                    held -= done_cost
+                    yield future.result()
+                window.append((pool.submit(task), cost))
+                held += cost
             while window:
-                yield window.popleft().result()
+                yield window.popleft()[0].result()
         finally:
-            for f in window:
-                f.cancel()
+            for future, _ in window:
+                future.cancel()
