@@ -11,8 +11,11 @@ exponent at its rounding boundaries with torch; the slow run compares all 2^32 f
   Half and BFloat16 are built from a float);
 - float16 and bfloat16 widen exactly.
 
-A NaN stays a NaN of the same sign; its payload bits are not promised (torch's own differ between its
-vectorised and scalar loops, and between ISAs). With ``clamp``, values beyond the target's largest finite
+A NaN comes out as torch's vectorised loops (AVX2 and AVX-512, which cast all but a tensor's last few
+elements) write it: in float16 quieted with its sign and top payload bits kept (``vcvtps2ph``), in bfloat16
+as 0xFFFF whatever its sign. (torch's scalar loop, for the last elements, writes 0x7E00 and 0x7FC0 instead;
+from a float16 source, only NaN-ness is promised: torch quiets a signalling NaN as it widens one.)
+With ``clamp``, values beyond the target's largest finite
 value become that value (``torch.clamp`` in the source dtype, then the cast), NaN left as it is; a bfloat16
 source is clamped widened to float32, because bfloat16 cannot hold float16's largest value (``torch.clamp``
 in bfloat16 rounds 65504 to 65536, which the cast to float16 makes inf).
@@ -39,8 +42,8 @@ def storage_dtype(dtype: str) -> Any:
 
 
 def _bfloat16_bits(x: Any, out: Any, scratch: Any) -> None:
-    """float32 ``x`` rounded to bfloat16 (nearest, ties to even), as raw bits into ``out``; NaN becomes 0x7FC0
-    with ``x``'s sign. ``scratch`` is a uint32 array of ``x``'s length."""
+    """float32 ``x`` rounded to bfloat16 (nearest, ties to even), as raw bits into ``out``; NaN becomes 0xFFFF,
+    as torch's vectorised cast writes it. ``scratch`` is a uint32 array of ``x``'s length."""
     import numpy as np
 
     bits = x.view(np.uint32)
@@ -54,12 +57,13 @@ def _bfloat16_bits(x: Any, out: Any, scratch: Any) -> None:
     np.copyto(out, scratch, casting="unsafe")
     nan = np.isnan(x)
     if nan.any():
-        out[nan] = np.where(np.signbit(x[nan]), 0xFFC0, 0x7FC0).astype(np.uint16)
+        out[nan] = 0xFFFF
 
 
 def _float16_bits(x: Any, out: Any, magnitude: Any, scratch: Any) -> None:
-    """float32 ``x`` rounded to float16 (nearest, ties to even), as raw bits into ``out``; NaN becomes 0x7E00 with
-    ``x``'s sign. ``magnitude`` and ``scratch`` are uint32 arrays of ``x``'s length.
+    """float32 ``x`` rounded to float16 (nearest, ties to even), as raw bits into ``out``; NaN is quieted
+    with its sign and top payload bits kept, as ``vcvtps2ph`` (torch's vectorised cast) does. ``magnitude``
+    and ``scratch`` are uint32 arrays of ``x``'s length.
 
     From the bits, not numpy's ``astype``: numpy's cast raises the underflow flag one element at a time, which
     makes values below float16's normal range (optimizer moments, small biases) 20x slower (27 s/GB against
@@ -85,7 +89,8 @@ def _float16_bits(x: Any, out: Any, magnitude: Any, scratch: Any) -> None:
         scratch[small] = sums.view(np.uint32) - np.uint32(0x3F000000)
     if magnitude.max() >= _F16_INF:  # 65536 and above, inf, NaN
         big = magnitude >= _F16_INF
-        scratch[big] = np.where(magnitude[big] > 0x7F800000, 0x7E00, 0x7C00)
+        wide = magnitude[big]
+        scratch[big] = np.where(wide > 0x7F800000, 0x7E00 | ((wide >> 13) & 0x3FF), 0x7C00)
     np.right_shift(bits, 16, out=magnitude)
     np.bitwise_and(magnitude, 0x8000, out=magnitude)
     np.bitwise_or(scratch, magnitude, out=scratch)

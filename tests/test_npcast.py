@@ -51,12 +51,14 @@ def as_float(bits: np.ndarray, target: str) -> np.ndarray:
     return bits.view(npcast.storage_dtype(target))
 
 
-def assert_same(ours: np.ndarray, theirs: np.ndarray, target: str) -> None:
+def assert_same(ours: np.ndarray, theirs: np.ndarray, target: str, *, nan_bits: bool = True) -> None:
     width = {"float64": np.uint64, "float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}[target]
     ours_bits, theirs_bits = ours.view(width), theirs.view(width)
     nan_ours, nan_theirs = np.isnan(as_float(ours_bits, target)), np.isnan(as_float(theirs_bits, target))
     assert np.array_equal(nan_ours, nan_theirs)
-    differ = np.flatnonzero((ours_bits != theirs_bits) & ~nan_theirs)
+    # NaN bits too, as torch's vectorised loop writes them; its scalar loop casts the last few elements otherwise
+    body = (np.arange(len(ours_bits)) < len(ours_bits) - 32) & nan_bits
+    differ = np.flatnonzero((ours_bits != theirs_bits) & (~nan_theirs | body))
     assert differ.size == 0, f"{differ.size} values differ, first at {differ[:5]}: {ours_bits[differ[:5]]} vs {theirs_bits[differ[:5]]}"
 
 
@@ -67,7 +69,8 @@ def test_cast_is_bit_equal_to_torch(source: str, target: str, clamp: bool) -> No
     with np.errstate(all="ignore"):
         ours = npcast.cast(x, source, target, clamp=clamp)
     assert ours.dtype == npcast.storage_dtype(target)
-    assert_same(ours, torch_bits(x, source, target, clamp), target)
+    # torch's casts from float16 go through other loops (a signalling NaN quieted on widening, 0x7FC0 for bfloat16)
+    assert_same(ours, torch_bits(x, source, target, clamp), target, nan_bits=source != "float16")
 
 
 def test_reused_buffers_give_each_chunk_its_own_result() -> None:
