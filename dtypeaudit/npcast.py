@@ -118,6 +118,9 @@ class Caster:
         self._limit = limit if clamp and limit < _LARGEST[source] else None
 
     def __call__(self, x: Any) -> Any:
+        return self._cast(x)
+
+    def _cast(self, x: Any) -> Any:
         import numpy as np
 
         n = len(x)
@@ -153,4 +156,4 @@ class Caster:
 
 def cast(x: Any, source: str, target: str, *, clamp: bool = False) -> Any:
     """A new array: ``x`` (``source``'s stored form) cast to ``target``'s stored form."""
-    return Caster(source, target, clamp=clamp, capacity=len(x))(x).copy()
+    return Caster(source, target, clamp=clamp, capacity=len(x))._cast(x).copy()

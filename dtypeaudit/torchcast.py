@@ -68,6 +68,9 @@ class Caster:
         self._diff = torch.empty(step, dtype=src)
         self._scale = torch.empty(step, dtype=src)
         self._limit = float(torch.finfo(dst).max) if clamp and torch.finfo(dst).max < torch.finfo(src).max else None
+        # Clamped in the source's dtype, as torch.clamp, except bfloat16: it cannot hold float16's 65504 (it
+        # rounds to 65536, which the cast makes inf), so it is clamped widened to float32, as npcast clamps.
+        self._clamped = torch.empty(step if self._limit is not None else 0, dtype=torch.float32 if src == torch.bfloat16 else src)
         self._tiny = float(torch.finfo(src).tiny)
         self.stats = stats
 
@@ -75,8 +78,9 @@ class Caster:
         n = x.numel()
         y = self._out[:n]
         if self._limit is not None:
-            clamped = self._torch.clamp(x, -self._limit, self._limit, out=self._diff[:n])
-            y.copy_(clamped)
+            clamped = self._clamped[:n]
+            clamped.copy_(x)
+            y.copy_(clamped.clamp_(-self._limit, self._limit))
         else:
             y.copy_(x)
         if self.stats is not None and n:

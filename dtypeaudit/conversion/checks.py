@@ -146,9 +146,14 @@ def units_to_cast(
     return units
 
 
+def blocking_values(plan: Plan) -> dict[str, ValueStats]:
+    """The units whose values block the cast as planned (``--clamp`` excuses overflow, not NaN/Inf or underflow)."""
+    return {u: s for u, s in plan.values.items() if s.unsafe and not (plan.clamp and not s.nonfinite and not _underflow_blocks(s))}
+
+
 def apply_value_policy(plan: Plan, *, keep_unsafe: bool) -> list[ValueStats]:
     """With --keep-unsafe, unsafe units stay as they are; returns the unsafe units left blocking."""
-    unsafe = {u: s for u, s in plan.values.items() if s.unsafe and not (plan.clamp and not s.nonfinite and not _underflow_blocks(s))}
+    unsafe = blocking_values(plan)
     if not unsafe:
         return []
     if not keep_unsafe:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import dtypes
+from .. import dtypes, npcast, torchcast
 from ..errors import ConversionError, UsageError
 from ..formats import directory as hfdir
 from ..formats.pickleout import Persistent, dumps
@@ -18,9 +18,10 @@ from ..formats.picklevm import Global, Opaque
 from ..formats.torchpickle import TensorRef, children, is_optimizer_state, torch_vm
 from ..formats.zipwrite import StoredZipWriter, crc32
 from ..inventory import Format, Inventory, Span, TensorRecord
-from ..torchcast import Caster
-from ..values import CHUNK_BYTES, ValueStats
+from ..npcast import Caster
+from ..values import CHUNK_BYTES, ValueStats, measures_errors
 from .atomic import Writeback, flushing
+from .checks import is_training_state
 from .modeldir import config_with_dtype, copy_beside_weights, file_mode, write_index
 from .plan import Plan, TensorPlan, unit_of
 from .source import MappedCheckpoint, Progress, contiguous_span, materialize
@@ -53,7 +54,8 @@ def stream_cast(
     tensor: TensorRecord | None = None,
 ) -> None:
     """Write ``span`` (or, when None, ``tensor``, a view gathered first) cast from ``dtype`` to ``target``
-    into ``sink`` a chunk at a time, folding the cast's errors into ``stats``."""
+    into ``sink`` a chunk at a time, folding the cast's errors into ``stats`` where the value checks do not
+    measure them (see ``casts_with_numpy``)."""
     itemsize = dtypes.get(dtype).itemsize
     if span is not None and dtype == target:
         for start in range(0, span.length, COPY_CHUNK_BYTES):
@@ -62,24 +64,83 @@ def stream_cast(
             if progress:
                 progress(len(piece))
         return
+    if span is not None and casts_with_numpy(dtype, target, stats):
+        _numpy_cast(src, span, dtype, target, sink, progress, clamp=clamp)
+        return
     if span is not None:
         numel = span.length // itemsize
         pieces = iter(src.tensor_at(dtype, numel, span.offset).split(max(1, CHUNK_BYTES // itemsize)) if numel else ())
     else:
         assert tensor is not None
         pieces = iter(materialize(src, tensor).reshape(-1).split(max(1, CHUNK_BYTES // itemsize)))
-    cast = Caster(dtype, target, clamp=clamp, stats=None if stats is None or stats.errors_measured else stats)
+    cast = torchcast.Caster(dtype, target, clamp=clamp, stats=None if stats is None or stats.errors_measured else stats)
     for x in pieces:
         sink(tensor_bytes(cast(x)))
         if progress:
             progress(x.numel() * itemsize)
 
 
-def tensor_bytes(y: Any) -> memoryview:
-    """A tensor's bytes, as the file stores them (its elements in order, native little-endian)."""
-    import torch
+def casts_with_numpy(dtype: str, target: str, stats: ValueStats | None = None) -> bool:
+    """Whether the writer casts a contiguous ``dtype`` record to ``target`` with numpy (``npcast``, bit-equal to
+    torch's cast) rather than torch: when npcast casts the pair and nothing is left to measure on the cast
+    (the value checks measure a float32 cast's errors from the bits, see ``values.measures_errors``)."""
+    if dtype not in npcast.CASTS or target not in npcast.CASTS:
+        return False
+    return stats is None or stats.errors_measured or measures_errors(dtype, target)
 
-    return memoryview(y.contiguous().view(torch.uint8).numpy())
+
+def casts_need_torch(plan: Plan, sources: dict[str, MappedCheckpoint]) -> bool:
+    """Whether writing ``plan`` needs torch: a cast whose errors the value checks do not measure (the writer
+    measures them on torch's cast), or a view that must be gathered (``materialize``); a plain conversion
+    (float32 weights to float16 or bfloat16) needs none."""
+    for p in plan.tensors:
+        t = p.tensor
+        if p.action == "drop":
+            continue
+        if t.layout != "strided" or contiguous_span(sources[t.file], t) is None:
+            return True
+        if t.dtype == p.target:
+            continue
+        if t.dtype not in npcast.CASTS or p.target not in npcast.CASTS:
+            return True
+        if not is_training_state(t) and not measures_errors(t.dtype, p.target):  # a checked unit: see check_values
+            return True
+    return False
+
+
+def _numpy_cast(
+    src: MappedCheckpoint,
+    span: Span,
+    dtype: str,
+    target: str,
+    sink: Callable[[bytes | memoryview], None],
+    progress: Progress | None,
+    *,
+    clamp: bool,
+) -> None:
+    import numpy as np
+
+    stored = npcast.storage_dtype(dtype)
+    numel = span.length // stored.itemsize
+    step = max(1, CHUNK_BYTES // stored.itemsize)
+    caster = Caster(dtype, target, clamp=clamp, capacity=min(step, numel))
+    for start in range(0, numel, step):
+        count = min(step, numel - start)
+        x = np.frombuffer(src.mm, stored, count, span.offset + start * stored.itemsize)
+        with np.errstate(over="ignore", invalid="ignore"):
+            sink(tensor_bytes(caster(x)))
+        if progress:
+            progress(count * stored.itemsize)
+
+
+def tensor_bytes(y: Any) -> memoryview:
+    """A cast chunk's bytes (a numpy array or a torch tensor), as the file stores them: its elements in order,
+    native little-endian."""
+    if hasattr(y, "numpy"):  # a torch tensor
+        import torch
+
+        return memoryview(y.contiguous().view(torch.uint8).numpy())
+    return memoryview(y).cast("B")
 
 
 def _walk_graph(obj: Any, visit: Callable[[Persistent], None]) -> None:
