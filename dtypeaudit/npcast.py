@@ -72,8 +72,10 @@ def _float16_bits(x: Any, out: Any, magnitude: Any, scratch: Any) -> None:
     else:
         np.copyto(out, np.right_shift(bits, np.uint32(16)) & np.uint32(0x8000), casting="unsafe")
     np.bitwise_or(out, scratch, out=out, casting="unsafe")
-    if n and (int(magnitude.min()) < _F16_NORMAL_FROM or int(magnitude.max()) >= _F16_INF_FROM):
-        odd = np.flatnonzero((magnitude < _F16_NORMAL_FROM) | (magnitude >= _F16_INF_FROM))
+    beyond = n and int(magnitude.max()) >= _F16_INF_FROM
+    if n and (beyond or int(magnitude.min()) < _F16_NORMAL_FROM):
+        small = np.less(magnitude, np.uint32(_F16_NORMAL_FROM))
+        odd = np.flatnonzero(small | np.greater_equal(magnitude, np.uint32(_F16_INF_FROM)) if beyond else small)
         if len(odd) > n // 4:
             np.copyto(out.view(np.float16), x, casting="unsafe")
         else:
