@@ -6,6 +6,7 @@ import json
 import math
 import os
 import struct
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -123,7 +124,7 @@ def _numpy_cast(
     stored = npcast.storage_dtype(dtype)
     numel = span.length // stored.itemsize
     step = max(1, CHUNK_BYTES // stored.itemsize)
-    caster = Caster(dtype, target, clamp=clamp, capacity=min(step, numel))
+    caster = _caster(dtype, target, clamp)
     for start in range(0, numel, step):
         count = min(step, numel - start)
         x = np.frombuffer(src.mm, stored, count, span.offset + start * stored.itemsize)
@@ -131,6 +132,19 @@ def _numpy_cast(
             sink(tensor_bytes(caster(x)))
         if progress:
             progress(count * stored.itemsize)
+
+
+_casters = threading.local()
+
+
+def _caster(dtype: str, target: str, clamp: bool) -> Caster:
+    """One caster per cast and thread, its chunk buffers reused from record to record (fresh ones cost page
+    faults each time; a thread of its own, because conversions may run side by side in threads under Dask)."""
+    mine: dict[tuple[str, str, bool], Caster] = _casters.__dict__.setdefault("by_cast", {})
+    key = (dtype, target, clamp)
+    if key not in mine:
+        mine[key] = Caster(dtype, target, clamp=clamp, capacity=max(1, CHUNK_BYTES // npcast.storage_dtype(dtype).itemsize))
+    return mine[key]
 
 
 def tensor_bytes(y: Any) -> memoryview:
