@@ -65,7 +65,7 @@ def stream_cast(
             if progress:
                 progress(len(piece))
         return
-    if span is not None and casts_with_numpy(dtype, target, stats):
+    if span is not None and casts_with_numpy(dtype, target, errors_wanted=stats is not None and not stats.errors_measured):
         _numpy_cast(src, span, dtype, target, sink, progress, clamp=clamp)
         return
     if span is not None:
@@ -81,13 +81,14 @@ def stream_cast(
             progress(x.numel() * itemsize)
 
 
-def casts_with_numpy(dtype: str, target: str, stats: ValueStats | None = None) -> bool:
+def casts_with_numpy(dtype: str, target: str, *, errors_wanted: bool) -> bool:
     """Whether the writer casts a contiguous ``dtype`` record to ``target`` with numpy (``npcast``, bit-equal to
-    torch's cast) rather than torch: when npcast casts the pair and nothing is left to measure on the cast
-    (the value checks measure a float32 cast's errors from the bits, see ``values.measures_errors``)."""
+    torch's cast) rather than torch: when npcast casts the pair and, where the cast's errors are wanted, the
+    value checks measure them from the bits (float32's, see ``values.measures_errors``); torch's cast measures
+    the others as it is made."""
     if dtype not in npcast.CASTS or target not in npcast.CASTS:
         return False
-    return stats is None or stats.errors_measured or measures_errors(dtype, target)
+    return not errors_wanted or measures_errors(dtype, target)
 
 
 def casts_need_torch(plan: Plan, sources: dict[str, MappedCheckpoint]) -> bool:
@@ -100,11 +101,8 @@ def casts_need_torch(plan: Plan, sources: dict[str, MappedCheckpoint]) -> bool:
             continue
         if t.layout != "strided" or contiguous_span(sources[t.file], t) is None:
             return True
-        if t.dtype == p.target:
-            continue
-        if t.dtype not in npcast.CASTS or p.target not in npcast.CASTS:
-            return True
-        if not is_training_state(t) and not measures_errors(t.dtype, p.target):  # a checked unit: see check_values
+        # the value checks give every cast weight its statistics (training state goes unchecked: check_values)
+        if t.dtype != p.target and not casts_with_numpy(t.dtype, p.target, errors_wanted=not is_training_state(t)):
             return True
     return False
 
