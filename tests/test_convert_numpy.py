@@ -156,3 +156,22 @@ def test_unsafe_values_are_told_before_an_existing_output(tmp_path: Path, monkey
         convert(safe, "fp16", output=existing)
     assert existing.read_bytes() == b"keep me"
     assert _listing(tmp_path) == ["existing.pt", "m.pt", "safe.pt"]
+
+
+def test_an_abandoned_write_leaves_no_note_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The safetensors writer notes a tie kept as an alias; a write abandoned for --keep-unsafe is made again,
+    # and a refused one is not made at all: each says it once, or not at all.
+    _checks_see(monkeypatch, tmp_path)
+    w = _weights()
+    w["head.weight"] = w["layer1.weight"]  # tied: one storage under two names
+    w["scales"] = torch.linspace(-2, 2, 64)
+    w["scales"][3] = 1e6
+    src = tmp_path / "tied.pt"
+    torch.save(w, src)
+    refused = convert(src, "fp16", output=tmp_path / "refused.safetensors")
+    assert refused.unsafe and not any("stored once" in n for n in refused.plan.notes)
+    kept = convert(src, "fp16", output=tmp_path / "kept.safetensors", keep_unsafe=True)
+    assert kept.output == tmp_path / "kept.safetensors"
+    assert sum("stored once" in n for n in kept.plan.notes) == 1
+    got = load_file(tmp_path / "kept.safetensors")
+    assert got["scales"].dtype == torch.float32 and torch.equal(got["layer1.weight"], w["layer1.weight"].half())

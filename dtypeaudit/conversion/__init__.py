@@ -277,6 +277,7 @@ def _written_while_checking(
     """
     pending = ExitStack()
     deferred: list[DtypeAuditError] = []
+    notes = list(plan.notes)  # a writer's notes (ties kept as aliases) belong to an output that is kept
 
     def write() -> None:
         try:
@@ -293,6 +294,7 @@ def _written_while_checking(
         pending.__exit__(_Abandoned, _Abandoned(), None)
         for src in sources.values():
             src.forget_rewrite()
+        plan.notes[:] = notes
         return False
     if deferred:
         raise deferred[0]
