@@ -50,12 +50,12 @@ _F16_INF_FROM = 0x477FF000
 _F16_ROUND = (0xFFF - (112 << 23)) & 0xFFFFFFFF
 
 
-def _float16_bits(x: Any, out: Any, magnitude: Any, scratch: Any) -> None:
+def _float16_bits(x: Any, out: Any, magnitude: Any, scratch: Any, mask: Any) -> None:
     """float32 ``x`` rounded to float16 (nearest, ties to even) as raw bits into ``out``, as numpy's and torch's
     casts give it. numpy's own cast is scalar without AVX-512 (about 1.3 s/GB here); on the bits, as c10's
     ``fp16_ieee_from_fp32_value`` does for normal values, it is a few SIMD passes (about 0.5 s/GB). Values whose
     float16 is not a finite normal (zeros, subnormals, overflow, NaN: few in weights) go through numpy's cast.
-    ``magnitude`` and ``scratch`` are uint32 arrays of ``x``'s length."""
+    ``magnitude`` and ``scratch`` are uint32 arrays of ``x``'s length, ``mask`` a bool one."""
     import numpy as np
 
     n = len(x)
@@ -72,14 +72,14 @@ def _float16_bits(x: Any, out: Any, magnitude: Any, scratch: Any) -> None:
     else:
         np.copyto(out, np.right_shift(bits, np.uint32(16)) & np.uint32(0x8000), casting="unsafe")
     np.bitwise_or(out, scratch, out=out, casting="unsafe")
-    beyond = n and int(magnitude.max()) >= _F16_INF_FROM
-    if n and (beyond or int(magnitude.min()) < _F16_NORMAL_FROM):
-        small = np.less(magnitude, np.uint32(_F16_NORMAL_FROM))
-        odd = np.flatnonzero(small | np.greater_equal(magnitude, np.uint32(_F16_INF_FROM)) if beyond else small)
-        if len(odd) > n // 4:
-            np.copyto(out.view(np.float16), x, casting="unsafe")
-        else:
-            out[odd] = x[odd].astype(np.float16).view(np.uint16)
+    # The others, in one comparison: below the normal range, ``magnitude - _F16_NORMAL_FROM`` wraps around past
+    # the range's width.
+    np.subtract(magnitude, np.uint32(_F16_NORMAL_FROM), out=scratch)
+    odd = np.flatnonzero(np.greater_equal(scratch, np.uint32(_F16_INF_FROM - _F16_NORMAL_FROM), out=mask))
+    if len(odd) > n // 4:
+        np.copyto(out.view(np.float16), x, casting="unsafe")
+    elif len(odd):
+        out[odd] = x[odd].astype(np.float16).view(np.uint16)
 
 
 def _bfloat16_bits(x: Any, out: Any, scratch: Any) -> None:
@@ -116,6 +116,7 @@ class Caster:
         self._f32 = np.empty(capacity, np.float32)
         self._scratch = np.empty(capacity, np.uint32)
         self._magnitude = np.empty(capacity if target == "float16" else 0, np.uint32)
+        self._mask = np.empty(capacity if target == "float16" else 0, np.bool_)
         limit = _LARGEST[target]
         self._limit = limit if clamp and limit < _LARGEST[source] else None
 
@@ -150,7 +151,7 @@ class Caster:
                 if self.target == "float32":
                     np.copyto(out, x)
                 elif self.target == "float16":
-                    _float16_bits(x, out.view(np.uint16), self._magnitude[:n], self._scratch[:n])
+                    _float16_bits(x, out.view(np.uint16), self._magnitude[:n], self._scratch[:n], self._mask[:n])
                 else:
                     _bfloat16_bits(x, out, self._scratch[:n])
         return out
