@@ -21,7 +21,6 @@ in bfloat16 rounds 65504 to 65536, which the cast to float16 makes inf).
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 # The numpy dtype that holds each torch dtype's bytes: bfloat16 as its raw 16 bits.
@@ -29,7 +28,6 @@ _STORAGE = {"float64": "float64", "float32": "float32", "float16": "float16", "b
 CASTS = frozenset(_STORAGE)
 """The dtypes this module casts between (any pair)."""
 
-_LITTLE_ENDIAN = sys.byteorder == "little"
 _F32_MAX = 3.4028234663852886e38
 _LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": _F32_MAX, "float64": float("inf")}
 
@@ -50,28 +48,29 @@ _F16_INF_FROM = 0x477FF000
 _F16_ROUND = (0xFFF - (112 << 23)) & 0xFFFFFFFF
 
 
-def _float16_bits(x: Any, out: Any, magnitude: Any, scratch: Any, mask: Any) -> None:
+def _float16_bits(x: Any, out: Any, copy: Any, magnitude: Any, scratch: Any, mask: Any) -> None:
     """float32 ``x`` rounded to float16 (nearest, ties to even) as raw bits into ``out``, as numpy's and torch's
     casts give it. numpy's own cast is scalar without AVX-512 (about 1.3 s/GB here); on the bits, as c10's
-    ``fp16_ieee_from_fp32_value`` does for normal values, it is a few SIMD passes (about 0.5 s/GB). Values whose
-    float16 is not a finite normal (zeros, subnormals, overflow, NaN: few in weights) go through numpy's cast.
-    ``magnitude`` and ``scratch`` are uint32 arrays of ``x``'s length, ``mask`` a bool one."""
+    ``fp16_ieee_from_fp32_value`` does for normal values, it is a dozen SIMD passes (about 1 s/GB: see
+    benchmarks/CONVERT.md). Values whose float16 is not a finite normal (zeros, subnormals, overflow, NaN: few in
+    weights) go through numpy's cast. ``copy``, ``magnitude`` and ``scratch`` are uint32 arrays of ``x``'s
+    length, ``mask`` a bool one."""
     import numpy as np
 
     n = len(x)
-    bits = x.view(np.uint32)
-    np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=magnitude)
+    # One pass over ``x`` (a mapped file's page-cache pages cost the most to touch), the others over the copy.
+    np.copyto(copy, x.view(np.uint32))
+    np.bitwise_and(copy, np.uint32(0x7FFFFFFF), out=magnitude)
     # bits + 0xFFF + (bit 13 of bits) rounds the top 19 bits to nearest even; then drop the 13 low bits.
     np.right_shift(magnitude, np.uint32(13), out=scratch)
     np.bitwise_and(scratch, np.uint32(1), out=scratch)
     np.add(scratch, np.uint32(_F16_ROUND), out=scratch)
     np.add(scratch, magnitude, out=scratch)
     np.right_shift(scratch, np.uint32(13), out=scratch)
-    if _LITTLE_ENDIAN:  # the sign is bit 15 of each value's high 16-bit half
-        np.bitwise_and(x.view(np.uint16)[1::2], np.uint16(0x8000), out=out)
-    else:
-        np.copyto(out, np.right_shift(bits, np.uint32(16)) & np.uint32(0x8000), casting="unsafe")
-    np.bitwise_or(out, scratch, out=out, casting="unsafe")
+    np.right_shift(copy, np.uint32(16), out=copy)  # the sign, from bit 31 to bit 15
+    np.bitwise_and(copy, np.uint32(0x8000), out=copy)
+    np.bitwise_or(scratch, copy, out=scratch)
+    np.copyto(out, scratch, casting="unsafe")
     # The others, in one comparison: below the normal range, ``magnitude - _F16_NORMAL_FROM`` wraps around past
     # the range's width.
     np.subtract(magnitude, np.uint32(_F16_NORMAL_FROM), out=scratch)
@@ -116,6 +115,7 @@ class Caster:
         self._f32 = np.empty(capacity, np.float32)
         self._scratch = np.empty(capacity, np.uint32)
         self._magnitude = np.empty(capacity if target == "float16" else 0, np.uint32)
+        self._copy = np.empty(capacity if target == "float16" else 0, np.uint32)
         self._mask = np.empty(capacity if target == "float16" else 0, np.bool_)
         limit = _LARGEST[target]
         self._limit = limit if clamp and limit < _LARGEST[source] else None
@@ -151,7 +151,8 @@ class Caster:
                 if self.target == "float32":
                     np.copyto(out, x)
                 elif self.target == "float16":
-                    _float16_bits(x, out.view(np.uint16), self._magnitude[:n], self._scratch[:n], self._mask[:n])
+                    f16 = (self._copy[:n], self._magnitude[:n], self._scratch[:n], self._mask[:n])
+                    _float16_bits(x, out.view(np.uint16), *f16)
                 else:
                     _bfloat16_bits(x, out, self._scratch[:n])
         return out
