@@ -1,5 +1,6 @@
-"""torch's cast, a chunk at a time: the one place conversion loads torch to make the bytes it writes
-(float32 to float16/bfloat16 errors are measured before writing by values.py; the others here, as cast).
+"""torch's cast, a chunk at a time: the one place conversion loads torch to make the bytes it writes, for the
+casts whose errors are measured as they are made (float64, bfloat16 and float16 sources) and views that must be
+gathered; float32 to float16/bfloat16 is npcast's (its errors measured before writing by values.py).
 """
 
 from __future__ import annotations
