@@ -17,6 +17,7 @@ Also timed: ``convert --dry-run`` (the metadata-only plan), ``convert --dry-run 
     python benchmarks/bench_convert.py                     # both sizes, 5 rounds, files under /tmp
     python benchmarks/bench_convert.py --sizes 1.5 --repeat 3
     python benchmarks/bench_convert.py --clean             # delete the checkpoints at the end
+    python benchmarks/bench_convert.py --before /tmp/old   # also convert with an export of an earlier commit
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def compare(src: Path, work: Path, repeat: int, *, convert_only: bool = False) -> None:
+def compare(src: Path, work: Path, repeat: int, *, convert_only: bool = False, before: Path | None = None) -> None:
     out, naive_out, copy_out = work / "convspeed_ours.pt", work / "convspeed_naive.pt", work / "convspeed_copy.pt"
     dtypeaudit = [python(), "-m", "dtypeaudit"]
     commands: dict[str, tuple[list[str], Path | None]] = {
@@ -56,6 +57,10 @@ def compare(src: Path, work: Path, repeat: int, *, convert_only: bool = False) -
     }
     if convert_only:  # a build without --check-values (the figures before this change)
         commands = {k: v for k, v in commands.items() if v[1] is not None}
+    if before is not None:  # another tree's dtypeaudit (an export of an earlier commit), interleaved with this one
+        before_out = work / "convspeed_before.pt"
+        cmd = ["env", f"PYTHONPATH={before}", *dtypeaudit, "convert", str(src), "--to", "fp16", "-o", str(before_out)]
+        commands["convert (--before tree)"] = (cmd, before_out)
     outputs = [o for _, o in commands.values() if o is not None]
     runs: dict[str, list[Run]] = {label: [] for label in commands}
     for _ in range(repeat):
@@ -69,8 +74,8 @@ def compare(src: Path, work: Path, repeat: int, *, convert_only: bool = False) -
     for label, rs in runs.items():
         print(f"{label:34}{median([r.wall_s for r in rs]):8.2f}{median([r.cpu_s for r in rs]):8.2f}{max(r.peak_anon_mb for r in rs):14.0f}")
 
-    def ratio(other: str, what: str) -> str:
-        per_round = [getattr(a, what) / getattr(b, what) for a, b in zip(ours, runs[other], strict=True)]
+    def ratio(other: str, what: str, mine: str = "dtypeaudit convert") -> str:
+        per_round = [getattr(a, what) / getattr(b, what) for a, b in zip(runs[mine], runs[other], strict=True)]
         return f"{median(per_round):.3f}x (rounds {min(per_round):.2f}-{max(per_round):.2f})"
 
     print(f"wall / naive               {ratio('naive load + half + save', 'wall_s')}   target <= 0.5x")
@@ -79,6 +84,13 @@ def compare(src: Path, work: Path, repeat: int, *, convert_only: bool = False) -
     print(f"wall / cp                  {ratio('cp', 'wall_s')}   target <= 2x")
     print(f"wall / cp + sync           {ratio('cp + sync', 'wall_s')}   target <= 2x (both durable)")
     print(f"anon / naive               {ratio('naive load + half + save', 'peak_anon_mb')}   target <= 0.25x")
+    if before is not None:
+        earlier = "convert (--before tree)"
+        print(f"before: wall / naive       {ratio('naive load + half + save', 'wall_s', earlier)}")
+        print(f"before: wall / naive + sync {ratio('naive + os.sync()', 'wall_s', earlier)}")
+        print(f"before: cpu  / naive       {ratio('naive load + half + save', 'cpu_s', earlier)}")
+        print(f"before: wall / cp + sync   {ratio('cp + sync', 'wall_s', earlier)}")
+        print(f"after / before: wall {ratio(earlier, 'wall_s')}, cpu {ratio(earlier, 'cpu_s')}")
     if not convert_only:
         print(f"dry-run / scan             {ratio_of(runs, 'convert --dry-run', 'scan')}   (metadata-only plan: scan speed)")
     print()
@@ -96,12 +108,13 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp"), help="where the checkpoints and outputs go")
     parser.add_argument("--convert-only", action="store_true", help="leave out the dry runs and scan")
     parser.add_argument("--clean", action="store_true", help="delete the checkpoints at the end")
+    parser.add_argument("--before", type=Path, help="also time convert from this tree (e.g. `git archive` of an earlier commit)")
     args = parser.parse_args()
     for size in args.sizes:
         hidden, layers = SHAPES[size]
         src = make_transformer_checkpoint(args.dir / f"convspeed_{size.replace('.', 'p')}gb.pt", hidden=hidden, layers=layers)
         try:
-            compare(src, args.dir, args.repeat, convert_only=args.convert_only)
+            compare(src, args.dir, args.repeat, convert_only=args.convert_only, before=args.before)
         finally:
             if args.clean:
                 src.unlink(missing_ok=True)

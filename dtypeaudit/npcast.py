@@ -101,7 +101,7 @@ _F16_NORMAL = 113 << 23  # 2^-14, float16's smallest normal, as float32 bits
 _F16_INF = 143 << 23  # 2^16: every float32 from here on is beyond float16's range
 
 
-class Caster:
+class NumpyCaster:
     """Casts consecutive numpy chunks of ``source`` values (their stored form) to ``target``'s stored form,
     into reused buffers of ``capacity`` elements: the returned array is valid until the next call."""
 
@@ -120,6 +120,9 @@ class Caster:
         self._limit = limit if clamp and limit < _LARGEST[source] else None
 
     def __call__(self, x: Any) -> Any:
+        return self._cast(x)
+
+    def _cast(self, x: Any) -> Any:
         import numpy as np
 
         n = len(x)
@@ -157,4 +160,4 @@ class Caster:
 
 def cast(x: Any, source: str, target: str, *, clamp: bool = False) -> Any:
     """A new array: ``x`` (``source``'s stored form) cast to ``target``'s stored form."""
-    return Caster(source, target, clamp=clamp, capacity=len(x))(x).copy()
+    return NumpyCaster(source, target, clamp=clamp, capacity=len(x))._cast(x).copy()

@@ -1,5 +1,6 @@
-"""torch's cast, a chunk at a time: the one place conversion loads torch to make the bytes it writes
-(float32 to float16/bfloat16 errors are measured before writing by values.py; the others here, as cast).
+"""torch's cast, a chunk at a time: the one place conversion loads torch to make the bytes it writes, for the
+casts whose errors are measured as they are made (float64, bfloat16 and float16 sources) and views that must be
+gathered; float32 to float16/bfloat16 is npcast's (its errors measured before writing by values.py).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def chunks(buffer: Any, dtype: str, offset: int, numel: int, itemsize: int, chun
         yield from frombuffer(buffer, dtype, numel, offset).split(max(1, chunk_bytes // itemsize))
 
 
-class Caster:
+class TorchCaster:
     """torch's cast from ``source`` to ``target`` a chunk at a time, into reused buffers, measuring its errors.
 
     The returned chunk is only valid until the next call: the caller hands its bytes on at once.
@@ -68,6 +69,9 @@ class Caster:
         self._diff = torch.empty(step, dtype=src)
         self._scale = torch.empty(step, dtype=src)
         self._limit = float(torch.finfo(dst).max) if clamp and torch.finfo(dst).max < torch.finfo(src).max else None
+        # Clamped in the source's dtype, as torch.clamp, except bfloat16: it cannot hold float16's 65504 (it
+        # rounds to 65536, which the cast makes inf), so it is clamped widened to float32, as npcast clamps.
+        self._clamped = torch.empty(step if self._limit is not None else 0, dtype=torch.float32 if src == torch.bfloat16 else src)
         self._tiny = float(torch.finfo(src).tiny)
         self.stats = stats
 
@@ -75,8 +79,9 @@ class Caster:
         n = x.numel()
         y = self._out[:n]
         if self._limit is not None:
-            clamped = self._torch.clamp(x, -self._limit, self._limit, out=self._diff[:n])
-            y.copy_(clamped)
+            clamped = self._clamped[:n]
+            clamped.copy_(x)
+            y.copy_(clamped.clamp_(-self._limit, self._limit))
         else:
             y.copy_(x)
         if self.stats is not None and n:

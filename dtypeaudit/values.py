@@ -3,8 +3,8 @@
 Under round-to-nearest-even, whether a float32 becomes inf, zero or a subnormal in float16, and how far
 rounding moves it in float16 or bfloat16, depend only on its bit pattern. So the range checks and the
 cast's errors are thresholds and integer arithmetic on the bits (numpy, a few SIMD passes over a
-chunk, no torch). The cast itself is torch's (torchcast.py), because the bytes written must be
-exactly torch's cast; tests/test_values.py holds every figure here against it.
+chunk, no torch). The cast itself is npcast's (bit-equal to torch's) or, where its errors must be measured
+as it is made, torch's (torchcast.py); tests/test_values.py holds every figure here against torch's own cast.
 
 Storages are read through mmap a chunk at a time into reused buffers, so memory stays bounded by a
 chunk, not the checkpoint. Large checks run in a child process (see ``start_value_checks``).

@@ -322,8 +322,8 @@ def test_verification_catches_a_wrong_write(tmp_path: Path, monkeypatch: pytest.
 
     src = tmp_path / "m.pt"
     torch.save({"w": torch.randn(8)}, src)
-    real = conv.Caster.__call__
-    monkeypatch.setattr(conv.Caster, "__call__", lambda self, x: real(self, x) + 1)
+    real = conv.NumpyCaster.__call__
+    monkeypatch.setattr(conv.NumpyCaster, "__call__", lambda self, x: real(self, x) + 1)
     with pytest.raises(ConversionError, match="differs from torch's cast of the source"):
         convert(src, "fp16")
     assert not (tmp_path / "m.fp16.pt").exists()

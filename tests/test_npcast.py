@@ -75,21 +75,57 @@ def test_cast_is_bit_equal_to_torch(source: str, target: str, clamp: bool) -> No
 
 def test_reused_buffers_give_each_chunk_its_own_result() -> None:
     x = float32_boundaries()[: 3 * 4096]
-    caster = npcast.Caster("float32", "bfloat16", capacity=4096)
+    caster = npcast.NumpyCaster("float32", "bfloat16", capacity=4096)
     pieces = [caster(x[i : i + 4096]).copy() for i in range(0, len(x), 4096)]
     assert_same(np.concatenate(pieces), torch_bits(x, "float32", "bfloat16", False), "bfloat16")
     assert len(caster(x[:10])) == 10
 
 
+@pytest.mark.parametrize("clamp", [False, True], ids=["plain", "clamp"])
+@pytest.mark.parametrize("source", ["float32", "bfloat16", "float64"])
+def test_float16_from_mostly_normal_chunks_with_a_few_special_values(source: str, clamp: bool) -> None:
+    # Chunks of weights: float16-normal values (cast on the bits) with a few zeros, subnormals, values that round
+    # up to the smallest normal or to inf, overflow, inf and NaN among them (cast by numpy, in place).
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(1 << 16) * rng.choice([1e-3, 1.0, 300.0], 1 << 16)).astype(np.float32)
+    special = np.array(
+        [
+            0.0,
+            -0.0,
+            1e-8,
+            -3e-6,
+            2.0**-25,
+            2.0**-14,
+            np.float32(2.0**-14) - np.float32(2.0**-38),
+            65504.0,
+            65519.99,
+            65520.0,
+            -65520.0,
+            1e6,
+            np.inf,
+            -np.inf,
+            np.nan,
+        ],
+        np.float32,
+    )
+    x[rng.choice(len(x), 400, replace=False)] = rng.choice(special, 400)
+    x[::4096] = special[np.arange(len(x[::4096])) % len(special)]
+    values = {"float32": x, "float64": x.astype(np.float64), "bfloat16": (x.view(np.uint32) >> 16).astype(np.uint16)}[source]
+    caster = npcast.NumpyCaster(source, "float16", clamp=clamp, capacity=4096)
+    with np.errstate(all="ignore"):
+        ours = np.concatenate([caster(values[i : i + 4096]).copy() for i in range(0, len(values), 4096)])
+    assert_same(ours, torch_bits(values, source, "float16", clamp), "float16")
+
+
 def test_refuses_a_dtype_it_does_not_cast() -> None:
     with pytest.raises(ValueError, match="no numpy cast from int8"):
-        npcast.Caster("int8", "float16", capacity=1)
+        npcast.NumpyCaster("int8", "float16", capacity=1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["float16", "bfloat16"])
 def test_every_float32_value(target: str) -> None:
-    caster = npcast.Caster("float32", target, capacity=1 << 24)
+    caster = npcast.NumpyCaster("float32", target, capacity=1 << 24)
     for start in range(0, 1 << 32, 1 << 24):
         x = np.arange(start, start + (1 << 24), dtype=np.uint64).astype(np.uint32).view(np.float32)
         with np.errstate(all="ignore"):

@@ -12,7 +12,7 @@ import torch
 
 import dtypeaudit.values as values
 from dtypeaudit.conversion import convert
-from dtypeaudit.torchcast import Caster
+from dtypeaudit.torchcast import TorchCaster
 from dtypeaudit.values import ValueCheck, ValueStats, count_nonfinite, float32_chunks
 
 
@@ -135,7 +135,7 @@ def test_caster_is_torchs_cast_and_measures_its_errors(source: str, target: str)
     x[:100] = 0
     x[100] = 1e-9  # underflows in float16: relative error 1
     stats = ValueStats("t", source, target)
-    cast = Caster(source, target, clamp=False, stats=stats)
+    cast = TorchCaster(source, target, clamp=False, stats=stats)
     step = values.CHUNK_BYTES // x.element_size()
     pieces = [cast(piece).clone() for piece in x.split(step)]
     y = torch.cat(pieces)
@@ -149,7 +149,7 @@ def test_caster_is_torchs_cast_and_measures_its_errors(source: str, target: str)
 def test_relative_error_without_underflow_is_measured_exactly() -> None:
     x = torch.tensor([1.0 + 2**-12, 3.0, 1000.1, -7.3e-3])
     stats = ValueStats("t", "float32", "float16")
-    Caster("float32", "float16", clamp=False, stats=stats)(x)
+    TorchCaster("float32", "float16", clamp=False, stats=stats)(x)
     y = x.half().float()
     assert stats.max_rel_error == float(((y - x).abs() / x.abs()).max()) and 0 < stats.max_rel_error < 1e-3
 
@@ -157,7 +157,7 @@ def test_relative_error_without_underflow_is_measured_exactly() -> None:
 def test_clamped_cast_measures_finite_errors() -> None:
     x = torch.tensor([1.0, 1e6, -float("inf"), 2.0])
     stats = ValueStats("t", "float32", "float16")
-    y = Caster("float32", "float16", clamp=True, stats=stats)(x)
+    y = TorchCaster("float32", "float16", clamp=True, stats=stats)(x)
     assert y.tolist() == [1.0, 65504.0, -65504.0, 2.0]
     assert stats.max_abs_error == 1e6 - 65504 and math.isclose(stats.max_rel_error, (1e6 - 65504) / 1e6, rel_tol=1e-6)
 
@@ -192,7 +192,7 @@ def bit_errors(x: torch.Tensor, target: str, clamp: bool) -> tuple[float, float]
 
 def torch_errors(x: torch.Tensor, target: str, clamp: bool) -> tuple[float, float]:
     stats = ValueStats("t", "float32", target)
-    cast = Caster("float32", target, clamp=clamp, stats=stats)
+    cast = TorchCaster("float32", target, clamp=clamp, stats=stats)
     for piece in x.split(values.CHUNK_BYTES // 4):
         cast(piece)
     return stats.max_abs_error, stats.max_rel_error

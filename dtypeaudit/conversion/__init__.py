@@ -7,8 +7,8 @@ Memory stays bounded by a chunk (a tensor, for non-contiguous views into safeten
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,11 +23,11 @@ from ..policy import Policy
 from ..torchcast import load_torch, one_thread
 from ..values import ValueStats, measures_errors
 from .atomic import atomic_output, check_destination, default_output, flushing
-from .checks import apply_value_policy, check_values, measure_errors, units_to_cast, value_findings
+from .checks import apply_value_policy, blocking_values, check_values, measure_errors, units_to_cast, value_findings
 from .plan import Plan, TensorPlan, make_plan, plan_findings, unit_of
 from .source import MappedCheckpoint, Progress, open_sources
 from .verify import verify
-from .write import parse_size, strip_keys, strip_notes, write_directory, write_file
+from .write import casts_need_torch, parse_size, strip_keys, strip_notes, write_directory, write_file
 
 
 @dataclass
@@ -214,11 +214,34 @@ def convert(
         if dry_run and not read_values:  # metadata only: no value is read, torch is not even imported
             return Result(plan, None, [], dry_run=True, values_read=False)
         check_progress = (lambda total: progress_factory("checking values", total)) if progress_factory else None
-        # torch's import overlaps the checks when a cast will follow: always before a write, and on a dry run
-        # only for the casts whose errors numpy cannot measure from the bits (float64's)
         casts = units_to_cast(plan, sources).values()
-        torch_next = bool(casts) and (not dry_run or any(not measures_errors(dtype, target) for _, dtype, _, _, target in casts))
-        check_values(plan, sources, check_progress, meanwhile=load_torch if torch_next else None)
+        with_torch = plan.casts_with_torch = casts_need_torch(plan, sources)
+
+        def written() -> AbstractContextManager[None]:
+            return _written_and_verified(
+                plan,
+                src_path,
+                sources,
+                dest,
+                out_format,
+                force=force,
+                in_place=in_place,
+                progress_factory=progress_factory,
+                max_shard_size=max_shard_size,
+                materialize_ties=materialize_ties,
+            )
+
+        if not dry_run and not with_torch:
+            # numpy makes every byte: the output is written (and verified) while the value checks run in
+            # their child, on the other core, and renamed into place only if they block nothing
+            if _written_while_checking(plan, sources, check_progress, written):
+                return Result(plan, dest, [])
+        else:
+            # torch's import overlaps the checks when a cast will need it: before a write, and on a dry run
+            # only for the casts whose errors numpy cannot measure from the bits (float64's)
+            float64 = any(not measures_errors(dtype, target) for _, dtype, _, _, target in casts)
+            torch_next = bool(casts) and (float64 if dry_run else with_torch)
+            check_values(plan, sources, check_progress, meanwhile=load_torch if torch_next else None)
         unsafe = apply_value_policy(plan, keep_unsafe=keep_unsafe)
         if keep_unsafe:
             plan = _hold_unsafe(plan, inv, to, options, sources)
@@ -228,29 +251,96 @@ def convert(
             measure_errors(plan, sources)
         if dry_run or unsafe:
             return Result(plan, None, unsafe, dry_run=dry_run)
-        stack.enter_context(one_thread())  # the casts and verification's recasts (see one_thread)
-        check_destination(src_path, dest, force=force, in_place=in_place)
-        total = sum(p.tensor.nbytes for p in plan.tensors if p.action != "drop")
-        progress = progress_factory("writing", total) if progress_factory else None
-        if out_format == Format.HF_DIRECTORY:
-            with atomic_output(dest, mode_from=src_path, is_dir=True) as tmp:
-                write_directory(
-                    plan,
-                    src_path,
-                    sources,
-                    tmp,
-                    progress=progress,
-                    max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
-                )
-        else:
-            ((label, src),) = sources.items()
-            with atomic_output(dest, mode_from=src_path) as tmp:
-                written = write_file(
-                    plan, src, tmp, out_format, strip=plan.stripped.get(label, ()), progress=progress, materialize_ties=materialize_ties
-                )
-                with flushing(tmp):
-                    verify(tmp, written)
+        plan.casts_with_torch = casts_need_torch(plan, sources)
+        if plan.casts_with_torch:
+            stack.enter_context(one_thread())  # torch's casts and verification's recasts (see one_thread)
+        with written():
+            pass
     return Result(plan, dest, [])
+
+
+class _Abandoned(Exception):
+    """Thrown into a speculative output whose values turned out to block it: the temporary is removed."""
+
+
+def _written_while_checking(
+    plan: Plan,
+    sources: dict[str, MappedCheckpoint],
+    check_progress: Callable[[int], Progress] | None,
+    written: Callable[[], AbstractContextManager[None]],
+) -> bool:
+    """Check the values while ``written()`` writes and verifies; True when it was renamed into place.
+
+    False when the values block (or, with --keep-unsafe, change) the plan: the written temporary is removed and
+    the caller goes on as after any value check. An error of the write (an existing output, non-tensor content
+    for safetensors) is raised only once the values are known not to block, so that the values' verdict comes
+    first, as when the write follows the checks.
+    """
+    pending = ExitStack()
+    deferred: list[DtypeAuditError] = []
+    notes = list(plan.notes)  # a writer's notes (ties kept as aliases) belong to an output that is kept
+
+    def write() -> None:
+        try:
+            pending.enter_context(written())
+        except DtypeAuditError as exc:
+            deferred.append(exc)
+
+    try:
+        check_values(plan, sources, check_progress, meanwhile=write)
+    except BaseException as exc:
+        pending.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    if blocking_values(plan):
+        pending.__exit__(_Abandoned, _Abandoned(), None)
+        for src in sources.values():
+            src.forget_rewrite()
+        plan.notes[:] = notes
+        return False
+    if deferred:
+        raise deferred[0]
+    pending.close()  # fsync and rename into place
+    return True
+
+
+@contextmanager
+def _written_and_verified(
+    plan: Plan,
+    src_path: Path,
+    sources: dict[str, MappedCheckpoint],
+    dest: Path,
+    out_format: Format,
+    *,
+    force: bool,
+    in_place: bool,
+    progress_factory: Callable[[str, int], Progress] | None,
+    max_shard_size: str | None,
+    materialize_ties: bool,
+) -> Iterator[None]:
+    """Write ``plan``'s output to a temporary beside ``dest`` and verify it; on leaving, fsync and rename it into place."""
+    check_destination(src_path, dest, force=force, in_place=in_place)
+    total = sum(p.tensor.nbytes for p in plan.tensors if p.action != "drop")
+    progress = progress_factory("writing", total) if progress_factory else None
+    if out_format == Format.HF_DIRECTORY:
+        with atomic_output(dest, mode_from=src_path, is_dir=True) as tmp:
+            write_directory(
+                plan,
+                src_path,
+                sources,
+                tmp,
+                progress=progress,
+                max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
+            )
+            yield
+    else:
+        ((label, src),) = sources.items()
+        with atomic_output(dest, mode_from=src_path) as tmp:
+            record = write_file(
+                plan, src, tmp, out_format, strip=plan.stripped.get(label, ()), progress=progress, materialize_ties=materialize_ties
+            )
+            with flushing(tmp):
+                verify(tmp, record)
+            yield
 
 
 def plan_fails(plan: Plan, policy: Policy | None) -> bool:

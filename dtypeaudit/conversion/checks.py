@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import dtypes
 from ..inventory import Finding, Inventory, Severity, Span, TensorRecord, format_of, unique_tensors
-from ..torchcast import Caster, chunks, load_torch, one_thread
+from ..torchcast import TorchCaster, chunks, load_torch, one_thread
 from ..values import (
     CHILD_MIN_BYTES,
     UNDERFLOW_BLOCK_FRACTION,
@@ -121,7 +121,7 @@ def measure_errors(plan: Plan, sources: dict[str, MappedCheckpoint]) -> None:
         return
     with one_thread():
         for stats, src, dtype, span, target in todo:
-            cast = Caster(dtype, target, clamp=plan.clamp, stats=stats)
+            cast = TorchCaster(dtype, target, clamp=plan.clamp, stats=stats)
             itemsize = dtypes.get(dtype).itemsize
             for x in chunks(src.mm, dtype, span.offset, span.length // itemsize, itemsize):
                 cast(x)
@@ -146,9 +146,14 @@ def units_to_cast(
     return units
 
 
+def blocking_values(plan: Plan) -> dict[str, ValueStats]:
+    """The units whose values block the cast as planned (``--clamp`` excuses overflow, not NaN/Inf or underflow)."""
+    return {u: s for u, s in plan.values.items() if s.unsafe and not (plan.clamp and not s.nonfinite and not _underflow_blocks(s))}
+
+
 def apply_value_policy(plan: Plan, *, keep_unsafe: bool) -> list[ValueStats]:
     """With --keep-unsafe, unsafe units stay as they are; returns the unsafe units left blocking."""
-    unsafe = {u: s for u, s in plan.values.items() if s.unsafe and not (plan.clamp and not s.nonfinite and not _underflow_blocks(s))}
+    unsafe = blocking_values(plan)
     if not unsafe:
         return []
     if not keep_unsafe:

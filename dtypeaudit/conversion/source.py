@@ -42,7 +42,10 @@ class MappedCheckpoint:
         self.path = path
         self.inv = inv
         fh = stack.enter_context(path.open("rb"))
-        self.mm = stack.enter_context(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)) if path.stat().st_size else b""
+        self.mm: mmap.mmap | bytes = b""
+        if path.stat().st_size:
+            self.mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            stack.callback(_unmap, self.mm)
         if isinstance(self.mm, mmap.mmap) and hasattr(mmap, "MADV_SEQUENTIAL"):
             self.mm.madvise(mmap.MADV_SEQUENTIAL)  # read ahead: every pass walks the file front to back
         if inv.metadata.get("byteorder", "little") != "little":
@@ -98,6 +101,20 @@ class MappedCheckpoint:
         buf, pos, prefix, extras = self.main_pickle()
         root, _ = PickleVM(buf, persistent_load=keep_persistent, source=str(self.path)).load(pos)
         return root, prefix, extras
+
+    def forget_rewrite(self) -> None:
+        """Drop the faithful graph a rewrite has changed (an output written while the values were checked, then
+        abandoned), so that the next rewrite interprets the pickle afresh."""
+        self.__dict__.pop("faithful", None)
+
+
+def _unmap(mm: mmap.mmap) -> None:
+    """Close ``mm``, unless a numpy view of it is still alive (an error's traceback holds the frame of a cast
+    or check that was reading it): then the view's owner unmaps it when the traceback is gone."""
+    try:
+        mm.close()
+    except BufferError:
+        pass
 
 
 def contiguous_span(src: MappedCheckpoint, t: TensorRecord) -> Span | None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import dtypes
+from .. import dtypes, npcast
 from ..errors import ConversionError
 from ..formats import read_checkpoint
 from ..formats.zipwrite import crc32
@@ -124,36 +124,56 @@ def _matches_cast(fd: int, span: Span, origin: Origin, clamp: bool) -> bool:
 
     The whole record is covered by the CRC check against what the writer produced; this recomputes
     the cast independently for its first, middle and last 64 KiB, which catches a wrong offset,
-    dtype or clamp without paying for a second full cast.
+    dtype or clamp without paying for a second full cast. The recast is npcast's (bit-equal to torch's,
+    tests/test_npcast.py), so that verifying a plain conversion imports no torch; torch recasts only a view
+    that had to be gathered (``materialize``).
     """
-    import torch
-
-    if origin.dtype == origin.target and origin.span is not None:
-        # A copied record (quantized, complex, ints...): its bytes must be the source's, byte for byte.
-        origin = Origin(origin.src, origin.span, "uint8", "uint8", origin.tensor, origin.names)
-    target = getattr(torch, origin.target)
-
-    def cast(x: Any) -> Any:
-        if clamp and x.dtype != target:
-            limit = float(torch.finfo(target).max)
-            x = torch.clamp(x, -limit, limit)
-        return x.to(target)
-
     if origin.span is None:
-        assert origin.tensor is not None
-        expected = cast(materialize(origin.src, origin.tensor)).reshape(-1).view(torch.uint8)
-        return span.length == expected.numel() and _pread(fd, span.offset, span.length) == expected.numpy().tobytes()
-    itemsize = dtypes.get(origin.dtype).itemsize
-    out_itemsize = dtypes.get(origin.target).itemsize
+        return _matches_gathered(fd, span, origin, clamp)
+    copied = origin.dtype == origin.target  # every other record is a cast between npcast's dtypes (dtypes.CASTABLE)
+    itemsize = 1 if copied else dtypes.get(origin.dtype).itemsize  # a copied record (quantized, ints...): byte for byte
+    out_itemsize = 1 if copied else dtypes.get(origin.target).itemsize
     numel = origin.span.length // itemsize
     if span.length != numel * out_itemsize:
         return False
-    step = max(1, SAMPLE_BYTES // itemsize)
-    starts = sorted({0, (numel // 2) // step * step, max(0, (numel - 1) // step * step)}) if numel else []
-    for first in starts:
-        count = min(step, numel - first)
-        x = origin.src.tensor_at(origin.dtype, count, origin.span.offset + first * itemsize)
+    for first, count in _samples(numel, itemsize):
         got = _pread(fd, span.offset + first * out_itemsize, count * out_itemsize)
-        if got != cast(x).view(torch.uint8).numpy().tobytes():
+        raw = origin.src.bytes_at(origin.span.offset + first * itemsize, count * itemsize)
+        if copied:
+            expected = bytes(raw)
+        else:
+            import numpy as np
+
+            with np.errstate(over="ignore", invalid="ignore"):
+                x = np.frombuffer(raw, npcast.storage_dtype(origin.dtype))
+                expected = npcast.cast(x, origin.dtype, origin.target, clamp=clamp).tobytes()
+        if got != expected:
             return False
     return True
+
+
+def _samples(numel: int, itemsize: int) -> list[tuple[int, int]]:
+    """(first element, count) of the first, middle and last SAMPLE_BYTES of a record of ``numel`` elements."""
+    step = max(1, SAMPLE_BYTES // itemsize)
+    starts = sorted({0, (numel // 2) // step * step, max(0, (numel - 1) // step * step)}) if numel else []
+    return [(first, min(step, numel - first)) for first in starts]
+
+
+def _torch_cast(x: Any, target_name: str, clamp: bool) -> Any:
+    """torch's cast, clamped as npcast clamps (a bfloat16 source widened: bfloat16 cannot hold float16's 65504)."""
+    import torch
+
+    target = getattr(torch, target_name)
+    if clamp and x.dtype != target:
+        limit = float(torch.finfo(target).max)
+        if limit < float(torch.finfo(x.dtype).max):
+            x = torch.clamp(x.float() if x.dtype == torch.bfloat16 else x, -limit, limit)
+    return x.to(target)
+
+
+def _matches_gathered(fd: int, span: Span, origin: Origin, clamp: bool) -> bool:
+    assert origin.tensor is not None
+    import torch
+
+    expected = _torch_cast(materialize(origin.src, origin.tensor), origin.target, clamp).reshape(-1).view(torch.uint8)
+    return span.length == expected.numel() and _pread(fd, span.offset, span.length) == expected.numpy().tobytes()

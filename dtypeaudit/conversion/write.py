@@ -6,11 +6,12 @@ import json
 import math
 import os
 import struct
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import dtypes
+from .. import dtypes, npcast, torchcast
 from ..errors import ConversionError, UsageError
 from ..formats import directory as hfdir
 from ..formats.pickleout import Persistent, dumps
@@ -18,9 +19,10 @@ from ..formats.picklevm import Global, Opaque
 from ..formats.torchpickle import TensorRef, children, is_optimizer_state, torch_vm
 from ..formats.zipwrite import StoredZipWriter, crc32
 from ..inventory import Format, Inventory, Span, TensorRecord
-from ..torchcast import Caster
-from ..values import CHUNK_BYTES, ValueStats
+from ..npcast import NumpyCaster
+from ..values import CHUNK_BYTES, ValueStats, measures_errors
 from .atomic import Writeback, flushing
+from .checks import is_training_state
 from .modeldir import config_with_dtype, copy_beside_weights, file_mode, write_index
 from .plan import Plan, TensorPlan, unit_of
 from .source import MappedCheckpoint, Progress, contiguous_span, materialize
@@ -51,9 +53,11 @@ def stream_cast(
     clamp: bool,
     stats: ValueStats | None = None,
     tensor: TensorRecord | None = None,
+    with_torch: bool = False,
 ) -> None:
     """Write ``span`` (or, when None, ``tensor``, a view gathered first) cast from ``dtype`` to ``target``
-    into ``sink`` a chunk at a time, folding the cast's errors into ``stats``."""
+    into ``sink`` a chunk at a time, folding the cast's errors into ``stats`` where the value checks do not
+    measure them (see ``casts_with_numpy``), unless the plan casts ``with_torch``."""
     itemsize = dtypes.get(dtype).itemsize
     if span is not None and dtype == target:
         for start in range(0, span.length, COPY_CHUNK_BYTES):
@@ -62,24 +66,105 @@ def stream_cast(
             if progress:
                 progress(len(piece))
         return
+    errors_wanted = stats is not None and not stats.errors_measured
+    if span is not None and not with_torch and casts_with_numpy(dtype, target, errors_wanted=errors_wanted):
+        _numpy_cast(src, span, dtype, target, sink, progress, clamp=clamp)
+        return
     if span is not None:
         numel = span.length // itemsize
         pieces = iter(src.tensor_at(dtype, numel, span.offset).split(max(1, CHUNK_BYTES // itemsize)) if numel else ())
     else:
         assert tensor is not None
         pieces = iter(materialize(src, tensor).reshape(-1).split(max(1, CHUNK_BYTES // itemsize)))
-    cast = Caster(dtype, target, clamp=clamp, stats=None if stats is None or stats.errors_measured else stats)
+    cast = torchcast.TorchCaster(dtype, target, clamp=clamp, stats=None if stats is None or stats.errors_measured else stats)
     for x in pieces:
         sink(tensor_bytes(cast(x)))
         if progress:
             progress(x.numel() * itemsize)
 
 
-def tensor_bytes(y: Any) -> memoryview:
-    """A tensor's bytes, as the file stores them (its elements in order, native little-endian)."""
-    import torch
+def casts_with_numpy(dtype: str, target: str, *, errors_wanted: bool) -> bool:
+    """Whether the writer casts a contiguous ``dtype`` record to ``target`` with numpy (``npcast``, bit-equal to
+    torch's cast) rather than torch: when npcast casts the pair and, where the cast's errors are wanted, the
+    value checks measure them from the bits (float32's, see ``values.measures_errors``); torch's cast measures
+    the others as it is made."""
+    if dtype not in npcast.CASTS or target not in npcast.CASTS:
+        return False
+    return not errors_wanted or measures_errors(dtype, target)
 
-    return memoryview(y.contiguous().view(torch.uint8).numpy())
+
+# CPU seconds per GB of source that npcast's casts take here (no AVX-512: numpy has no vector float16 cast), and
+# what importing torch takes; torch then casts float32 to float16 at ~0.08 s/GB (F16C). benchmarks/CONVERT.md.
+NUMPY_CAST_S_PER_GB = {"float16": 1.0, "bfloat16": 0.4, "float32": 0.3}
+TORCH_IMPORT_S = 2.3
+
+
+def casts_need_torch(plan: Plan, sources: dict[str, MappedCheckpoint]) -> bool:
+    """Whether writing ``plan`` needs torch: a cast whose errors the value checks do not measure (the writer
+    measures them on torch's cast), a view that must be gathered (``materialize``), or casts so many that
+    numpy's would cost more CPU than importing torch (past ~2.5 GB of float32 to float16). A plain conversion
+    of a smaller checkpoint (float32 weights to float16 or bfloat16) needs none."""
+    numpy_seconds = 0.0
+    for p in plan.tensors:
+        t = p.tensor
+        if p.action == "drop":
+            continue
+        if t.layout != "strided" or contiguous_span(sources[t.file], t) is None:
+            return True
+        # the value checks give every cast weight its statistics (training state goes unchecked: check_values)
+        if t.dtype != p.target:
+            if not casts_with_numpy(t.dtype, p.target, errors_wanted=not is_training_state(t)):
+                return True
+            numpy_seconds += t.nbytes / 1e9 * NUMPY_CAST_S_PER_GB.get(p.target, 1.0)
+    return numpy_seconds > TORCH_IMPORT_S
+
+
+def _numpy_cast(
+    src: MappedCheckpoint,
+    span: Span,
+    dtype: str,
+    target: str,
+    sink: Callable[[bytes | memoryview], None],
+    progress: Progress | None,
+    *,
+    clamp: bool,
+) -> None:
+    import numpy as np
+
+    stored = npcast.storage_dtype(dtype)
+    numel = span.length // stored.itemsize
+    step = max(1, CHUNK_BYTES // stored.itemsize)
+    caster = _caster(dtype, target, clamp)
+    for start in range(0, numel, step):
+        count = min(step, numel - start)
+        x = np.frombuffer(src.mm, stored, count, span.offset + start * stored.itemsize)
+        with np.errstate(over="ignore", invalid="ignore"):
+            sink(tensor_bytes(caster(x)))
+        if progress:
+            progress(count * stored.itemsize)
+
+
+_casters = threading.local()
+
+
+def _caster(dtype: str, target: str, clamp: bool) -> NumpyCaster:
+    """One caster per cast and thread, its chunk buffers reused from record to record (fresh ones cost page
+    faults each time; a thread of its own, because conversions may run side by side in threads under Dask)."""
+    mine: dict[tuple[str, str, bool], NumpyCaster] = _casters.__dict__.setdefault("by_cast", {})
+    key = (dtype, target, clamp)
+    if key not in mine:
+        mine[key] = NumpyCaster(dtype, target, clamp=clamp, capacity=max(1, CHUNK_BYTES // npcast.storage_dtype(dtype).itemsize))
+    return mine[key]
+
+
+def tensor_bytes(y: Any) -> memoryview:
+    """A cast chunk's bytes (a numpy array or a torch tensor), as the file stores them: its elements in order,
+    native little-endian."""
+    if hasattr(y, "numpy"):  # a torch tensor
+        import torch
+
+        return memoryview(y.contiguous().view(torch.uint8).numpy())
+    return memoryview(y).cast("B")
 
 
 def _walk_graph(obj: Any, visit: Callable[[Persistent], None]) -> None:
@@ -245,7 +330,9 @@ def write_torch_zip(
             target = storage_target[key]
             size = span.length // dtypes.get(dtype).itemsize * dtypes.get(target).itemsize
             with zf.member(f"{prefix}data/{key}", size) as write:
-                stream_cast(src, span, dtype, target, write, progress, clamp=plan.clamp, stats=stats_of.get(key))
+                stream_cast(
+                    src, span, dtype, target, write, progress, clamp=plan.clamp, stats=stats_of.get(key), with_torch=plan.casts_with_torch
+                )
             writeback()
             written.crcs[key] = zf.crcs[f"{prefix}data/{key}"]
             written.origins[key] = Origin(src, span, dtype, target, names=tuple(names_of.get(key, ())))
@@ -324,7 +411,9 @@ def _write_safetensors_file(
             t = p.tensor
             sink = _crc_sink(fh.write, written.crcs, t.name)
             stats = plan.values.get(unit_of(t))
-            stream_cast(src, span, t.dtype, p.target, sink, progress, clamp=plan.clamp, stats=stats, tensor=t)
+            stream_cast(
+                src, span, t.dtype, p.target, sink, progress, clamp=plan.clamp, stats=stats, tensor=t, with_torch=plan.casts_with_torch
+            )
             written.origins[t.name] = Origin(src, span, t.dtype, p.target, t, names=(t.name,))
             writeback()
     return written

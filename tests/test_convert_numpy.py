@@ -1,0 +1,195 @@
+"""convert casts with numpy (npcast) and writes while the value checks run: no torch for a plain conversion,
+the same refusals and outputs as when the write followed the checks, and --clamp of bfloat16 saturating."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import dtypeaudit.conversion.checks as conversion_checks
+from dtypeaudit.conversion import convert
+from dtypeaudit.errors import ConversionError
+
+from .helpers import ROOT
+
+
+def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = {f"layer{i}.weight": torch.randn(64, 64, generator=g) * 0.02 for i in range(3)}
+    w["layer0.weight"][0, :4] = torch.tensor([0.0, -0.0, 1e-9, 3e-6])  # zero, underflow and subnormal among normals
+    w["bias"] = torch.zeros(64)
+    return w
+
+
+def test_plain_conversions_import_no_torch(tmp_path: Path) -> None:
+    pt, st = tmp_path / "m.pt", tmp_path / "m.safetensors"
+    torch.save(_weights(), pt)
+    save_file(_weights(1), st)
+    code = (
+        "import sys\n"
+        "from dtypeaudit.conversion import convert\n"
+        "assert convert(sys.argv[1], 'fp16').output is not None\n"
+        "assert convert(sys.argv[2], 'bf16').output is not None\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code, str(pt), str(st)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    for name, t in torch.load(tmp_path / "m.fp16.pt", weights_only=True).items():
+        assert t.dtype == torch.float16 and torch.equal(t, _weights()[name].half()), name
+    for name, t in load_file(tmp_path / "m.bf16.safetensors").items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, _weights(1)[name].bfloat16()), name
+
+
+def test_the_command_line_imports_no_torch_for_a_plain_conversion(tmp_path: Path) -> None:
+    pt = tmp_path / "m.pt"
+    torch.save(_weights(), pt)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "dtypeaudit", "convert", str(pt), "--to", "fp16"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert "numpy" in imported and "torch" not in imported
+    assert torch.equal(torch.load(tmp_path / "m.fp16.pt", weights_only=True)["layer1.weight"], _weights()["layer1.weight"].half())
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_clamping_bfloat16_to_float16_saturates_instead_of_inf(tmp_path: Path, suffix: str) -> None:
+    # bfloat16 cannot hold float16's largest value: 65504 rounds to 65536 there, which float16 makes inf.
+    values = torch.tensor([70000.0, -70000.0, 65536.0, 65504.0, -1e30, 1.0, 0.5]).bfloat16()
+    src = tmp_path / f"m{suffix}"
+    if suffix == ".pt":
+        torch.save({"w": values}, src)
+    else:
+        save_file({"w": values}, src)
+    out = tmp_path / f"out{suffix}"
+    result = convert(src, "fp16", output=out, clamp=True)
+    assert result.output == out and not result.unsafe
+    got = (torch.load(out, weights_only=True) if suffix == ".pt" else load_file(out))["w"]
+    assert got.dtype == torch.float16 and torch.isfinite(got).all()
+    assert got.tolist() == [65504.0, -65504.0, 65504.0, 65504.0, -65504.0, 1.0, 0.5]
+
+
+def _listing(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+def _with_overflow(tmp_path: Path) -> Path:
+    w = _weights()
+    w["scales"] = torch.linspace(-2, 2, 64)
+    w["scales"][3] = 1e6
+    src = tmp_path / "m.pt"
+    torch.save(w, src)
+    return src
+
+
+def _checks_see(monkeypatch: pytest.MonkeyPatch, where: Path) -> list[list[str]]:
+    """Run value checks of any size in their child (as a large checkpoint's are) and record ``where``'s
+    listing at the moment the parent collects the child's results."""
+    monkeypatch.setattr(conversion_checks, "CHILD_MIN_BYTES", 0)
+    seen: list[list[str]] = []
+    real = conversion_checks.finish_value_checks
+
+    def finish(proc: Any, stats: Any, progress: Any) -> bool:
+        seen.append(_listing(where))
+        return real(proc, stats, progress)
+
+    monkeypatch.setattr(conversion_checks, "finish_value_checks", finish)
+    return seen
+
+
+def test_the_output_is_written_while_the_child_checks_and_renamed_after(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "m.pt"
+    torch.save(_weights(), src)
+    seen = _checks_see(monkeypatch, tmp_path)
+    result = convert(src, "fp16")
+    assert result.output == tmp_path / "m.fp16.pt"
+    # when the checks' results were collected, the output existed only as its temporary
+    assert len(seen) == 1 and len(seen[0]) == 2 and "m.pt" in seen[0] and "m.fp16.pt" not in seen[0]
+    assert _listing(tmp_path) == ["m.fp16.pt", "m.pt"]
+
+
+def test_values_found_unsafe_leave_nothing_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = _with_overflow(tmp_path)
+    seen = _checks_see(monkeypatch, tmp_path)
+    result = convert(src, "fp16")
+    assert result.output is None and [s.name for s in result.unsafe] == ["scales"]
+    assert result.unsafe[0].overflow == 1
+    assert len(seen) == 1 and len(seen[0]) == 2  # the write had been made, then abandoned
+    assert _listing(tmp_path) == ["m.pt"]
+
+
+def test_keep_unsafe_rewrites_with_the_unsafe_tensor_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = _with_overflow(tmp_path)
+    _checks_see(monkeypatch, tmp_path)
+    out = tmp_path / "out.pt"
+    result = convert(src, "fp16", output=out, keep_unsafe=True)
+    assert result.output == out and not result.unsafe
+    got, original = torch.load(out, weights_only=True), torch.load(src, weights_only=True)
+    assert got["scales"].dtype == torch.float32 and torch.equal(got["scales"], original["scales"])
+    for name in ("layer0.weight", "layer1.weight", "bias"):
+        assert got[name].dtype == torch.float16 and torch.equal(got[name], original[name].half()), name
+    assert _listing(tmp_path) == ["m.pt", "out.pt"]
+
+
+def test_unsafe_values_are_told_before_an_existing_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _checks_see(monkeypatch, tmp_path)
+    existing = tmp_path / "existing.pt"
+    existing.write_bytes(b"keep me")
+    src = _with_overflow(tmp_path)
+    assert [s.name for s in convert(src, "fp16", output=existing).unsafe] == ["scales"]
+    safe = tmp_path / "safe.pt"
+    torch.save(_weights(), safe)
+    with pytest.raises(ConversionError, match="already exists; pass --force"):
+        convert(safe, "fp16", output=existing)
+    assert existing.read_bytes() == b"keep me"
+    assert _listing(tmp_path) == ["existing.pt", "m.pt", "safe.pt"]
+
+
+def test_an_abandoned_write_leaves_no_note_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The safetensors writer notes a tie kept as an alias; a write abandoned for --keep-unsafe is made again,
+    # and a refused one is not made at all: each says it once, or not at all.
+    _checks_see(monkeypatch, tmp_path)
+    w = _weights()
+    w["head.weight"] = w["layer1.weight"]  # tied: one storage under two names
+    w["scales"] = torch.linspace(-2, 2, 64)
+    w["scales"][3] = 1e6
+    src = tmp_path / "tied.pt"
+    torch.save(w, src)
+    refused = convert(src, "fp16", output=tmp_path / "refused.safetensors")
+    assert refused.unsafe and not any("stored once" in n for n in refused.plan.notes)
+    kept = convert(src, "fp16", output=tmp_path / "kept.safetensors", keep_unsafe=True)
+    assert kept.output == tmp_path / "kept.safetensors"
+    assert sum("stored once" in n for n in kept.plan.notes) == 1
+    got = load_file(tmp_path / "kept.safetensors")
+    assert got["scales"].dtype == torch.float32 and torch.equal(got["layer1.weight"], w["layer1.weight"].half())
+
+
+def test_a_large_plain_conversion_casts_with_torch_and_writes_the_same_bytes(tmp_path: Path, monkeypatch: Any) -> None:
+    """Past the size where numpy's casts cost more CPU than importing torch (``write.TORCH_IMPORT_S``; made zero
+    here, so that this small file counts as large), torch makes every cast: the plan says so, and the bytes are
+    those of numpy's path."""
+    import dtypeaudit.conversion.write as write
+
+    st = tmp_path / "m.safetensors"
+    save_file(_weights(2), st)
+    small = convert(str(st), "fp16", output=str(tmp_path / "numpy.safetensors"))
+    assert not small.plan.casts_with_torch
+    monkeypatch.setattr(write, "TORCH_IMPORT_S", 0.0)
+    large = convert(str(st), "fp16", output=str(tmp_path / "torch.safetensors"))
+    assert large.plan.casts_with_torch
+    assert (tmp_path / "numpy.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
+    for name, t in load_file(tmp_path / "torch.safetensors").items():
+        assert torch.equal(t, _weights(2)[name].half()), name
