@@ -17,7 +17,7 @@ def test_precommit_hook_command_line(tmp_path: Path) -> None:
     import re
 
     files = re.compile(hook["files"])
-    staged = ["sample_models/cnn_fp32.pt", "sample_models/block_bf16.safetensors", "sample_models/make_samples.py", "README.md"]
+    staged = ["sample_models/cnn_fp32.pt", "sample_models/block_bf16.safetensors", "scripts/make_samples.py", "README.md"]
     matched = [f for f in staged if files.search(f)]
     assert matched == ["sample_models/cnn_fp32.pt", "sample_models/block_bf16.safetensors"]
     entry = shlex.split(hook["entry"])

@@ -35,7 +35,7 @@ def test_a_console_that_cannot_show_unicode_gets_ascii(fmt: str, encoding: str) 
     assert proc.returncode == 1, proc.stderr  # cnn_half_converted.pt has an error finding; not 2 (our crash)
     text = proc.stdout.decode("ascii")  # nothing outside ASCII reached the console
     if fmt == "plain":
-        assert text.rstrip().splitlines()[-1] == "FAIL 3 checkpoints: 1 error, 1 info (failing at --fail-on error)"
+        assert text.rstrip().splitlines()[-1] == "FAIL 3 checkpoints: 1 error (failing at --fail-on error)"
         assert "sample_models/block_bf16.safetensors  safetensors  13 tensors - 4.3K elements - 8.4 KiB" in text
     else:
         assert "**failed**: 3 checkpoint(s)" in text

@@ -1,6 +1,6 @@
 """Regenerate the shipped sample checkpoints (a few KB each) with the real writers.
 
-python sample_models/make_samples.py
+python scripts/make_samples.py   # writes into sample_models/ (only checkpoints live there: a scan of it reads them all)
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
 
 
 class TinyCNN(nn.Module):
@@ -50,19 +50,19 @@ def main() -> None:
 
     torch.manual_seed(0)
     # 1. An fp32 CNN with BatchNorm: the common starting point.
-    torch.save(TinyCNN().state_dict(), HERE / "cnn_fp32.pt")
+    torch.save(TinyCNN().state_dict(), SAMPLES / "cnn_fp32.pt")
 
     # 2. A transformer block in bf16 as safetensors, the way hubs ship weights (ties written once).
     block = TinyBlock().to(torch.bfloat16).state_dict()
     save_file(
-        {k: v.contiguous() for k, v in block.items() if k != "lm_head.weight"}, str(HERE / "block_bf16.safetensors"), {"format": "pt"}
+        {k: v.contiguous() for k, v in block.items() if k != "lm_head.weight"}, str(SAMPLES / "block_bf16.safetensors"), {"format": "pt"}
     )
 
     # 3. A half-finished fp16 conversion: one bias was left behind in fp32, the classic
     #    "expected scalar type Half but found Float" at the first forward pass.
     half = TinyCNN().half()
     half.fc.bias.data = half.fc.bias.data.float()
-    torch.save({"model": half.state_dict(), "epoch": 7}, HERE / "cnn_half_converted.pt")
+    torch.save({"model": half.state_dict(), "epoch": 7}, SAMPLES / "cnn_half_converted.pt")
 
 
 if __name__ == "__main__":
