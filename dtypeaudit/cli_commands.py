@@ -435,7 +435,6 @@ def convert(
         from .extras import require
         from .render.convert import refusal_lines, render_json, render_text
 
-        require("torch", "dtypeaudit convert")
         if fmt not in ("text", "json"):
             raise UsageError(f"--format must be text or json, not '{fmt}'")
         if in_place and output is not None:

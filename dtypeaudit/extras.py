@@ -1,8 +1,8 @@
 """The optional parts of the install, and the one line that names the extra a command needs.
 
 ``pip install dtypeaudit`` is the light install: scan, policies, reports and diff, no torch. What runs
-torch (conversion, ``--model``, factories, ``trace``, ``scan --values`` on float64 tensors) is the
-``torch`` extra; ``--cluster`` is the ``dask`` extra.
+torch (conversions numpy cannot make, ``--model``, factories, ``trace``, ``scan --values`` on float64 tensors)
+is the ``torch`` extra; ``--cluster`` is the ``dask`` extra.
 """
 
 from __future__ import annotations

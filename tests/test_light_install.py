@@ -110,6 +110,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     torch.save(net.state_dict(), out["fp32"])
     torch.save({k: v.half() if k.startswith("fc.") else v for k, v in net.state_dict().items()}, out["fp16"])  # fp16-mixed
     torch.save(net.state_dict(), out["legacy"], _use_new_zipfile_serialization=False)
+    out["f64"] = d / "net64.pt"
+    torch.save({k: v.double() for k, v in net.state_dict().items()}, out["f64"])  # only torch measures its cast's errors
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in net.state_dict().items()}, out["st"])
@@ -173,9 +175,8 @@ def _run_full(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("args", "command"),
     [
-        (["convert", "{fp32}", "--to", "fp16"], "convert"),
-        (["convert", "{fp32}", "{st}", "--to", "bf16", "--jobs", "2"], "convert"),
-        (["convert", "{fp32}", "--to", "fp16", "--dry-run"], "convert"),
+        (["convert", "{f64}", "--to", "fp32"], "convert"),
+        (["convert", "{f64}", "--to", "fp16", "--dry-run", "--check-values"], "convert"),
         (["trace", "{factory}:build"], "trace"),
         (["scan", "{fp32}", "--model", "{factory}:build"], "scan"),
         (["scan", "{factory}:build"], "scan"),
@@ -191,6 +192,28 @@ def test_torch_commands_name_the_extra(light: Path, files: dict[str, Path], args
     match = EXTRA_LINE.match(lines[0])
     assert match and match.group(1) == command, lines[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_plain_conversion_needs_no_torch(light: Path, files: dict[str, Path], tmp_path: Path) -> None:
+    """float32 weights to fp16 or bf16 are cast with numpy (npcast, bit-equal to torch's cast): the light install
+    converts them, and the output is what torch's own cast gives; a float64 source names the extra instead."""
+    from safetensors.torch import load_file
+
+    half, bf16 = tmp_path / "net.fp16.pt", tmp_path / "net.bf16.safetensors"
+    proc = _run(light, "convert", str(files["fp32"]), "--to", "fp16", "-o", str(half))
+    assert proc.returncode == 0, proc.stderr
+    assert "verified" in proc.stdout
+    want = torch.load(files["fp32"], weights_only=True)
+    got = torch.load(half, weights_only=True)
+    assert list(got) == list(want) and all(torch.equal(got[k], v.half()) and got[k].dtype == torch.float16 for k, v in want.items())
+    proc = _run(light, "convert", str(files["st"]), "--to", "bf16", "-o", str(bf16))
+    assert proc.returncode == 0, proc.stderr
+    got = load_file(bf16)
+    assert all(torch.equal(got[k], v.bfloat16()) for k, v in load_file(files["st"]).items())
+    dry = _run(light, "convert", str(files["fp32"]), str(files["st"]), "--to", "fp16", "--dry-run", "--jobs", "2")
+    assert dry.returncode == 0, dry.stderr
+    refused = _run(light, "convert", str(files["f64"]), "--to", "fp32", "-o", str(tmp_path / "f32.pt"))
+    assert refused.returncode == 2 and not (tmp_path / "f32.pt").exists()
 
 
 def test_cluster_names_the_dask_extra(light: Path, files: dict[str, Path]) -> None:

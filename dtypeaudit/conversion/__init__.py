@@ -27,7 +27,7 @@ from .checks import apply_value_policy, blocking_values, check_values, measure_e
 from .plan import Plan, TensorPlan, make_plan, plan_findings, unit_of
 from .source import MappedCheckpoint, Progress, open_sources
 from .verify import verify
-from .write import casts_need_torch, parse_size, strip_keys, strip_notes, write_directory, write_file
+from .write import casts_need_torch, parse_size, require_torch, strip_keys, strip_notes, torch_needed_for, write_directory, write_file
 
 
 @dataclass
@@ -215,6 +215,9 @@ def convert(
             return Result(plan, None, [], dry_run=True, values_read=False)
         check_progress = (lambda total: progress_factory("checking values", total)) if progress_factory else None
         casts = units_to_cast(plan, sources).values()
+        needed = torch_needed_for(plan, sources)
+        if needed is not None and not dry_run:
+            require_torch(needed)  # the light install converts what numpy casts; this, before anything is read
         with_torch = plan.casts_with_torch = casts_need_torch(plan, sources)
 
         def written() -> AbstractContextManager[None]:
@@ -241,6 +244,8 @@ def convert(
             # only for the casts whose errors numpy cannot measure from the bits (float64's)
             float64 = any(not measures_errors(dtype, target) for _, dtype, _, _, target in casts)
             torch_next = bool(casts) and (float64 if dry_run else with_torch)
+            if torch_next and dry_run:
+                require_torch("only torch's cast measures the errors of a float64 cast")
             check_values(plan, sources, check_progress, meanwhile=load_torch if torch_next else None)
         unsafe = apply_value_policy(plan, keep_unsafe=keep_unsafe)
         if keep_unsafe:

@@ -225,6 +225,12 @@ def _write_pieces(shard: _Shard, inv: Inventory, sources: dict[str, MappedCheckp
     with ExitStack() as stack:
         if any(uses_torch for _, uses_torch in plans):
             from ..torchcast import one_thread
+            from .write import require_torch
+
+            e = next(e for e, (_, uses_torch) in zip(shard.entries, plans, strict=True) if uses_torch)
+            require_torch(
+                f"dequantizing '{e.name}' ({e.weight.scheme.name})" if e.weight is not None else f"'{e.name}' is a view torch gathers"
+            )
 
             # each task's torch ops on one thread: under load, torch's intra-op threads on a small piece spin
             # far more than they compute

@@ -99,24 +99,43 @@ NUMPY_CAST_S_PER_GB = {"float16": 1.0, "bfloat16": 0.4, "float32": 0.3}
 TORCH_IMPORT_S = 2.3
 
 
-def casts_need_torch(plan: Plan, sources: dict[str, MappedCheckpoint]) -> bool:
-    """Whether writing ``plan`` needs torch: a cast whose errors the value checks do not measure (the writer
-    measures them on torch's cast), a view that must be gathered (``materialize``), or casts so many that
-    numpy's would cost more CPU than importing torch (past ~2.5 GB of float32 to float16). A plain conversion
-    of a smaller checkpoint (float32 weights to float16 or bfloat16) needs none."""
-    numpy_seconds = 0.0
+def torch_needed_for(plan: Plan, sources: dict[str, MappedCheckpoint]) -> str | None:
+    """Why writing ``plan`` needs torch, or None when numpy makes every byte: a view that must be gathered
+    (``materialize``), or a cast whose errors the value checks do not measure (the writer measures them on
+    torch's cast). A plain conversion (float32 weights to float16 or bfloat16) needs none, so the light
+    install converts it."""
     for p in plan.tensors:
         t = p.tensor
         if p.action == "drop":
             continue
         if t.layout != "strided" or contiguous_span(sources[t.file], t) is None:
-            return True
+            return f"'{t.name}' is a view torch gathers"
         # the value checks give every cast weight its statistics (training state goes unchecked: check_values)
-        if t.dtype != p.target:
-            if not casts_with_numpy(t.dtype, p.target, errors_wanted=not is_training_state(t)):
-                return True
-            numpy_seconds += t.nbytes / 1e9 * NUMPY_CAST_S_PER_GB.get(p.target, 1.0)
-    return numpy_seconds > TORCH_IMPORT_S
+        if t.dtype != p.target and not casts_with_numpy(t.dtype, p.target, errors_wanted=not is_training_state(t)):
+            return f"'{t.name}': only torch's cast measures the errors of {t.dtype} to {p.target}"
+    return None
+
+
+def casts_need_torch(plan: Plan, sources: dict[str, MappedCheckpoint]) -> bool:
+    """Whether torch makes the casts: where it must (``torch_needed_for``), or, where torch is installed, when
+    numpy's casts would cost more CPU than importing it (past ~2.5 GB of float32 to float16)."""
+    if torch_needed_for(plan, sources) is not None:
+        return True
+    from ..extras import installed
+
+    numpy_seconds = sum(
+        p.tensor.nbytes / 1e9 * NUMPY_CAST_S_PER_GB.get(p.target, 1.0)
+        for p in plan.tensors
+        if p.action != "drop" and p.tensor.dtype != p.target
+    )
+    return numpy_seconds > TORCH_IMPORT_S and installed("torch")
+
+
+def require_torch(reason: str) -> None:
+    """The one line that names the torch extra, for a conversion that needs torch (``reason`` says why)."""
+    from ..extras import require
+
+    require("torch", f"dtypeaudit convert ({reason})")
 
 
 def _numpy_cast(
