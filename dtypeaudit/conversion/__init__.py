@@ -27,7 +27,17 @@ from .checks import apply_value_policy, blocking_values, check_values, measure_e
 from .plan import Plan, TensorPlan, make_plan, plan_findings, unit_of
 from .source import MappedCheckpoint, Progress, open_sources
 from .verify import verify
-from .write import casts_need_torch, parse_size, require_torch, strip_keys, strip_notes, torch_needed_for, write_directory, write_file
+from .write import (
+    casts_need_torch,
+    parse_size,
+    require_torch,
+    strip_keys,
+    strip_notes,
+    torch_needed_for,
+    torch_pays,
+    write_directory,
+    write_file,
+)
 
 
 @dataclass
@@ -218,7 +228,7 @@ def convert(
         needed = torch_needed_for(plan, sources)
         if needed is not None and not dry_run:
             require_torch(needed)  # the light install converts what numpy casts; this, before anything is read
-        with_torch = plan.casts_with_torch = casts_need_torch(plan, sources)
+        with_torch = plan.casts_with_torch = needed is not None or torch_pays(plan)
 
         def written() -> AbstractContextManager[None]:
             return _written_and_verified(
@@ -250,13 +260,13 @@ def convert(
         unsafe = apply_value_policy(plan, keep_unsafe=keep_unsafe)
         if keep_unsafe:
             plan = _hold_unsafe(plan, inv, to, options, sources)
+            plan.casts_with_torch = casts_need_torch(plan, sources)
             if plan_fails(plan, policy):
                 return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
         if dry_run and not unsafe:
             measure_errors(plan, sources)
         if dry_run or unsafe:
             return Result(plan, None, unsafe, dry_run=dry_run)
-        plan.casts_with_torch = casts_need_torch(plan, sources)
         if plan.casts_with_torch:
             stack.enter_context(one_thread())  # torch's casts and verification's recasts (see one_thread)
         with written():

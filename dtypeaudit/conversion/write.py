@@ -117,10 +117,13 @@ def torch_needed_for(plan: Plan, sources: dict[str, MappedCheckpoint]) -> str | 
 
 
 def casts_need_torch(plan: Plan, sources: dict[str, MappedCheckpoint]) -> bool:
-    """Whether torch makes the casts: where it must (``torch_needed_for``), or, where torch is installed, when
-    numpy's casts would cost more CPU than importing it (past ~2.5 GB of float32 to float16)."""
-    if torch_needed_for(plan, sources) is not None:
-        return True
+    """Whether torch makes the casts: where it must (``torch_needed_for``), or where its import pays."""
+    return torch_needed_for(plan, sources) is not None or torch_pays(plan)
+
+
+def torch_pays(plan: Plan) -> bool:
+    """Whether, torch being installed, numpy's casts of ``plan`` would cost more CPU than importing it (past ~2.5 GB
+    of float32 to float16)."""
     from ..extras import installed
 
     numpy_seconds = sum(

@@ -256,7 +256,8 @@ def group_findings(findings: Iterable[Finding]) -> list[FindingGroup]:
         elif f.file:
             in_files.setdefault((f.severity, f.rule, f.message), []).append(f.file)
         else:
-            loose.setdefault((f.severity, f.rule, "", len(tokens := _TOKEN.findall(f.message))), []).append(tokens)
+            tokens = _TOKEN.findall(f.message)
+            loose.setdefault((f.severity, f.rule, "", len(tokens)), []).append(tokens)
     for (severity, rule, message), files in in_files.items():
         if len(files) > 1:  # the same words about several files: the files are the subjects
             named[(severity, rule, message)] = files
