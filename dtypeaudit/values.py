@@ -7,16 +7,14 @@ chunk, no torch). The cast itself is npcast's (bit-equal to torch's) or, where i
 as it is made, torch's (torchcast.py); tests/test_values.py holds every figure here against torch's own cast.
 
 Storages are read through mmap a chunk at a time into reused buffers, so memory stays bounded by a
-chunk, not the checkpoint. Large checks run in a child process (see ``start_value_checks``).
+chunk, not the checkpoint. ``pieces.py`` folds them piece by piece, on both cores, as the conversion's bytes are made.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
-
-from . import dtypes
 
 CHUNK_BYTES = 1 << 20
 """Source bytes per chunk: small enough that a chunk and its temporaries stay in cache."""
@@ -72,6 +70,24 @@ class ValueStats:
     def unsafe(self) -> bool:
         """Conversion would lose this tensor: overflow, NaN/Inf, or a real share of values flushed to zero."""
         return bool(self.overflow or self.nonfinite or self.underflow_fraction > UNDERFLOW_BLOCK_FRACTION)
+
+    def merge(self, other: ValueStats) -> None:
+        """Fold in the statistics of another part of the same values (a piece made elsewhere): counts add,
+        maxima combine, so parts folded chunk by chunk give what one pass over the same chunks gives."""
+        for name in _SUMMED:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.max_abs_error = max(self.max_abs_error, other.max_abs_error)
+        self.max_rel_error = max(self.max_rel_error, other.max_rel_error)
+        self.errors_measured = self.errors_measured or other.errors_measured
+
+    def to_fields(self) -> list[Any]:
+        """The figures alone, in a fixed order, to cross a process boundary as JSON."""
+        return [getattr(self, name) for name in _STATS_FIELDS]
+
+    @classmethod
+    def from_fields(cls, source: str, target: str, values: list[Any]) -> ValueStats:
+        return cls("", source, target, **dict(zip(_STATS_FIELDS, values, strict=True)))
 
     def problems(self) -> list[str]:
         out = []
@@ -161,13 +177,6 @@ class ValueCheck:
         self._other = np.empty(CHUNK_BYTES // 4, np.uint32)
         self._mask = np.empty(CHUNK_BYTES // 4, np.bool_)
 
-    def run(self, stats: ValueStats, buffer: Any, job: ValueJob, *, clamp: bool, progress: Callable[[int], None] | None = None) -> None:
-        """Fold the whole storage ``job`` names, read from ``buffer`` (its file, mapped), into ``stats``."""
-        for x, original in float32_chunks(buffer, job.dtype, job.offset, job.length // dtypes.get(job.dtype).itemsize):
-            self.fold(stats, x, original, clamp=clamp)
-            if progress:
-                progress(original.nbytes)
-
     def fold(self, stats: ValueStats, x: Any, original: Any, *, clamp: bool = False) -> None:
         np = self._np
         n = len(x)
@@ -177,6 +186,9 @@ class ValueCheck:
         top = int(magnitude.max())
         stats.numel += n
         errors = measures_errors(stats.source, stats.target)
+        if (stats.source, stats.target) in WIDENING:  # exact: no error to measure
+            stats.errors_measured = True
+            errors = False
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf bits pass through, then are left out
             # NaN/Inf and overflow, for every target: a NaN is as lost in bfloat16 as in float16.
             self._fold_specials(stats, magnitude, top, original, clamp)
@@ -316,111 +328,17 @@ class ValueCheck:
         return float(np.divide(error, scale, out=scale).max())
 
 
+WIDENING = frozenset({("float16", "float32"), ("bfloat16", "float32"), ("float16", "float64"), ("bfloat16", "float64"), ("float32", "float64")})
+"""Casts that keep every value exactly: their errors are 0, known without a look."""
+
+
 def measures_errors(source: str, target: str) -> bool:
     """Whether ValueCheck measures this cast's errors (else the writer measures them on torch's cast)."""
-    return source == "float32" and target in ("float16", "bfloat16")
+    return source == "float32" and target in ("float16", "bfloat16") or (source, target) in WIDENING
 
 
-# -- value checks in a child process ---------------------------------------------------------------
-
-CHILD_MIN_BYTES = 64 << 20
-"""Value checks over at least this many bytes run in a child process, beside the parent's torch import."""
-PROGRESS_STEP = 32 << 20
-"""The child reports progress every this many bytes checked."""
 _STATS_FIELDS = tuple(f.name for f in fields(ValueStats) if f.name not in ("name", "source", "target", "findings"))
-
-
-@dataclass(frozen=True)
-class ValueJob:
-    """One storage to check: ``length`` bytes of ``dtype`` at ``offset`` in the file at ``path``, bound for ``target``."""
-
-    unit: str
-    path: str
-    dtype: str
-    target: str
-    offset: int
-    length: int
-
-
-def start_value_checks(jobs: list[ValueJob], *, clamp: bool) -> Any:
-    """Start checking ``jobs`` in a child process (numpy only, no torch); None if it cannot start.
-
-    The value checks and the torch import the cast needs are both about a second on a large
-    checkpoint, and neither needs the other, but both need the GIL; a child puts them on separate cores.
-    """
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if not sys.executable:  # an embedded interpreter cannot start itself
-        return None
-    root = str(Path(__file__).resolve().parent.parent)
-    code = f"import sys; sys.path.insert(0, {root!r}); from dtypeaudit.values import serve_value_checks; serve_value_checks()"
-    request = json.dumps({"clamp": clamp, "jobs": [vars(j) for j in jobs]})
-    try:
-        # stderr is dropped: a failed child only means the checks run in-process, where any real error surfaces
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-        )
-        assert proc.stdin is not None
-        proc.stdin.write(request.encode())
-        proc.stdin.close()
-    except OSError:
-        return None
-    return proc
-
-
-def finish_value_checks(proc: Any, stats: dict[str, ValueStats], progress: Callable[[int], None] | None) -> bool:
-    """Fold the child's results into ``stats``; False if it failed (the caller then checks in-process)."""
-    import json
-
-    assert proc.stdout is not None
-    result = None
-    for line in proc.stdout:
-        kind, _, payload = line.decode().partition(" ")
-        if kind == "progress" and progress:
-            progress(int(payload))
-        elif kind == "result":
-            result = json.loads(payload)
-    if proc.wait() != 0 or not isinstance(result, dict) or set(result) != set(stats):
-        return False
-    for unit, values in result.items():
-        for name, value in zip(_STATS_FIELDS, values, strict=True):
-            setattr(stats[unit], name, value)
-    return True
-
-
-def serve_value_checks() -> None:
-    """The child's side: a JSON request on stdin; ``progress N`` lines, then ``result {...}``, on stdout."""
-    import json
-    import mmap
-    import sys
-
-    request = json.loads(sys.stdin.read())
-    check = ValueCheck()
-    maps: dict[str, Any] = {}
-    out: dict[str, list[float]] = {}
-    unreported = 0
-
-    def report(nbytes: int, *, flush: bool = False) -> None:
-        """A progress line per PROGRESS_STEP bytes checked (a large tensor moves the bar too), and at each job's end."""
-        nonlocal unreported
-        unreported += nbytes
-        if unreported and (flush or unreported >= PROGRESS_STEP):
-            sys.stdout.write(f"progress {unreported}\n")
-            sys.stdout.flush()
-            unreported = 0
-
-    for job in (ValueJob(**j) for j in request["jobs"]):
-        if job.path not in maps:
-            with open(job.path, "rb") as fh:
-                maps[job.path] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        stats = ValueStats(job.unit, job.dtype, job.target)
-        check.run(stats, maps[job.path], job, clamp=request["clamp"], progress=report)
-        out[job.unit] = [getattr(stats, name) for name in _STATS_FIELDS]
-        report(0, flush=True)
-    sys.stdout.write(f"result {json.dumps(out)}\n")
+_SUMMED = ("numel", "nonzero", "nonfinite", "overflow", "underflow", "subnormal")
 
 
 def count_nonfinite(buffer: Any, dtype: str, offset: int, numel: int) -> int:

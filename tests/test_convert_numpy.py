@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dtypeaudit.conversion.checks as conversion_checks
+from dtypeaudit import pieces
 from dtypeaudit.conversion import convert
 from dtypeaudit.errors import ConversionError
 
@@ -96,17 +97,20 @@ def _with_overflow(tmp_path: Path) -> Path:
 
 
 def _checks_see(monkeypatch: pytest.MonkeyPatch, where: Path) -> list[list[str]]:
-    """Run value checks of any size in their child (as a large checkpoint's are) and record ``where``'s
-    listing at the moment the parent collects the child's results."""
-    monkeypatch.setattr(conversion_checks, "CHILD_MIN_BYTES", 0)
+    """Make the bytes on both processes whatever their size (as a large checkpoint's are) and record ``where``'s
+    listing at the moment the value checks' outcome is known."""
+    import dtypeaudit.conversion as conversion
+
+    monkeypatch.setattr(conversion, "CHILD_MIN_BYTES", 0)
+    monkeypatch.setattr(pieces, "CHILD_MIN_BYTES", 0)
     seen: list[list[str]] = []
-    real = conversion_checks.finish_value_checks
+    real = conversion_checks.ValueChecks.outcome
 
-    def finish(proc: Any, stats: Any, progress: Any) -> bool:
+    def outcome(self: Any) -> Any:
         seen.append(_listing(where))
-        return real(proc, stats, progress)
+        return real(self)
 
-    monkeypatch.setattr(conversion_checks, "finish_value_checks", finish)
+    monkeypatch.setattr(conversion_checks.ValueChecks, "outcome", outcome)
     return seen
 
 

@@ -198,7 +198,9 @@ def test_two_shard_safetensors_directory(tmp_path: Path, counts: Counts) -> None
     for shard in shards:
         path, (nbytes, samples, pickles) = str(src / shard), want[shard]
         assert counts.header_bytes[path] == reader[path]
-        assert counts.tensor_bytes[path] == nbytes + samples
+        # bfloat16 to float16: torch's cast measures its errors (as torch does, in bfloat16), so the value checks
+        # read the bytes before it (a cast numpy makes folds them from the same read: see the .bin directory)
+        assert counts.tensor_bytes[path] == 2 * nbytes + samples
         assert counts.pickle_runs[path] == pickles  # the sniffer's probe, by the reader
         assert counts.zip_parses[path] == 0
 
@@ -213,7 +215,7 @@ def test_single_torch_save_file(tmp_path: Path, counts: Counts) -> None:
     convert(src, "fp16", output=out)
     path = str(src)
     assert counts.header_bytes[path] == reader[path]
-    assert counts.tensor_bytes[path] == nbytes + samples
+    assert counts.tensor_bytes[path] == 2 * nbytes + samples  # the checks' read, then torch's cast (see above)
     assert counts.zip_parses[path] == 1
     assert sum(_outside(counts.zip_parses, src).values()) == 1  # the output, read once to verify it
     assert counts.pickle_runs[path] == pickles + 1

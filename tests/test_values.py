@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import dtypeaudit.values as values
+from dtypeaudit import pieces
 from dtypeaudit.conversion import convert
 from dtypeaudit.torchcast import TorchCaster
 from dtypeaudit.values import ValueCheck, ValueStats, count_nonfinite, float32_chunks
@@ -235,6 +236,23 @@ def test_errors_per_value_match_one_by_one() -> None:
             assert bit_errors(x, target, True) == torch_errors(x, target, True), (target, value)
 
 
+def _both_processes(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Share work of any size with the child (as a large checkpoint's is); the children started, recorded."""
+    import dtypeaudit.conversion.checks as checks
+
+    started: list[object] = []
+    real_start = pieces._start_child
+
+    def spy(clamp: bool) -> object:
+        started.append(real_start(clamp))
+        return started[-1]
+
+    monkeypatch.setattr(checks, "CHILD_MIN_BYTES", 0)
+    monkeypatch.setattr(pieces, "CHILD_MIN_BYTES", 0)
+    monkeypatch.setattr(pieces, "_start_child", spy)
+    return started
+
+
 def test_value_checks_in_a_child_process_match_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "m.pt"
     g = torch.Generator().manual_seed(1)
@@ -243,19 +261,17 @@ def test_value_checks_in_a_child_process_match_in_process(tmp_path: Path, monkey
     state["d"] = torch.randn(50, dtype=torch.float64) * 1e-8
     torch.save(state, src)
     inline = convert(src, "fp16", dry_run=True)
-    calls: list[int] = []
-    real_start = values.start_value_checks
+    started = _both_processes(monkeypatch)
+    made_by_child: list[int] = []
+    real_take = pieces._Feeder.run
 
-    def spy(jobs: list[values.ValueJob], *, clamp: bool) -> object:
-        calls.append(len(jobs))
-        return real_start(jobs, clamp=clamp)
+    def counted(self: pieces._Feeder) -> None:
+        real_take(self)
+        made_by_child.append(len(self._made))
 
-    import dtypeaudit.conversion.checks as checks
-
-    monkeypatch.setattr(checks, "CHILD_MIN_BYTES", 0)
-    monkeypatch.setattr(checks, "start_value_checks", spy)
+    monkeypatch.setattr(pieces._Feeder, "run", counted)
     child = convert(src, "fp16", dry_run=True)
-    assert calls == [len(state)]
+    assert len(started) == 1 and made_by_child and made_by_child[0] > 0  # the child made some of the pieces
     assert [vars(s) for s in child.plan.values.values()] == [vars(s) for s in inline.plan.values.values()]
     unsafe = {s.name: s for s in child.unsafe}
     assert set(unsafe) == {"big", "w6", "w7", "d"}  # overflow; more than 1% flushed to zero
@@ -265,24 +281,25 @@ def test_value_checks_in_a_child_process_match_in_process(tmp_path: Path, monkey
 def test_a_failed_child_falls_back_to_checking_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "m.pt"
     torch.save({"w": torch.tensor([1.0, 7e4]), "v": torch.ones(10)}, src)
-    import dtypeaudit.conversion.checks as checks
+    import subprocess
+    import sys
 
-    real_start = values.start_value_checks
-    monkeypatch.setattr(checks, "CHILD_MIN_BYTES", 0)
+    _both_processes(monkeypatch)
     monkeypatch.setattr(
-        checks,
-        "start_value_checks",
-        lambda jobs, clamp: real_start(
-            [values.ValueJob(j.unit, str(tmp_path / "gone.pt"), j.dtype, j.target, j.offset, j.length) for j in jobs], clamp=clamp
-        ),
+        pieces,
+        "_start_child",
+        lambda clamp: subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"], stdin=subprocess.PIPE, stdout=subprocess.PIPE),
     )
     result = convert(src, "fp16", dry_run=True)
     assert [s.name for s in result.unsafe] == ["w"] and result.unsafe[0].overflow == 1
+    written = convert(src, "fp16", clamp=True)  # a write whose child dies: this process makes every piece
+    assert written.output is not None
+    assert torch.equal(torch.load(written.output, weights_only=True)["w"], torch.tensor([1.0, 65504.0]).half())
 
 
-def test_the_child_reports_progress_within_a_large_tensor(tmp_path: Path) -> None:
-    """A bar that only moves when a whole tensor is done sits still for seconds on an embedding: the child
-    reports every PROGRESS_STEP bytes, and the reports add up to exactly the bytes checked."""
+def test_progress_moves_within_a_large_tensor(tmp_path: Path) -> None:
+    """A bar that only moves when a whole tensor is done sits still for seconds on an embedding: progress is
+    reported piece by piece, from both processes, and the reports add up to exactly the bytes checked."""
     import json
     import struct
 
@@ -294,17 +311,30 @@ def test_the_child_reports_progress_within_a_large_tensor(tmp_path: Path) -> Non
     (size,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + size])
     jobs = [
-        values.ValueJob(name, str(src), "float32", "float16", 8 + size + h["data_offsets"][0], h["data_offsets"][1] - h["data_offsets"][0])
+        pieces.Job(str(src), 8 + size + h["data_offsets"][0], h["data_offsets"][1] - h["data_offsets"][0], "float32", "float16", unit=name)
         for name, h in header.items()
         if name != "__metadata__"
     ]
-    proc = values.start_value_checks(jobs, clamp=False)
-    stats = {j.unit: values.ValueStats(j.unit, "float32", "float16") for j in jobs}
+    stats = {j.unit: values.ValueStats(str(j.unit), "float32", "float16") for j in jobs}
     seen: list[int] = []
-    assert values.finish_value_checks(proc, stats, seen.append)
+    view, unmap = pieces.mapped_view()
+    try:
+        with pieces.Workers(clamp=False, view=view, checks=stats, child=True) as workers:
+            workers.run(jobs, progress=seen.append)
+    finally:
+        unmap()
     assert sum(seen) == sum(j.length for j in jobs) == (10 << 20) * 4 + 20
-    assert len(seen) >= (10 << 20) * 4 // values.PROGRESS_STEP + 1
+    assert len(seen) >= (10 << 20) * 4 // (pieces.PIECE_ELEMENTS * 4) + 1
     assert stats["emb"].numel == 10 << 20 and stats["b"].numel == 5 and stats["b"].nonzero == 5
+    whole = values.ValueStats("emb", "float32", "float16")  # the same values, folded in one pass here
+    check = values.ValueCheck()
+    x = torch.frombuffer(
+        bytearray(raw[8 + size + header["emb"]["data_offsets"][0] : 8 + size + header["emb"]["data_offsets"][1]]), dtype=torch.float32
+    ).numpy()
+    for first in range(0, len(x), pieces.CHUNK_ELEMENTS):
+        chunk = x[first : first + pieces.CHUNK_ELEMENTS]
+        check.fold(whole, chunk, chunk)
+    assert vars(stats["emb"]) | {"name": "emb"} == vars(whole)
 
 
 @pytest.mark.parametrize("target", ["float16", "bfloat16"])

@@ -18,12 +18,22 @@ from ..errors import DtypeAuditError, UsageError
 from ..formats import Format, read_checkpoint
 from ..formats.locate import TargetRef, as_target, parse_target
 from ..inventory import Finding, Inventory
+from ..pieces import CHILD_MIN_BYTES, Workers
 from ..pipeline import model_inventory, prepare
 from ..policy import Policy
 from ..torchcast import load_torch, one_thread
 from ..values import ValueStats, measures_errors
 from .atomic import atomic_output, check_destination, default_output, flushing
-from .checks import apply_value_policy, blocking_values, check_values, measure_errors, units_to_cast, value_findings
+from .checks import (
+    ValueChecks,
+    apply_value_policy,
+    blocking_values,
+    check_values,
+    measure_errors,
+    units_to_cast,
+    value_findings,
+    workers_for,
+)
 from .plan import Plan, TensorPlan, make_plan, plan_findings, unit_of
 from .source import MappedCheckpoint, Progress, open_sources
 from .verify import verify
@@ -230,7 +240,7 @@ def convert(
             require_torch(needed)  # the light install converts what numpy casts; this, before anything is read
         with_torch = plan.casts_with_torch = needed is not None or torch_pays(plan)
 
-        def written() -> AbstractContextManager[None]:
+        def written(workers: Workers | None = None) -> AbstractContextManager[None]:
             return _written_and_verified(
                 plan,
                 src_path,
@@ -242,6 +252,7 @@ def convert(
                 progress_factory=progress_factory,
                 max_shard_size=max_shard_size,
                 materialize_ties=materialize_ties,
+                workers=workers,
             )
 
         if not dry_run and not with_torch:
@@ -282,30 +293,36 @@ def _written_while_checking(
     plan: Plan,
     sources: dict[str, MappedCheckpoint],
     check_progress: Callable[[int], Progress] | None,
-    written: Callable[[], AbstractContextManager[None]],
+    written: Callable[[Workers], AbstractContextManager[None]],
 ) -> bool:
-    """Check the values while ``written()`` writes and verifies; True when it was renamed into place.
+    """Write and verify the output, folding the value checks from the chunks the writer casts (``ValueChecks``);
+    True when it was renamed into place.
 
-    False when the values block (or, with --keep-unsafe, change) the plan: the written temporary is removed and
-    the caller goes on as after any value check. An error of the write (an existing output, non-tensor content
-    for safetensors) is raised only once the values are known not to block, so that the values' verdict comes
+    Both cores make the bytes (``pieces.Workers``); units no record covers whole are checked after. False when
+    the values block (or, with --keep-unsafe, change) the plan: the written temporary is removed and the caller
+    goes on as after any value check. An error of the write (an existing output, non-tensor content for
+    safetensors) is raised only once the values are known not to block, so that the values' verdict comes
     first, as when the write follows the checks.
     """
     pending = ExitStack()
     deferred: list[DtypeAuditError] = []
     notes = list(plan.notes)  # a writer's notes (ties kept as aliases) belong to an output that is kept
-
-    def write() -> None:
-        try:
-            pending.enter_context(written())
-        except DtypeAuditError as exc:
-            deferred.append(exc)
-
+    checks = ValueChecks(plan, sources)
+    plan.values = checks.results
+    work = sum(p.tensor.nbytes for p in plan.tensors if p.action != "drop")
     try:
-        check_values(plan, sources, check_progress, meanwhile=write)
+        with workers_for(plan, sources, checks, child=work >= CHILD_MIN_BYTES) as workers:
+            try:
+                pending.enter_context(written(workers))
+            except DtypeAuditError as exc:
+                deferred.append(exc)
+            rest = checks.remaining()  # a record written in parts (a view), or a write refused before its records
+            total = sum(job.length for job in rest)
+            workers.run(rest, progress=check_progress(total) if check_progress and total else None)
     except BaseException as exc:
         pending.__exit__(type(exc), exc, exc.__traceback__)
         raise
+    plan.values = checks.outcome()
     if blocking_values(plan):
         pending.__exit__(_Abandoned, _Abandoned(), None)
         for src in sources.values():
@@ -331,6 +348,7 @@ def _written_and_verified(
     progress_factory: Callable[[str, int], Progress] | None,
     max_shard_size: str | None,
     materialize_ties: bool,
+    workers: Workers | None = None,
 ) -> Iterator[None]:
     """Write ``plan``'s output to a temporary beside ``dest`` and verify it; on leaving, fsync and rename it into place."""
     check_destination(src_path, dest, force=force, in_place=in_place)
@@ -345,13 +363,21 @@ def _written_and_verified(
                 tmp,
                 progress=progress,
                 max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
+                workers=workers,
             )
             yield
     else:
         ((label, src),) = sources.items()
         with atomic_output(dest, mode_from=src_path) as tmp:
             record = write_file(
-                plan, src, tmp, out_format, strip=plan.stripped.get(label, ()), progress=progress, materialize_ties=materialize_ties
+                plan,
+                src,
+                tmp,
+                out_format,
+                strip=plan.stripped.get(label, ()),
+                progress=progress,
+                materialize_ties=materialize_ties,
+                workers=workers,
             )
             with flushing(tmp):
                 verify(tmp, record)

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 
 from .. import dtypes
 from ..inventory import Finding, Inventory, Severity, Span, TensorRecord, format_of, unique_tensors
+from ..pieces import CHILD_MIN_BYTES, Job, Workers
 from ..torchcast import TorchCaster, chunks, load_torch, one_thread
-from ..values import (
-    CHILD_MIN_BYTES,
-    UNDERFLOW_BLOCK_FRACTION,
-    ValueCheck,
-    ValueJob,
-    ValueStats,
-    count_nonfinite,
-    finish_value_checks,
-    measures_errors,
-    start_value_checks,
-)
+from ..values import UNDERFLOW_BLOCK_FRACTION, ValueStats, count_nonfinite, measures_errors
 from .plan import Plan, TensorPlan, make_plan, unit_of
 from .source import MappedCheckpoint, Progress, open_sources
 
@@ -35,6 +26,67 @@ def is_training_state(t: TensorRecord) -> bool:
     return t.region == "model" and t.name.partition(".")[0] in TRAINING_STATE_KEYS
 
 
+class ValueChecks:
+    """The value checks a plan needs, and their statistics as they are folded: every unit cast (its weights;
+    training state goes unchecked, see ``is_training_state``) and the model's floating units written as they
+    are (``units_held``: NaN/Inf in them still blocks). Each unit is folded once, from its whole storage: by
+    the writer that casts or copies exactly those bytes (``claim``), or else by a check alone (``remaining``).
+    """
+
+    def __init__(self, plan: Plan, sources: dict[str, MappedCheckpoint]) -> None:
+        self.results: dict[str, ValueStats] = {}
+        self.held: dict[str, ValueStats] = {}
+        self._where: dict[str, tuple[str, Span, str]] = {}
+        self._unclaimed: dict[tuple[str, int, int], str] = {}
+        for unit, (src, dtype, span, names, target) in units_to_cast(plan, sources, weights_only=True).items():
+            self.results[unit] = ValueStats(", ".join(names), dtype, target)
+            self._add(unit, src, dtype, span)
+        for unit, (src, dtype, span, names) in units_held(plan, sources).items():
+            self.held[unit] = ValueStats(", ".join(names), dtype, dtype)
+            self._add(unit, src, dtype, span)
+
+    def _add(self, unit: str, src: MappedCheckpoint, dtype: str, span: Span) -> None:
+        self._where[unit] = (str(src.path), span, dtype)
+        self._unclaimed[(str(src.path), span.offset, span.length)] = unit
+
+    @property
+    def every(self) -> dict[str, ValueStats]:
+        return {**self.results, **self.held}
+
+    def claim(self, source: str, offset: int, length: int) -> str | None:
+        """The unit whose checks are exactly these source bytes, the first time they are asked for (a writer
+        about to read them all), else None."""
+        return self._unclaimed.pop((source, offset, length), None)
+
+    def remaining(self) -> list[Job]:
+        """A check-only job for every unit no writer claimed."""
+        jobs = []
+        for unit in self._unclaimed.values():
+            source, span, dtype = self._where[unit]
+            jobs.append(Job(source, span.offset, span.length, dtype, self.every[unit].target, unit=unit))
+        self._unclaimed.clear()
+        return jobs
+
+    def outcome(self) -> dict[str, ValueStats]:
+        """``plan.values``: every cast unit's statistics, and the held units that hold NaN/Inf (to block the write)."""
+        results = dict(self.results)
+        results.update((unit, stats) for unit, stats in self.held.items() if stats.nonfinite)
+        return results
+
+
+def workers_for(plan: Plan, sources: Mapping[str, MappedCheckpoint], checks: ValueChecks | None, *, child: bool) -> Workers:
+    """This process and (``child``) one more, making pieces of ``plan``'s bytes from ``sources``, folding
+    ``checks``: the one place a conversion sets its workers up."""
+    by_path = {str(src.path): src for src in sources.values()}  # a writer's are by path already
+    return Workers(
+        clamp=plan.clamp,
+        view=lambda path, offset, length: by_path[path].bytes_at(offset, length),
+        checks=checks.every if checks is not None else {},
+        claim=checks.claim if checks is not None else None,
+        child=child,
+    )
+
+
 def check_values(
     plan: Plan,
     sources: dict[str, MappedCheckpoint],
@@ -45,49 +97,22 @@ def check_values(
     """Before anything is written, from the values' bits and without casting (see values.py): for every
     unit cast, NaN/Inf and overflow; for units bound for float16, underflow and subnormals too; for
     float32 units bound for float16 or bfloat16, the errors the cast will make; for the model's floating
-    units written as they are, NaN/Inf (see ``units_held``).
+    units written as they are, NaN/Inf (see ``ValueChecks``).
 
     Every unit to cast gets its ValueStats here; errors not measured here are measured as the cast is
-    made, by the writer or by ``measure_errors``. ``meanwhile`` (loading torch for the cast) runs while
-    the checks do: large checks go to a child process so that the two share no core. ``progress_for``
-    is given the number of bytes to check (when there are any) and returns the progress callback.
+    made, by the writer or by ``measure_errors``. ``meanwhile`` (loading torch for the cast) runs here while
+    a child starts on the checks (large checks are shared between the two processes: ``pieces.Workers``).
+    ``progress_for`` is given the number of bytes to check (when there are any) and returns the progress callback.
     """
-    results: dict[str, ValueStats] = {}
-    jobs: dict[str, tuple[MappedCheckpoint, ValueJob]] = {}
-    for unit, (src, dtype, span, names, target) in units_to_cast(plan, sources, weights_only=True).items():
-        results[unit] = ValueStats(", ".join(names), dtype, target)
-        jobs[unit] = (src, ValueJob(unit, str(src.path), dtype, target, span.offset, span.length))
-    plan.values = results
-    # Weights written as they are (already the target, or kept) are read for NaN/Inf too: a NaN is
-    # refused whatever the target. Only those that hold one join ``plan.values``, to block the write.
-    held: dict[str, ValueStats] = {}
-    for unit, (src, dtype, span, names) in units_held(plan, sources).items():
-        held[unit] = ValueStats(", ".join(names), dtype, dtype)
-        jobs[unit] = (src, ValueJob(unit, str(src.path), dtype, dtype, span.offset, span.length))
-    every = {**results, **held}
-    to_check = sum(job.length for _, job in jobs.values())
+    checks = ValueChecks(plan, sources)
+    plan.values = checks.results
+    jobs = checks.remaining()
+    to_check = sum(job.length for job in jobs)
     progress = progress_for(to_check) if progress_for and to_check else None
-    child = None
-    if meanwhile is not None and to_check >= CHILD_MIN_BYTES:
-        child = start_value_checks([job for _, job in jobs.values()], clamp=plan.clamp)
-    try:
-        if meanwhile is not None:
-            meanwhile()
-        if child is not None and finish_value_checks(child, every, progress):
-            return _with_held(results, held)
-    finally:
-        if child is not None and child.poll() is None:  # interrupted, or ``meanwhile`` failed: leave no orphan
-            child.kill()
-            child.wait()
-    check = ValueCheck()
-    for unit, (src, job) in jobs.items():
-        check.run(every[unit], src.mm, job, clamp=plan.clamp, progress=progress)
-    return _with_held(results, held)
-
-
-def _with_held(results: dict[str, ValueStats], held: dict[str, ValueStats]) -> dict[str, ValueStats]:
-    results.update((unit, stats) for unit, stats in held.items() if stats.nonfinite)
-    return results
+    with workers_for(plan, sources, checks, child=to_check >= CHILD_MIN_BYTES) as w:
+        w.run(jobs, progress=progress, meanwhile=meanwhile)
+    plan.values = checks.outcome()
+    return plan.values
 
 
 def units_held(plan: Plan, sources: dict[str, MappedCheckpoint]) -> dict[str, tuple[MappedCheckpoint, str, Span, list[str]]]:

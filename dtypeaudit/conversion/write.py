@@ -6,8 +6,9 @@ import json
 import math
 import os
 import struct
-import threading
 from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,68 +20,95 @@ from ..formats.picklevm import Global, Opaque
 from ..formats.torchpickle import TensorRef, children, is_optimizer_state, torch_vm
 from ..formats.zipwrite import StoredZipWriter, crc32
 from ..inventory import Format, Inventory, Span, TensorRecord
-from ..npcast import NumpyCaster
+from ..pieces import Job, Workers
 from ..values import CHUNK_BYTES, ValueStats, measures_errors
-from .atomic import Writeback, flushing
-from .checks import is_training_state
+from .atomic import flushing
+from .checks import is_training_state, workers_for
 from .modeldir import config_with_dtype, copy_beside_weights, file_mode, write_index
 from .plan import Plan, TensorPlan, unit_of
 from .source import MappedCheckpoint, Progress, contiguous_span, materialize
 from .verify import Origin, Written, verify
 
-COPY_CHUNK_BYTES = 8 << 20
-"""Records copied unchanged go through in larger pieces: there is no cast to keep in cache."""
+
+@dataclass(frozen=True)
+class Record:
+    """One record of an output file, written at ``out_offset``: ``span`` of ``src`` cast from ``dtype`` to
+    ``target`` (copied when they are equal), or, with no span, ``tensor``, a view torch gathers first. ``stats``:
+    the unit's statistics, into which torch's cast folds the errors the value checks do not measure."""
+
+    src: MappedCheckpoint
+    span: Span | None
+    dtype: str
+    target: str
+    out_offset: int
+    tensor: TensorRecord | None = None
+    stats: ValueStats | None = None
 
 
-def _crc_sink(sink: Callable[[Any], Any], into: dict[str, int], name: str) -> Callable[[Any], None]:
-    into[name] = 0
+def make_records(records: list[Record], out: Path, plan: Plan, workers: Workers | None, progress: Progress | None) -> list[int]:
+    """Write every record into ``out`` (already laid out: each record's place reserved) and return their
+    CRC-32s. numpy makes what it can (``casts_with_numpy``), piece by piece on both cores (``pieces.Workers``,
+    folding the value checks that claim those bytes); torch the rest, here, one after another."""
+    with_torch = [i for i, r in enumerate(records) if _torch_makes(r, plan)]
+    crcs = [0] * len(records)
+    if with_torch:
+        fd = os.open(out, os.O_WRONLY)
+        try:
+            for i in with_torch:
+                r = records[i]
+                crcs[i] = _torch_cast_into(fd, r, clamp=plan.clamp, progress=progress)
+        finally:
+            os.close(fd)
+    numpy_made = [i for i in range(len(records)) if i not in set(with_torch)]
+    if not numpy_made:
+        return crcs
+    with ExitStack() as stack:
+        if workers is None:
+            workers = stack.enter_context(workers_for(plan, {str(r.src.path): r.src for r in records}, None, child=False))
+        jobs = []
+        for i in numpy_made:
+            r = records[i]
+            assert r.span is not None
+            source = str(r.src.path)
+            unit = workers.unit_of(source, r.span.offset, r.span.length)
+            jobs.append(Job(source, r.span.offset, r.span.length, r.dtype, r.target, str(out), r.out_offset, unit))
+        for i, crc in zip(numpy_made, workers.run(jobs, progress=progress), strict=True):
+            crcs[i] = crc
+    return crcs
 
-    def write(data: Any) -> None:
-        sink(data)
-        into[name] = crc32(data, into[name])
 
-    return write
+def _torch_makes(r: Record, plan: Plan) -> bool:
+    """Whether torch makes a record: a view it gathers, or a cast the plan gives torch (``casts_need_torch``) or
+    numpy cannot make as wanted (``casts_with_numpy``). A copy never needs it."""
+    if r.span is None:
+        return True
+    if r.dtype == r.target:
+        return False
+    errors_wanted = r.stats is not None and not r.stats.errors_measured
+    return plan.casts_with_torch or not casts_with_numpy(r.dtype, r.target, errors_wanted=errors_wanted)
 
 
-def stream_cast(
-    src: MappedCheckpoint,
-    span: Span | None,
-    dtype: str,
-    target: str,
-    sink: Callable[[bytes | memoryview], None],
-    progress: Progress | None,
-    *,
-    clamp: bool,
-    stats: ValueStats | None = None,
-    tensor: TensorRecord | None = None,
-    with_torch: bool = False,
-) -> None:
-    """Write ``span`` (or, when None, ``tensor``, a view gathered first) cast from ``dtype`` to ``target``
-    into ``sink`` a chunk at a time, folding the cast's errors into ``stats`` where the value checks do not
-    measure them (see ``casts_with_numpy``), unless the plan casts ``with_torch``."""
-    itemsize = dtypes.get(dtype).itemsize
-    if span is not None and dtype == target:
-        for start in range(0, span.length, COPY_CHUNK_BYTES):
-            piece = src.bytes_at(span.offset + start, min(COPY_CHUNK_BYTES, span.length - start))
-            sink(piece)
-            if progress:
-                progress(len(piece))
-        return
-    errors_wanted = stats is not None and not stats.errors_measured
-    if span is not None and not with_torch and casts_with_numpy(dtype, target, errors_wanted=errors_wanted):
-        _numpy_cast(src, span, dtype, target, sink, progress, clamp=clamp)
-        return
-    if span is not None:
-        numel = span.length // itemsize
-        pieces = iter(src.tensor_at(dtype, numel, span.offset).split(max(1, CHUNK_BYTES // itemsize)) if numel else ())
+def _torch_cast_into(fd: int, r: Record, *, clamp: bool, progress: Progress | None) -> int:
+    """torch's cast of one record (gathered first when it is a view), written at its place; its CRC-32."""
+    itemsize = dtypes.get(r.dtype).itemsize
+    if r.span is not None:
+        numel = r.span.length // itemsize
+        pieces = iter(r.src.tensor_at(r.dtype, numel, r.span.offset).split(max(1, CHUNK_BYTES // itemsize)) if numel else ())
     else:
-        assert tensor is not None
-        pieces = iter(materialize(src, tensor).reshape(-1).split(max(1, CHUNK_BYTES // itemsize)))
-    cast = torchcast.TorchCaster(dtype, target, clamp=clamp, stats=None if stats is None or stats.errors_measured else stats)
+        assert r.tensor is not None
+        pieces = iter(materialize(r.src, r.tensor).reshape(-1).split(max(1, CHUNK_BYTES // itemsize)))
+    cast = torchcast.TorchCaster(r.dtype, r.target, clamp=clamp, stats=None if r.stats is None or r.stats.errors_measured else r.stats)
+    crc, where = 0, r.out_offset
     for x in pieces:
-        sink(tensor_bytes(cast(x)))
+        data = tensor_bytes(cast(x))
+        crc = crc32(data, crc)
+        while data:
+            n = os.pwrite(fd, data, where)
+            where += n
+            data = data[n:]
         if progress:
             progress(x.numel() * itemsize)
+    return crc
 
 
 def casts_with_numpy(dtype: str, target: str, *, errors_wanted: bool) -> bool:
@@ -139,44 +167,6 @@ def require_torch(reason: str) -> None:
     from ..extras import require
 
     require("torch", f"dtypeaudit convert ({reason})")
-
-
-def _numpy_cast(
-    src: MappedCheckpoint,
-    span: Span,
-    dtype: str,
-    target: str,
-    sink: Callable[[bytes | memoryview], None],
-    progress: Progress | None,
-    *,
-    clamp: bool,
-) -> None:
-    import numpy as np
-
-    stored = npcast.storage_dtype(dtype)
-    numel = span.length // stored.itemsize
-    step = max(1, CHUNK_BYTES // stored.itemsize)
-    caster = _caster(dtype, target, clamp)
-    for start in range(0, numel, step):
-        count = min(step, numel - start)
-        x = np.frombuffer(src.mm, stored, count, span.offset + start * stored.itemsize)
-        with np.errstate(over="ignore", invalid="ignore"):
-            sink(tensor_bytes(caster(x)))
-        if progress:
-            progress(count * stored.itemsize)
-
-
-_casters = threading.local()
-
-
-def _caster(dtype: str, target: str, clamp: bool) -> NumpyCaster:
-    """One caster per cast and thread, its chunk buffers reused from record to record (fresh ones cost page
-    faults each time; a thread of its own, because conversions may run side by side in threads under Dask)."""
-    mine: dict[tuple[str, str, bool], NumpyCaster] = _casters.__dict__.setdefault("by_cast", {})
-    key = (dtype, target, clamp)
-    if key not in mine:
-        mine[key] = NumpyCaster(dtype, target, clamp=clamp, capacity=max(1, CHUNK_BYTES // npcast.storage_dtype(dtype).itemsize))
-    return mine[key]
 
 
 def tensor_bytes(y: Any) -> memoryview:
@@ -303,7 +293,13 @@ def _strip(root: Any, paths: tuple[tuple[str, ...], ...]) -> None:
 
 
 def write_torch_zip(
-    plan: Plan, src: MappedCheckpoint, out: Path, *, strip: tuple[tuple[str, ...], ...], progress: Progress | None
+    plan: Plan,
+    src: MappedCheckpoint,
+    out: Path,
+    *,
+    strip: tuple[tuple[str, ...], ...],
+    progress: Progress | None,
+    workers: Workers | None = None,
 ) -> Written:
     """``strip``: the entries to leave out, as key paths (--strip-optimizer, decided by ``strip_keys`` when planning)."""
     root, prefix, extras = src.faithful  # changed in place below: planning has read it already
@@ -341,23 +337,23 @@ def write_torch_zip(
         if p.action != "drop":
             names_of.setdefault(p.tensor.storage, []).append(p.tensor.name)
     written = Written.planned(plan, sharing=True)
-    with out.open("wb") as fh, Writeback(fh) as writeback:
+    with out.open("wb") as fh:
         zf = StoredZipWriter(fh)
         zf.add(prefix + "data.pkl", dumps(root))
         for name in (".format_version", ".storage_alignment", "byteorder"):
             if name in extras:
                 zf.add(prefix + name, extras[name])
+        records: list[Record] = []
         for key, dtype in keys.items():
             span = src.storage(key)
             target = storage_target[key]
             size = span.length // dtypes.get(dtype).itemsize * dtypes.get(target).itemsize
-            with zf.member(f"{prefix}data/{key}", size) as write:
-                stream_cast(
-                    src, span, dtype, target, write, progress, clamp=plan.clamp, stats=stats_of.get(key), with_torch=plan.casts_with_torch
-                )
-            writeback()
-            written.crcs[key] = zf.crcs[f"{prefix}data/{key}"]
+            records.append(Record(src, span, dtype, target, zf.reserve(f"{prefix}data/{key}", size), stats=stats_of.get(key)))
             written.origins[key] = Origin(src, span, dtype, target, names=tuple(names_of.get(key, ())))
+        fh.flush()  # the records are written beside this file object, at their reserved places
+        for key, crc in zip(keys, make_records(records, out, plan, workers, progress), strict=True):
+            zf.fill(f"{prefix}data/{key}", crc)
+            written.crcs[key] = crc
         for name, data in extras.items():
             if name not in (".format_version", ".storage_alignment", "byteorder"):
                 zf.add(prefix + name, data)
@@ -374,7 +370,13 @@ TIES_NOTE = (
 
 
 def write_safetensors(
-    plan: Plan, src: MappedCheckpoint, out: Path, *, progress: Progress | None, materialize_ties: bool = False
+    plan: Plan,
+    src: MappedCheckpoint,
+    out: Path,
+    *,
+    progress: Progress | None,
+    materialize_ties: bool = False,
+    workers: Workers | None = None,
 ) -> Written:
     """Tensors only; a tensor under several names (tied weights) is written once, the aliases kept in metadata
     and said in a note with the load that restores them, unless ``materialize_ties`` writes a copy per name."""
@@ -382,7 +384,7 @@ def write_safetensors(
         _refuse_non_tensor_content(src)
     meta = dict(src.inv.metadata.get("safetensors_metadata") or {"format": "pt"})  # type: ignore[call-overload]
     items = [(p, src) for p in plan.tensors]
-    written = _write_safetensors_file(items, out, meta, plan, progress=progress, materialize_ties=materialize_ties)
+    written = _write_safetensors_file(items, out, meta, plan, progress=progress, materialize_ties=materialize_ties, workers=workers)
     if written.aliases:
         names = sorted(written.aliases)
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
@@ -403,6 +405,7 @@ def _write_safetensors_file(
     *,
     progress: Progress | None,
     materialize_ties: bool = False,
+    workers: Workers | None = None,
 ) -> Written:
     entries: list[tuple[TensorPlan, MappedCheckpoint, Span | None]] = []
     aliases: dict[str, str] = {}
@@ -427,17 +430,19 @@ def _write_safetensors_file(
         meta["dtypeaudit.aliases"] = json.dumps(aliases, sort_keys=True)
     written = Written.planned(plan)
     written.aliases = aliases
-    with out.open("wb") as fh, Writeback(fh) as writeback:
-        fh.write(safetensors_header([(p.tensor.name, p.target, p.tensor.shape) for p, _, _ in entries], meta))
-        for p, src, span in entries:
-            t = p.tensor
-            sink = _crc_sink(fh.write, written.crcs, t.name)
-            stats = plan.values.get(unit_of(t))
-            stream_cast(
-                src, span, t.dtype, p.target, sink, progress, clamp=plan.clamp, stats=stats, tensor=t, with_torch=plan.casts_with_torch
-            )
-            written.origins[t.name] = Origin(src, span, t.dtype, p.target, t, names=(t.name,))
-            writeback()
+    header = safetensors_header([(p.tensor.name, p.target, p.tensor.shape) for p, _, _ in entries], meta)
+    records: list[Record] = []
+    where = len(header)
+    for p, src, span in entries:
+        t = p.tensor
+        records.append(Record(src, span, t.dtype, p.target, where, t, plan.values.get(unit_of(t))))
+        written.origins[t.name] = Origin(src, span, t.dtype, p.target, t, names=(t.name,))
+        where += p.out_nbytes
+    with out.open("wb") as fh:
+        fh.write(header)
+        fh.truncate(where)  # the records are written beside this file object, at their places
+    for (p, _, _), crc in zip(entries, make_records(records, out, plan, workers, progress), strict=True):
+        written.crcs[p.tensor.name] = crc
     return written
 
 
@@ -488,10 +493,11 @@ def write_file(
     strip: tuple[tuple[str, ...], ...] = (),
     progress: Progress | None,
     materialize_ties: bool = False,
+    workers: Workers | None = None,
 ) -> Written:
     if out_format == Format.SAFETENSORS:
-        return write_safetensors(plan, src, out, progress=progress, materialize_ties=materialize_ties)
-    return write_torch_zip(plan, src, out, strip=strip, progress=progress)
+        return write_safetensors(plan, src, out, progress=progress, materialize_ties=materialize_ties, workers=workers)
+    return write_torch_zip(plan, src, out, strip=strip, progress=progress, workers=workers)
 
 
 def parse_size(text: str) -> int:
@@ -514,6 +520,7 @@ def write_directory(
     *,
     progress: Progress | None,
     max_shard_size: int | None = None,
+    workers: Workers | None = None,
 ) -> None:
     """Every shard converted (or re-packed), config.json's dtype set to ``plan.config_dtype``, every other file
     copied; each file keeps its source's mode. Links are followed where they stay inside the directory or
@@ -523,7 +530,7 @@ def write_directory(
     if max_shard_size is not None:
         if any(src.inv.format != Format.SAFETENSORS for src in sources.values()):
             raise UsageError("--max-shard-size re-shards safetensors directories only")
-        weight_map, total = _reshard(plan, sources, out_dir, max_shard_size, progress)
+        weight_map, total = _reshard(plan, sources, out_dir, max_shard_size, progress, workers)
         shard_mode = file_mode(next(iter(sources.values())).path)
         for name in set(weight_map.values()):
             os.chmod(out_dir / name, shard_mode)
@@ -538,6 +545,7 @@ def write_directory(
                 Format.SAFETENSORS if src.inv.format == Format.SAFETENSORS else Format.TORCH_ZIP,
                 strip=plan.stripped.get(label, ()),
                 progress=progress,
+                workers=workers,
             )
             with flushing(out):
                 verify(out, written)
@@ -550,7 +558,7 @@ def write_directory(
 
 
 def _reshard(
-    plan: Plan, sources: dict[str, MappedCheckpoint], out_dir: Path, limit: int, progress: Progress | None
+    plan: Plan, sources: dict[str, MappedCheckpoint], out_dir: Path, limit: int, progress: Progress | None, workers: Workers | None
 ) -> tuple[dict[str, str], int]:
     """Pack tensors, in order, into shards of at most ``limit`` bytes (a larger tensor gets a shard of its own)."""
     groups: list[list[TensorPlan]] = [[]]
@@ -569,7 +577,7 @@ def _reshard(
         name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         sub = _subplan(plan.source, plan, group)
         items = [(p, sources[original.tensor.file]) for p, original in zip(sub.tensors, group, strict=True)]
-        written = _write_safetensors_file(items, out_dir / name, {"format": "pt"}, sub, progress=progress)
+        written = _write_safetensors_file(items, out_dir / name, {"format": "pt"}, sub, progress=progress, workers=workers)
         with flushing(out_dir / name):
             verify(out_dir / name, written)
         weight_map.update({p.tensor.name: name for p in group})

@@ -45,6 +45,7 @@ class StoredZipWriter:
         self._members: list[_Member] = []
         self.crcs: dict[str, int] = {}
         """Each member's CRC-32 as written, by name, for the caller's record of what it wrote."""
+        self._pending: dict[str, _Member] = {}
 
     def add(self, name: str, data: bytes) -> None:
         with self.member(name, len(data)) as write:
@@ -53,15 +54,8 @@ class StoredZipWriter:
     @contextmanager
     def member(self, name: str, size: int) -> Iterator[Callable[[Any], None]]:
         """Yield a ``write(bytes-like)`` for exactly ``size`` bytes of the member's data."""
-        encoded, flags = _encode(name)
-        offset = self._fh.tell()
-        zip64 = size > ZIP64_LIMIT
-        sizes = struct.pack("<HHQQ", _ZIP64_ID, 16, size, size) if zip64 else b""
-        start = offset + 30 + len(encoded) + len(sizes)
-        pad = (-(start + 4)) % ALIGN  # an extra field of 4 header bytes and ``pad`` filler bytes
-        extra = sizes + struct.pack("<HH", _PAD_ID, pad) + b"Z" * pad
-        stored = 0xFFFFFFFF if zip64 else size
-        self._fh.write(_local_header(encoded, flags, 0, stored, extra, zip64))
+        data_offset = self.reserve(name, size)
+        self._fh.seek(data_offset)
         state = {"crc": 0, "written": 0}
 
         def write(data: Any) -> None:
@@ -72,14 +66,39 @@ class StoredZipWriter:
         yield write
         if state["written"] != size:
             raise ValueError(f"zip member {name!r}: {state['written']} bytes written, {size} declared")
+        self.fill(name, state["crc"])
+
+    def reserve(self, name: str, size: int) -> int:
+        """Lay out a member of ``size`` bytes and return where its data starts, for whoever writes it there
+        (another process, with pwrite); ``fill`` gives its CRC once it is written. The file goes on after it."""
+        encoded, flags = _encode(name)
+        offset = self._fh.tell()
+        zip64 = size > ZIP64_LIMIT
+        sizes = struct.pack("<HHQQ", _ZIP64_ID, 16, size, size) if zip64 else b""
+        start = offset + 30 + len(encoded) + len(sizes)
+        pad = (-(start + 4)) % ALIGN  # an extra field of 4 header bytes and ``pad`` filler bytes
+        extra = sizes + struct.pack("<HH", _PAD_ID, pad) + b"Z" * pad
+        stored = 0xFFFFFFFF if zip64 else size
+        self._fh.write(_local_header(encoded, flags, 0, stored, extra, zip64))
+        data_offset = self._fh.tell()
+        self._fh.seek(data_offset + size)
+        self._pending[name] = _Member(encoded, flags, offset, size, 0)
+        self._members.append(self._pending[name])
+        return data_offset
+
+    def fill(self, name: str, crc: int) -> None:
+        """The CRC-32 of a reserved member's data, now written: into its local header and the directory."""
+        member = self._pending.pop(name)
+        member.crc = crc
         end = self._fh.tell()
-        self._fh.seek(offset + 14)  # the CRC field of the local header
-        self._fh.write(struct.pack("<I", state["crc"]))
+        self._fh.seek(member.offset + 14)  # the CRC field of the local header
+        self._fh.write(struct.pack("<I", crc))
         self._fh.seek(end)
-        self._members.append(_Member(encoded, flags, offset, size, state["crc"]))
-        self.crcs[name] = state["crc"]
+        self.crcs[name] = crc
 
     def close(self) -> None:
+        if self._pending:
+            raise ValueError(f"zip member {next(iter(self._pending))!r} was reserved but never filled")
         directory_offset = self._fh.tell()
         for m in self._members:
             big_size, big_offset = m.size > ZIP64_LIMIT, m.offset > ZIP64_LIMIT
