@@ -187,14 +187,14 @@ class Maker:
         numel = piece.length // dtypes.get(piece.dtype).itemsize
         cast = None if copy or fd is None else self._caster(piece.dtype, piece.target)
         for as_float32, original in float32_chunks(buffer, piece.dtype, 0, numel):
-            self._check.fold(made.stats, as_float32, original, clamp=self.clamp)
+            looked = self._check.fold(made.stats, as_float32, original, clamp=self.clamp)
             if fd is None:
                 continue
             if cast is None:
                 write(original)
             else:
                 with np.errstate(over="ignore", invalid="ignore"):
-                    write(cast(original))
+                    write(cast(original, looked))  # what the fold found of these values, not found again
         return made
 
     def _caster(self, dtype: str, target: str) -> npcast.NumpyCaster:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 CHUNK_BYTES = 1 << 20
 """Source bytes per chunk: small enough that a chunk and its temporaries stay in cache."""
@@ -148,6 +148,16 @@ def float32_chunks(buffer: Any, dtype: str, offset: int, numel: int) -> Iterator
             yield narrow, raw
 
 
+class Looked(NamedTuple):
+    """What a fold learned of a chunk of float32 values bound for float16: ``|x|``'s bits (``magnitude``, valid
+    until the next fold), the largest of them (``top``) and the indices of those below float16's smallest
+    normal (``small``), in order. ``npcast``'s float16 cast needs exactly these."""
+
+    magnitude: Any
+    top: int
+    small: Any
+
+
 class ValueCheck:
     """Folds float32 chunks into a ValueStats from the bits of |x|: NaN/Inf and overflow for every target,
     float16's range statistics (underflow, subnormals) for float16 targets, and,
@@ -177,11 +187,13 @@ class ValueCheck:
         self._other = np.empty(CHUNK_BYTES // 4, np.uint32)
         self._mask = np.empty(CHUNK_BYTES // 4, np.bool_)
 
-    def fold(self, stats: ValueStats, x: Any, original: Any, *, clamp: bool = False) -> None:
+    def fold(self, stats: ValueStats, x: Any, original: Any, *, clamp: bool = False) -> Looked | None:
+        """Fold one chunk into ``stats``. For a float16 target, returns what it learned of the chunk on the way
+        (``Looked``), which a float16 cast of the same float32 values can use instead of learning it again."""
         np = self._np
         n = len(x)
         if not n:
-            return
+            return None
         magnitude = np.bitwise_and(x.view(np.uint32), np.uint32(0x7FFFFFFF), out=self._magnitude[:n])
         top = int(magnitude.max())
         stats.numel += n
@@ -193,7 +205,7 @@ class ValueCheck:
             # NaN/Inf and overflow, for every target: a NaN is as lost in bfloat16 as in float16.
             self._fold_specials(stats, magnitude, top, original, clamp)
             if stats.target != "float16" and not errors:
-                return
+                return None
             # The values worth a look: the small ones, and (for the errors) those of the top binade.
             small_below = F16_NORMAL_FROM if stats.target == "float16" else F32_TINY_BITS
             high_from = top & 0x7F800000 if errors else 0xFFFFFFFF
@@ -208,6 +220,7 @@ class ValueCheck:
                 self._fold_range(stats, n, magnitude[small])
             if errors:
                 self._fold_errors(stats, magnitude, top, small, high, clamp)
+        return Looked(magnitude, top, small) if stats.target == "float16" else None
 
     def _fold_specials(self, stats: ValueStats, magnitude: Any, top: int, original: Any, clamp: bool) -> None:
         """NaN/Inf already present, finite values the cast makes inf, and the largest finite |x|."""
@@ -328,7 +341,9 @@ class ValueCheck:
         return float(np.divide(error, scale, out=scale).max())
 
 
-WIDENING = frozenset({("float16", "float32"), ("bfloat16", "float32"), ("float16", "float64"), ("bfloat16", "float64"), ("float32", "float64")})
+WIDENING = frozenset(
+    {("float16", "float32"), ("bfloat16", "float32"), ("float16", "float64"), ("bfloat16", "float64"), ("float32", "float64")}
+)
 """Casts that keep every value exactly: their errors are 0, known without a look."""
 
 

@@ -323,7 +323,9 @@ def test_verification_catches_a_wrong_write(tmp_path: Path, monkeypatch: pytest.
     src = tmp_path / "m.pt"
     torch.save({"w": torch.randn(8)}, src)
     real = NumpyCaster.__call__
-    monkeypatch.setattr(NumpyCaster, "__call__", lambda self, x: real(self, x) + 1)  # the writer's casts, not verification's
+    monkeypatch.setattr(
+        NumpyCaster, "__call__", lambda self, x, looked=None: real(self, x, looked) + 1
+    )  # the writer's casts, not verification's
     with pytest.raises(ConversionError, match="differs from torch's cast of the source"):
         convert(src, "fp16")
     assert not (tmp_path / "m.fp16.pt").exists()

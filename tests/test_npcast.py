@@ -117,6 +117,28 @@ def test_float16_from_mostly_normal_chunks_with_a_few_special_values(source: str
     assert_same(ours, torch_bits(values, source, "float16", clamp), "float16")
 
 
+def test_a_float16_cast_given_what_a_value_check_found_is_bit_equal_to_torch() -> None:
+    """Conversion folds a chunk's value checks, then casts it with what the fold found (``values.Looked``: |x|,
+    its largest, the indices below float16's normal range) instead of finding it again: every float32 rounding
+    boundary, chunk by chunk, comes out as torch's cast, and as the cast that finds them itself."""
+    from dtypeaudit.values import ValueCheck, ValueStats
+
+    x = float32_boundaries()
+    check, stats = ValueCheck(), ValueStats("x", "float32", "float16")
+    given = npcast.NumpyCaster("float32", "float16", capacity=1 << 18)
+    alone = npcast.NumpyCaster("float32", "float16", capacity=1 << 18)
+    ours, found = [], []
+    with np.errstate(all="ignore"):
+        for first in range(0, len(x), 1 << 18):
+            chunk = x[first : first + (1 << 18)]
+            looked = check.fold(stats, chunk, chunk)
+            assert looked is not None and looked.top == int((chunk.view(np.uint32) & 0x7FFFFFFF).max())
+            ours.append(given(chunk, looked).copy())
+            found.append(alone(chunk).copy())
+    assert np.array_equal(np.concatenate(ours).view(np.uint16), np.concatenate(found).view(np.uint16))  # NaN bits too
+    assert_same(np.concatenate(ours), torch_bits(x, "float32", "float16", False), "float16")
+
+
 def test_refuses_a_dtype_it_does_not_cast() -> None:
     with pytest.raises(ValueError, match="no numpy cast from int8"):
         npcast.NumpyCaster("int8", "float16", capacity=1)
