@@ -74,6 +74,7 @@ def _float16_bits(x: Any, out: Any, magnitude: Any, scratch: Any, looked: Any = 
     import numpy as np
 
     bits = x.view(np.uint32)
+    sign = magnitude  # the buffer is ours: once |x| is no longer needed, it takes the signs
     if looked is None:
         np.bitwise_and(bits, 0x7FFFFFFF, out=magnitude)
         small = np.flatnonzero(magnitude < _F16_NORMAL) if magnitude.min() < _F16_NORMAL else None
@@ -97,12 +98,10 @@ def _float16_bits(x: Any, out: Any, magnitude: Any, scratch: Any, looked: Any = 
         big = np.flatnonzero(magnitude >= _F16_INF)
         wide = magnitude[big]
         scratch[big] = np.where(wide > 0x7F800000, 0x7E00 | ((wide >> 13) & 0x3FF), 0x7C00)
-    halves = out.view(np.uint16)
-    np.copyto(halves, scratch, casting="unsafe")
-    # The sign, from the high half of each float32 (little-endian: the odd uint16s), in half-width passes.
-    sign = bits.view(np.uint16)[1::2]
-    np.bitwise_and(sign, 0x8000, out=scratch.view(np.uint16)[: len(halves)])
-    np.bitwise_or(halves, scratch.view(np.uint16)[: len(halves)], out=halves)
+    np.right_shift(bits, 16, out=sign)
+    np.bitwise_and(sign, 0x8000, out=sign)
+    np.bitwise_or(scratch, sign, out=scratch)
+    np.copyto(out.view(np.uint16), scratch, casting="unsafe")
 
 
 _F16_NORMAL = 113 << 23  # 2^-14, float16's smallest normal, as float32 bits
