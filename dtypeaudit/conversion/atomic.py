@@ -7,10 +7,8 @@ import shutil
 import stat
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
 
 from .. import dtypes
 from ..errors import ConversionError
@@ -109,40 +107,6 @@ def flushing(path: Path) -> Iterator[None]:
         worker.join()
     if failure:
         raise failure[0]
-
-
-class Writeback:
-    """Starts the disk on a file's new bytes as they accumulate, without waiting for it, so that the
-    fsync before the rename finds little left (on a large checkpoint that fsync had been the last
-    0.3 s of a 2 s conversion). ``posix_fadvise(DONTNEED)`` starts writeback of dirty pages and drops
-    only clean ones, so what verification re-reads is still cached. The calls, a few milliseconds
-    each, run on a thread of their own. A no-op without posix_fadvise.
-
-    Use as ``with Writeback(fh) as writeback:`` inside the file's own ``with``; call it after each record.
-    """
-
-    STEP = 32 << 20
-
-    def __init__(self, fh: BinaryIO) -> None:
-        self._fh = fh
-        self._started = 0
-        self._worker = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtypeaudit-writeback") if hasattr(os, "posix_fadvise") else None
-        )
-
-    def __enter__(self) -> Writeback:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-
-    def __call__(self) -> None:
-        end = self._fh.tell()
-        if self._worker is not None and end - self._started >= self.STEP:
-            self._fh.flush()
-            self._worker.submit(os.posix_fadvise, self._fh.fileno(), self._started, end - self._started, os.POSIX_FADV_DONTNEED)
-            self._started = end
 
 
 def _fsync_dir(path: Path) -> None:

@@ -208,8 +208,8 @@ def _write_shard(shard: _Shard, inv: Inventory, sources: dict[str, MappedCheckpo
 
 def _write_pieces(shard: _Shard, inv: Inventory, sources: dict[str, MappedCheckpoint], out: Path, progress: Progress | None) -> Written:
     from ..formats.zipwrite import crc32
+    from ..pieces import Writeback
     from ..quant.parallel import ordered, workers
-    from .atomic import Writeback
     from .verify import Written
     from .write import safetensors_header
 
@@ -236,15 +236,17 @@ def _write_pieces(shard: _Shard, inv: Inventory, sources: dict[str, MappedCheckp
             # far more than they compute
             stack.enter_context(one_thread())
         fh = stack.enter_context(out.open("wb"))
-        writeback = stack.enter_context(Writeback(fh))
+        writeback = stack.enter_context(Writeback())
         fh.write(safetensors_header([(e.name, e.target, e.shape) for e in shard.entries], {"format": "pt"}))
-        crc = 0
+        crc, landed = 0, fh.tell()
         for data in ordered(tasks(), workers(), budget=PIPELINE_BYTES):
             if isinstance(data, _Entry):
                 crcs[data.name] = crc
                 crc = 0
                 _release(inv, sources, data)
-                writeback()
+                fh.flush()
+                writeback.landed(str(out), landed, fh.tell() - landed)
+                landed = fh.tell()
                 continue
             n = memoryview(data).nbytes
             if n:
