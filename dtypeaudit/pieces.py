@@ -30,22 +30,27 @@ from typing import Any
 from . import dtypes, npcast
 from .values import CHUNK_BYTES, ValueCheck, ValueStats, float32_chunks
 
+
+def crc32_of_parts(crc1: int, crc2: int, length2: int, /) -> int:
+    """The CRC-32 of A + B from A's and B's (``length2`` bytes), with any CRC-32: CRC-32 is affine in its start
+    value, so A's CRC extended over B's length of zeros, less what those zeros give from 0, plus B's CRC is
+    A + B's. Costs a pass over ``length2`` zeros (ISA-L's ``crc32_combine`` does it in a few steps)."""
+    zeros = bytes(min(length2, 1 << 20))
+    a, b = crc1, 0
+    left = length2
+    while left:
+        n = min(left, len(zeros))
+        a, b = crc32(zeros[:n], a), crc32(zeros[:n], b)
+        left -= n
+    return a ^ b ^ crc2
+
+
 try:  # Intel ISA-L: the same CRC-32 as zlib's, several times faster, and the combination of two
     from isal.isal_zlib import crc32, crc32_combine
 except ImportError:  # pragma: no cover - isal is a dependency, but a missing wheel must not break writing
     from zlib import crc32
 
-    def crc32_combine(crc1: int, crc2: int, length2: int, /) -> int:
-        """The CRC-32 of A + B from A's and B's (``length2`` bytes): CRC-32 is affine in its start value, so
-        extending A's CRC over B's length of zeros, less what zeros alone give, plus B's CRC is A + B's."""
-        zeros = bytes(min(length2, 1 << 20))
-        a, b = crc1, 0
-        left = length2
-        while left:
-            n = min(left, len(zeros))
-            a, b = crc32(zeros[:n], a), crc32(zeros[:n], b)
-            left -= n
-        return a ^ b ^ crc2
+    crc32_combine = crc32_of_parts
 
 
 CHUNK_ELEMENTS = CHUNK_BYTES // 4

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -197,3 +198,37 @@ def test_a_large_plain_conversion_casts_with_torch_and_writes_the_same_bytes(tmp
     assert (tmp_path / "numpy.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
     for name, t in load_file(tmp_path / "torch.safetensors").items():
         assert torch.equal(t, _weights(2)[name].half()), name
+
+
+def test_crc32_of_parts_is_the_crc32_of_the_whole() -> None:
+    import zlib
+
+    rng = np.random.default_rng(5)
+    for a_len, b_len in [(0, 0), (0, 7), (5, 0), (1000, 3_000_001), (1 << 20, 1 << 21)]:
+        a, b = rng.bytes(a_len), rng.bytes(b_len)
+        whole = zlib.crc32(a + b)
+        assert pieces.crc32_of_parts(zlib.crc32(a), zlib.crc32(b), len(b)) == whole
+        assert pieces.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == whole
+
+
+def test_records_cut_into_pieces_made_by_both_processes_give_torchs_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record longer than a piece is made in parts by this process and the child: its CRC is combined and its
+    value checks merged in order, so the output verifies, equals torch's cast, and the checks equal one pass's."""
+    import dtypeaudit.conversion as conversion
+
+    monkeypatch.setattr(conversion, "CHILD_MIN_BYTES", 0)
+    monkeypatch.setattr(pieces, "CHILD_MIN_BYTES", 0)
+    monkeypatch.setattr(pieces, "PIECE_ELEMENTS", pieces.CHUNK_ELEMENTS)  # 1 MB pieces: a 5 MB weight is five
+    started: list[object] = []
+    real_start = pieces._start_child
+    monkeypatch.setattr(pieces, "_start_child", lambda clamp: started.append(real_start(clamp)) or started[-1])
+    g = torch.Generator().manual_seed(2)
+    state = {"emb": torch.randn(1280, 1024, generator=g) * 0.02, "small": torch.randn(1000, generator=g) * 1e-4, "step": torch.tensor(3)}
+    src = tmp_path / "m.pt"
+    torch.save(state, src)
+    alone = convert(src, "fp16", dry_run=True)  # the checks in one pass, here
+    result = convert(src, "fp16")
+    assert len(started) == 1 and result.output is not None
+    got = torch.load(result.output, weights_only=True)
+    assert all(torch.equal(got[k], v.half() if v.is_floating_point() else v) for k, v in state.items())
+    assert [vars(s) for s in result.plan.values.values()] == [vars(s) for s in alone.plan.values.values()]
