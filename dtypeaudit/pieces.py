@@ -303,37 +303,46 @@ class Workers:
         try:
             if meanwhile is not None:
                 meanwhile()
-            while True:
-                while True:
-                    with lock:
-                        next_piece = queue.popleft() if queue else None
-                    if next_piece is None:
-                        break
-                    piece = next_piece
-                    result = self._maker.make(piece)
-                    with lock:
-                        made[piece.id] = result
-                    if self._disk is not None and piece.out is not None:
-                        self._disk.landed(piece.out, piece.out_offset, result.length)
-                    if progress is not None:
-                        progress(piece.length)
-                    if feeder is not None:
-                        for n in feeder.take_progress():
-                            if progress is not None:
-                                progress(n)
-                if feeder is None:
-                    break
+            self._make_queued(queue, lock, made, progress, feeder)
+            if feeder is not None:
                 feeder.join()
-                if progress is not None:
-                    for n in feeder.take_progress():
+                for n in feeder.take_progress():
+                    if progress is not None:
                         progress(n)
-                if feeder.failed:  # its pieces went back on the queue: make them here
+                if feeder.failed:  # what it had went back on the queue: made here, and no child from now on
+                    self._proc.wait()
                     self._proc = None
+                    self._make_queued(queue, lock, made, progress, None)
                 feeder = None
         finally:
             if feeder is not None:
                 feeder.stop()
         return self._combine(jobs, owner, made)
+
+    def _make_queued(
+        self,
+        queue: deque[Piece],
+        lock: threading.Lock,
+        made: dict[int, Made],
+        progress: Callable[[int], None] | None,
+        feeder: _Feeder | None,
+    ) -> None:
+        """Make pieces from the front of the queue until it is empty (the child takes from it too)."""
+        assert self._maker is not None
+        while True:
+            with lock:
+                piece = queue.popleft() if queue else None
+            if piece is None:
+                return
+            result = self._maker.make(piece)
+            with lock:
+                made[piece.id] = result
+            if self._disk is not None and piece.out is not None:
+                self._disk.landed(piece.out, piece.out_offset, result.length)
+            if progress is not None:
+                progress(piece.length)
+                for n in feeder.take_progress() if feeder is not None else ():
+                    progress(n)
 
     def _combine(self, jobs: list[Job], owner: dict[int, int], made: dict[int, Made]) -> list[int]:
         crcs = [0] * len(jobs)
