@@ -182,18 +182,19 @@ def test_an_abandoned_write_leaves_no_note_behind(tmp_path: Path, monkeypatch: p
     assert got["scales"].dtype == torch.float32 and torch.equal(got["layer1.weight"], w["layer1.weight"].half())
 
 
-def test_torchs_casts_and_numpys_write_the_same_bytes(tmp_path: Path, monkeypatch: Any) -> None:
-    """When a plan casts with torch (here made to, as a float64 or a gathered view would), torch makes every cast:
-    the plan says so, and the bytes are those of numpy's pass."""
-    import dtypeaudit.conversion as conversion
+def test_a_large_plain_conversion_casts_with_torch_and_writes_the_same_bytes(tmp_path: Path, monkeypatch: Any) -> None:
+    """Past the size where numpy's casts cost more CPU than importing torch (``write.TORCH_IMPORT_S``; made zero
+    here, so that this small file counts as large), torch makes every cast: the plan says so, and the bytes are
+    those of numpy's path."""
+    import dtypeaudit.conversion.write as write
 
     st = tmp_path / "m.safetensors"
     save_file(_weights(2), st)
-    plain = convert(str(st), "fp16", output=str(tmp_path / "numpy.safetensors"))
-    assert not plain.plan.casts_with_torch
-    monkeypatch.setattr(conversion, "torch_needed_for", lambda plan, sources: "made to, for the test")
-    with_torch = convert(str(st), "fp16", output=str(tmp_path / "torch.safetensors"))
-    assert with_torch.plan.casts_with_torch
+    small = convert(str(st), "fp16", output=str(tmp_path / "numpy.safetensors"))
+    assert not small.plan.casts_with_torch
+    monkeypatch.setattr(write, "TORCH_IMPORT_S", 0.0)
+    large = convert(str(st), "fp16", output=str(tmp_path / "torch.safetensors"))
+    assert large.plan.casts_with_torch
     assert (tmp_path / "numpy.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
     for name, t in load_file(tmp_path / "torch.safetensors").items():
         assert torch.equal(t, _weights(2)[name].half()), name

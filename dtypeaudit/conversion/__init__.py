@@ -44,6 +44,7 @@ from .write import (
     strip_keys,
     strip_notes,
     torch_needed_for,
+    torch_pays,
     write_directory,
     write_file,
 )
@@ -237,7 +238,7 @@ def convert(
         needed = torch_needed_for(plan, sources)
         if needed is not None and not dry_run:
             require_torch(needed)  # the light install converts what numpy casts; this, before anything is read
-        with_torch = plan.casts_with_torch = needed is not None
+        with_torch = plan.casts_with_torch = needed is not None or torch_pays(plan)
 
         def written(workers: Workers | None = None) -> AbstractContextManager[None]:
             return _written_and_verified(

@@ -66,7 +66,8 @@ class Plan:
     stripped: dict[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
     """File label -> the mapping entries (key paths) ``--strip-optimizer`` removes from that file's object."""
     casts_with_torch: bool = False
-    """torch makes every cast (``write.casts_need_torch``: some cast needs it); otherwise numpy does."""
+    """torch makes every cast (``write.casts_need_torch``: some cast needs it, or the plan is large enough that
+    its import costs less than numpy's casts); otherwise numpy does wherever it can."""
 
     def _unique(self) -> list[TensorPlan]:
         """One plan per tensor, however many names it has (tied weights count once)."""
