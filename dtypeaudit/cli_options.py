@@ -672,4 +672,4 @@ Examples:
 POLICY_GROUP_HELP = "Write, check and list dtype policies."
 
 # The commands the light interpreter may run without Typer, by name.
-LIGHT: dict[str, Command] = {SCAN.name: SCAN}
+LIGHT: dict[str, Command] = {SCAN.name: SCAN, CONVERT.name: CONVERT}

@@ -91,6 +91,8 @@ def _value(opt: Opt, given: Optional[list[str]], positional: list[str]) -> Any:
             return opt.default
         return [_converted(opt, v) for v in positional]
     if given is None:
+        if opt.default is REQUIRED:
+            raise Declined(opt.name)  # "Missing option"
         return opt.default
     if opt.type is bool:
         return True

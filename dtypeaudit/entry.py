@@ -1,5 +1,5 @@
-"""The console entry point: ``--version`` answers before anything is imported, and a ``scan`` line the light
-interpreter (cli_parse.py) fully understands runs without Typer or Click; anything else goes to the Typer app.
+"""The console entry point: ``--version`` answers before anything is imported, and a ``scan`` or ``convert`` line
+the light interpreter (cli_parse.py) fully understands runs without Typer or Click; anything else goes to the Typer app.
 
 A pre-commit hook pays this start-up on every commit (benchmarks/STARTUP.md).
 """

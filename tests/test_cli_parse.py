@@ -20,10 +20,10 @@ from dtypeaudit.cli_parse import Declined, light_command, parse
 from dtypeaudit.render import OutputFormat
 
 
-@pytest.fixture(scope="module")
-def click_scan():
-    """What Typer's parse gives the scan body for a line (None: it did not call it: an error, help)."""
+def _click_runner(name: str) -> Any:
+    """What Typer's parse gives the command's body for a line (None: it did not call it: an error, help)."""
     group = typer.main.get_command(app)
+    body_name = cli_options.LIGHT[name].body
     recorded: list[dict[str, Any]] = []
 
     def body(**values: Any) -> None:
@@ -31,31 +31,61 @@ def click_scan():
 
     def run(argv: list[str]) -> Optional[dict[str, Any]]:
         recorded.clear()
-        saved = cli_commands.scan
-        cli_commands.scan = body  # type: ignore[assignment]  # the callback looks the body up by name at each call
+        saved = getattr(cli_commands, body_name)
+        setattr(cli_commands, body_name, body)  # the callback looks the body up by name at each call
         try:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                group.main(["scan", *argv], prog_name="dtypeaudit", standalone_mode=False)
+                group.main([name, *argv], prog_name="dtypeaudit", standalone_mode=False)
         except Exception as exc:  # Click's usage errors (NoSuchOption, BadParameter, MissingParameter ...)
             assert type(exc).__module__.startswith(("typer._click", "click")), repr(exc)
         finally:
-            cli_commands.scan = saved  # type: ignore[assignment]
+            setattr(cli_commands, body_name, saved)
         return recorded[0] if recorded else None
 
     return run
 
 
-def light(argv: list[str]) -> Optional[dict[str, Any]]:
+@pytest.fixture(scope="module")
+def click_scan() -> Any:
+    return _click_runner("scan")
+
+
+@pytest.fixture(scope="module")
+def click_convert() -> Any:
+    return _click_runner("convert")
+
+
+def light(argv: list[str], command: cli_options.Command = cli_options.SCAN) -> Optional[dict[str, Any]]:
     try:
-        return parse(cli_options.SCAN, argv)
+        return parse(command, argv)
     except Declined:
         return None
 
 
-def _words() -> list[str]:
+def _words(command: cli_options.Command = cli_options.SCAN) -> list[str]:
     words = []
-    for opt in cli_options.SCAN.params:
+    for opt in command.params:
         words.extend(opt.flags)
+    if command is cli_options.CONVERT:
+        return words + [
+            "--",
+            "-",
+            "-h",
+            "--help",
+            "--nope",
+            "--to=fp16",
+            "--to=half",
+            "-tbf16",
+            "-t",
+            "-nfjson",
+            "-n",
+            "-kfc",
+            "--keep=fc",
+            "-j2",
+            "--max-shard-size=5GB",
+            "--format=json",
+            "-oout.pt",
+        ]
     return words + [
         "--",
         "-",
@@ -91,12 +121,16 @@ VALUES = ["a.pt", "b dir/", "json", "plain", "table", "sarif", "JSON", "bogus", 
 VALUES += ["--", "-", "-v", "=", "é.pt"]
 
 
-def _lines(seed: int, count: int) -> list[list[str]]:
+CONVERT_VALUES = ["fp16", "bf16", "fp32", "FP16", "float16", "half", "int8", "a.pt", "out dir/", "json", "text", "2", "x", "5GB", ""]
+
+
+def _lines(seed: int, count: int, command: cli_options.Command = cli_options.SCAN) -> list[list[str]]:
     rng = random.Random(seed)
-    words = _words()
+    words = _words(command)
+    values = CONVERT_VALUES if command is cli_options.CONVERT else VALUES
     lines = []
     for _ in range(count):
-        line = [rng.choice(words) if rng.random() < 0.55 else rng.choice(VALUES) for _ in range(rng.randint(0, 7))]
+        line = [rng.choice(words) if rng.random() < 0.55 else rng.choice(values) for _ in range(rng.randint(0, 7))]
         if rng.random() < 0.7:
             line.insert(rng.randint(0, len(line)), "model.pt")
         lines.append(line)
@@ -150,11 +184,40 @@ def test_generated_lines_agree_with_click(click_scan, seed: int) -> None:
     assert ran > 0 and declined_valid * 10 <= ran, (ran, declined_valid)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_generated_convert_lines_agree_with_click(click_convert, seed: int) -> None:
+    ran = declined_valid = 0
+    for argv in _lines(seed, 250, cli_options.CONVERT):
+        expected, got = click_convert(argv), light(argv, cli_options.CONVERT)
+        if got is not None:
+            assert got == expected, argv
+            ran += 1
+        elif expected is not None:
+            declined_valid += 1
+    assert ran > 0 and declined_valid * 10 <= ran, (ran, declined_valid)
+
+
+CONVERT_ACCEPTED = [
+    ["model.pt", "--to", "fp16"],
+    ["-t", "bf16", "dir/", "-o", "out/", "--max-shard-size", "5GB", "-f", "json"],
+    ["a.pt", "--to=fp32", "-k", "fc", "--keep", "norm", "--clamp", "--keep-unsafe", "-n", "--check-values"],
+    ["a.pt", "b.pt", "--to", "fp16", "-j", "2", "--force", "--strip-optimizer", "--", "-c.pt"],
+]
+
+
+@pytest.mark.parametrize("argv", CONVERT_ACCEPTED, ids=lambda a: " ".join(a))
+def test_convert_lines_it_runs(click_convert, argv: list[str]) -> None:
+    expected = click_convert(argv)
+    assert expected is not None and light(argv, cli_options.CONVERT) == expected
+
+
 def test_help_and_completion_go_to_typer() -> None:
     assert light_command(["scan", "a.pt"], {}) is not None
     assert light_command(["scan", "a.pt", "--help"], {}) is None
     assert light_command(["scan", "a.pt"], {"_DTYPEAUDIT_COMPLETE": "bash_complete"}) is None
-    assert light_command(["convert", "a.pt", "--to", "fp16"], {}) is None
+    assert light_command(["convert", "a.pt", "--to", "fp16"], {}) is not None
+    assert light_command(["convert", "a.pt", "--help"], {}) is None
+    assert light_command(["convert", "a.pt"], {}) is None  # --to is required: Typer's usage error
     assert light_command(["--version", "scan", "a.pt"], {}) is None
 
 
@@ -198,4 +261,39 @@ def test_both_fronts_run_scan_alike(
         run()
     out, err = capsys.readouterr()
     assert (done.value.code, out, err) == (typer_run.exit_code, typer_run.stdout, typer_run.stderr)
+    assert out or err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["{pt}", "--to", "fp16", "--dry-run"],
+        ["{pt}", "-t", "bf16", "-n", "--check-values", "-f", "json"],
+        ["{pt}", "--to", "fp16", "-o", "{out}", "--force"],
+        ["{missing}", "--to", "fp16"],
+    ],
+    ids=["dry-run", "check-values-json", "write", "unreadable"],
+)
+def test_both_fronts_run_convert_alike(
+    args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A convert line runs without Typer too: the same exit code, report, stderr and output file."""
+    import torch
+    from typer.testing import CliRunner
+
+    torch.save({"fc.weight": torch.randn(4, 2), "fc.bias": torch.zeros(4)}, tmp_path / "m.pt")
+    paths = {"pt": tmp_path / "m.pt", "out": tmp_path / "out.pt", "missing": tmp_path / "nothing.pt"}
+    argv = ["convert", *(a.format(**{k: str(v) for k, v in paths.items()}) for a in args)]
+    env = {"NO_COLOR": "1", "COLUMNS": "100"}
+    typer_run = CliRunner().invoke(app, argv, env=env, prog_name="dtypeaudit")
+    typer_out = paths["out"].read_bytes() if paths["out"].exists() else None
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    run = light_command(argv, {})
+    assert run is not None  # the light path runs it
+    with pytest.raises(SystemExit) as done:
+        run()
+    out, err = capsys.readouterr()
+    assert (done.value.code, out, err) == (typer_run.exit_code, typer_run.stdout, typer_run.stderr)
+    assert (paths["out"].read_bytes() if paths["out"].exists() else None) == typer_out
     assert out or err

@@ -263,6 +263,18 @@ def test_import_and_scan_never_import_torch(light: Path, files: dict[str, Path],
     assert result.split(" ", 2)[2] == "[]", result
 
 
+def test_a_convert_line_runs_without_typer_or_torch(light: Path, files: dict[str, Path], tmp_path: Path) -> None:
+    """The console script's light path (entry.main) runs a plain convert with neither Typer, Click nor torch."""
+    out = tmp_path / "half.pt"
+    argv = ["convert", str(files["fp32"]), "--to", "fp16", "-o", str(out)]
+    code = _WATCH.replace("WATCHED", repr(("torch", "typer", "click", "dask"))).replace("ARGS", repr(argv))
+    code = code.replace("from dtypeaudit.cli import main", "from dtypeaudit.entry import main")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    proc = subprocess.run([light, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.stderr.strip().splitlines()[-1] == "RESULT 0 []", proc.stderr
+    assert torch.equal(torch.load(out, weights_only=True)["fc.weight"], torch.load(files["fp32"], weights_only=True)["fc.weight"].half())
+
+
 # What a pre-commit hook's scan of one file imports is its start-up time (benchmarks/STARTUP.md): module sets are
 # stable where timings on a shared machine are not, so this holds the start-up work instead of a stopwatch.
 _MODULES_AFTER = """
