@@ -126,17 +126,6 @@ class Trace:
             self.weights_only_refusals.append(reason)
 
 
-@dataclass(frozen=True)
-class PersistentSite:
-    """Where a persistent id's storage type was pushed, for a rewrite that renames it (see formats/picklesplice.py)."""
-
-    pid: tuple[Any, ...]
-    type_at: int
-    """The opcode that pushed ``pid[1]`` (its latest push; -1 when a reducer returned it)."""
-    none_at: int
-    """The NONE opcode that pushed the last item, when it directly precedes the TUPLE that built ``pid``; else -1."""
-
-
 class _Mark:
     __slots__ = ()
 
@@ -194,12 +183,17 @@ class PickleVM:
         self.pushes: dict[int, list[int]] = {}
         """id of a followed Global -> where each opcode that pushed it starts: GLOBAL or STACK_GLOBAL first, then
         GET, BINGET, LONG_BINGET or DUP; -1 where a reducer's result was it."""
-        self.persistent_ids: list[PersistentSite] = []
-        """With ``track_global``: each persistent id whose second item is a followed Global, where that item was pushed."""
+        self.persistent_ids: list[tuple[Any, ...]] = []
+        """With ``track_global``: each persistent id whose second item is a followed Global, in order, and beside it
+        (``type_pushed_at``) the opcode that pushed that item (its latest push; -1 when a reducer returned it), and
+        (``none_pushed_at``) the NONE that pushed its last item where that NONE directly precedes the TUPLE that
+        built it (else -1): what a rewrite that renames the storage types edits (formats/picklesplice.py)."""
+        self.type_pushed_at: list[int] = []
+        self.none_pushed_at: list[int] = []
         self.frames: list[int] = []
         """Where each FRAME opcode starts."""
-        self._none_at = -1
-        self._tuple: tuple[int, Any] = (-1, None)
+        self._none_at = self._tuple_at = -1
+        self._tuple: Any = None
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -357,7 +351,8 @@ class PickleVM:
         self.stack = []
         self.metastack = []
         self.memo = {}
-        self.pushes, self.persistent_ids, self.frames = {}, [], []
+        self.pushes, self.frames = {}, []
+        self.persistent_ids, self.type_pushed_at, self.none_pushed_at = [], [], []
         ops = 0
         data = self.data
         end = len(data)
@@ -582,8 +577,8 @@ class PickleVM:
         self._push(())
 
     def op_TUPLE(self) -> None:
-        value = tuple(self._pop_mark())
-        self._tuple = self.pos - 1, value
+        value = self._tuple = tuple(self._pop_mark())
+        self._tuple_at = self.pos - 1
         self._push(value)
 
     def op_TUPLE1(self) -> None:
@@ -635,17 +630,22 @@ class PickleVM:
 
     # memo
     def op_GET(self) -> None:
-        self._push_got(self.pos - 1, self._memo_get(self._py_int(self._readline(), 10)))
+        at = self.pos - 1
+        value = self._memo_get(self._py_int(self._readline(), 10))
+        if self.pushes and type(value) is Global and id(value) in self.pushes:
+            self.pushes[id(value)].append(at)
+        self._push(value)
 
     def op_BINGET(self) -> None:
-        self._push_got(self.pos - 1, self._memo_get(self._read(1)[0]))
+        value = self._memo_get(self._read(1)[0])
+        if self.pushes and type(value) is Global and id(value) in self.pushes:
+            self.pushes[id(value)].append(self.pos - 2)
+        self._push(value)
 
     def op_LONG_BINGET(self) -> None:
-        self._push_got(self.pos - 1, self._memo_get(struct.unpack("<I", self._read(4))[0]))
-
-    def _push_got(self, at: int, value: Any) -> None:
-        if self.pushes and type(value) is Global:
-            self._pushed(value, at)
+        value = self._memo_get(struct.unpack("<I", self._read(4))[0])
+        if self.pushes and type(value) is Global and id(value) in self.pushes:
+            self.pushes[id(value)].append(self.pos - 5)
         self._push(value)
 
     def op_PUT(self) -> None:
@@ -755,9 +755,9 @@ class PickleVM:
         if self.persistent_load is None:
             raise self._fail("a persistent id appears where none is expected")
         if self.pushes and type(pid) is tuple and len(pid) > 1 and type(pid[1]) is Global and id(pid[1]) in self.pushes:
-            tuple_at, built = self._tuple
-            none_at = self._none_at if built is pid and self._none_at == tuple_at - 1 else -1
-            self.persistent_ids.append(PersistentSite(pid, self.pushes[id(pid[1])][-1], none_at))
+            self.persistent_ids.append(pid)
+            self.type_pushed_at.append(self.pushes[id(pid[1])][-1])
+            self.none_pushed_at.append(self._none_at if self._tuple is pid and self._none_at == self._tuple_at - 1 else -1)
         self._push(self.persistent_load(pid))
 
     def op_unsupported(self) -> None:

@@ -575,7 +575,10 @@ def storage_sites(vm: PickleVM) -> dict[str, Any]:
     """What a run of ``vm`` (from :func:`torch_vm`) learnt of where its storage types are named, as ``Layout``'s
     ``storage_sites``, ``storage_type_pushes`` and ``pickle_frames``: what conversion edits to retype a storage
     without running the pickle again (formats/picklesplice.py)."""
-    sites = tuple((s.type_at, str(s.pid[2]), s.pid[1].name, s.none_at) for s in vm.persistent_ids)
+    sites = tuple(
+        (at, str(pid[2]), pid[1].name, none_at)
+        for pid, at, none_at in zip(vm.persistent_ids, vm.type_pushed_at, vm.none_pushed_at, strict=True)
+    )
     used = {s[0] for s in sites}
     pushes = tuple(tuple(p) for p in vm.pushes.values() if used.intersection(p))
     return {"storage_sites": sites, "storage_type_pushes": pushes, "pickle_frames": tuple(vm.frames)}
