@@ -180,6 +180,21 @@ class Layout:
     record_spans: Mapping[str, Span] = field(default_factory=dict)
     """Zip archives: where ``data.pkl`` and each of ``records`` lie, for those stored uncompressed (as torch.save
     writes them), so that conversion reads them from its mapping instead of opening the archive again."""
+    pickle_end: int = 0
+    """torch.save files: where the main pickle ends (just past STOP), in the bytes it starts in (``data.pkl``'s for
+    a zip archive, the file's for a legacy one)."""
+    storage_sites: tuple[tuple[int, str, str, int], ...] = ()
+    """torch.save files: each storage record as ``(type_at, key, storage type, none_at)``: where the opcode that pushed
+    its storage type starts (-1: none did), and, legacy records, the NONE opcode of their sixth field (else -1); the
+    positions are in the bytes the pickle starts in. What a conversion edits instead of running the pickle again."""
+    storage_type_pushes: tuple[tuple[int, ...], ...] = ()
+    """torch.save files: for each storage-type global the records name, every opcode that pushed it, the one that
+    made it first (-1: a reducer returned it)."""
+    pickle_frames: tuple[int, ...] = ()
+    """torch.save files: where each FRAME opcode (protocol 4 and later) of the main pickle starts."""
+    non_tensor: tuple[str, ...] = ()
+    """torch.save files: the first few entries of the pickled object that are not tensors (dicts walked, their
+    keys dotted; ``<root>`` for a root that is neither): what safetensors could not store."""
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 Each counter wraps a real function with monkeypatch and calls through: nothing here changes behaviour.
 Counted per file: header/pickle bytes through ``formats.source.LocalSource`` (the reader's one accounting
 point), pickle runs (``PickleVM.load``), zip central-directory parses (``ziparchive._read_entries``),
-JSON documents read from a model folder (``locate.read_small``), and the tensor bytes conversion streams
-out of each source file (``MappedCheckpoint.bytes_at`` / ``tensor_at``, its only ways to the mapped bytes).
+JSON documents read from a model folder (``locate.read_small``), the tensor bytes conversion streams
+out of each source file (``MappedCheckpoint.bytes_at`` / ``tensor_at``, its only ways to the mapped bytes), and the
+faithful graphs made for a re-emitted pickle (``MappedCheckpoint.faithful``, a second run of the source's pickle).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +59,7 @@ def counts(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counts]:
     c = Counts()
     account, load, entries, small = LocalSource._account, PickleVM.load, ziparchive._read_entries, locate.read_small
     bytes_at, tensor_at = mapped.MappedCheckpoint.bytes_at, mapped.MappedCheckpoint.tensor_at
-    main_pickle = mapped.MappedCheckpoint.main_pickle
+    faithful = mapped.MappedCheckpoint.__dict__["faithful"].func
 
     def counted_account(self: LocalSource, n: int) -> None:
         c.header_bytes[_file(self.name)] += n
@@ -86,11 +88,13 @@ def counts(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counts]:
         c.tensor_bytes[_file(self.path)] += count * dtypes.get(dtype).itemsize
         return tensor_at(self, dtype, count, offset)
 
-    def counted_main_pickle(self: mapped.MappedCheckpoint) -> Any:
+    def counted_faithful(self: mapped.MappedCheckpoint) -> Any:
         c.faithful_pickles[_file(self.path)] += 1
-        return main_pickle(self)
+        return faithful(self)
 
-    monkeypatch.setattr(mapped.MappedCheckpoint, "main_pickle", counted_main_pickle)
+    counted = cached_property(counted_faithful)
+    counted.__set_name__(mapped.MappedCheckpoint, "faithful")
+    monkeypatch.setattr(mapped.MappedCheckpoint, "faithful", counted)
     monkeypatch.setattr(LocalSource, "_account", counted_account)
     monkeypatch.setattr(PickleVM, "load", counted_load)
     monkeypatch.setattr(ziparchive, "_read_entries", counted_entries)
@@ -156,10 +160,10 @@ def test_two_shard_bin_directory(tmp_path: Path, counts: Counts) -> None:
         # One central-directory parse per file: the source's (the reader's) and the output's (its verification's).
         assert counts.zip_parses[path] == 1
         assert _outside(counts.zip_parses, src)[shard] == 1
-        # The source's pickle: the reader's runs, and one for the faithful graph the rewrite re-emits (from the
-        # bytes where the reader found data.pkl); the output's: its verification's read.
-        assert counts.pickle_runs[path] == pickles + 1
-        assert counts.faithful_pickles[path] == 1
+        # The source's pickle runs once, by the reader, which notes where its storage types are named: the rewrite
+        # edits those bytes (formats/picklesplice.py) instead of running it again; the output's: its verification's.
+        assert counts.pickle_runs[path] == pickles
+        assert counts.faithful_pickles[path] == 0
         assert _outside(counts.pickle_runs, src)[shard] == pickles
     got = torch.load(out / shards[0], weights_only=True)
     assert got and all(v.dtype == torch.float32 for v in got.values())
@@ -218,9 +222,40 @@ def test_single_torch_save_file(tmp_path: Path, counts: Counts) -> None:
     assert counts.tensor_bytes[path] == 2 * nbytes + samples  # the checks' read, then torch's cast (see above)
     assert counts.zip_parses[path] == 1
     assert sum(_outside(counts.zip_parses, src).values()) == 1  # the output, read once to verify it
-    assert counts.pickle_runs[path] == pickles + 1
-    assert counts.faithful_pickles[path] == 1
+    assert counts.pickle_runs[path] == pickles
+    assert counts.faithful_pickles[path] == 0
     assert sum(_outside(counts.pickle_runs, src).values()) == pickles
+
+
+def test_strip_optimizer_costs_one_more_run_only_where_it_strips(tmp_path: Path, counts: Counts) -> None:
+    """--strip-optimizer re-emits the pickle from its faithful graph (a second run) where it leaves something out,
+    and only there: a plain state dict (every entry a tensor, as the reader noted) keeps the one run."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    training = tmp_path / "training.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 1}, training)
+    plain = tmp_path / "plain.pt"
+    torch.save(model.state_dict(), plain)
+    for src, stripped in ((training, 1), (plain, 0)):
+        pickles = reader_pickles(src)
+        _reset(counts)
+        out = tmp_path / f"{src.stem}.fp16.pt"
+        result = convert(src, "fp16", output=out, strip_optimizer=True)
+        path = str(src)
+        assert counts.faithful_pickles[path] == stripped
+        assert counts.pickle_runs[path] == pickles + stripped
+        assert sum(_outside(counts.pickle_runs, src).values()) == pickles  # the output, verified
+        got = torch.load(out, weights_only=True)
+        if stripped:
+            assert result.plan.stripped == {"": (("optimizer",),)}
+            assert set(got) == {"model", "epoch"} and got["epoch"] == 1
+            assert all(v.dtype == torch.float16 for v in got["model"].values())
+        else:
+            assert result.plan.stripped == {}
+            assert set(got) == set(model.state_dict()) and all(v.dtype == torch.float16 for v in got.values())
 
 
 def test_directory_scan_parses_each_json_once(tmp_path: Path, counts: Counts) -> None:

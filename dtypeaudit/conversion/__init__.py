@@ -1,7 +1,8 @@
-"""Conversion: plan -> check values (from the bits) -> cast and stream-write to a temporary file -> verify -> atomic rename.
+"""Conversion: plan -> lay the output out -> check values, cast and write each piece in one pass (pieces.py) -> verify
+-> atomic rename.
 
-Nothing from the checkpoint is executed. A torch.save archive is re-emitted from its own pickle with
-only the storage types changed (see formats/pickleout.py); every other byte of meaning is kept.
+Nothing from the checkpoint is executed. A torch.save archive keeps its own pickle's bytes with only the storage
+types edited where the reader found them (see formats/picklesplice.py); every other byte of meaning is kept.
 Memory stays bounded by a chunk (a tensor, for non-contiguous views into safetensors), never the file.
 """
 

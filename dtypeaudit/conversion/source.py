@@ -2,8 +2,9 @@
 
 Conversion plans, writes and verifies from what the reader already produced (the inventory and its
 ``Layout``): a model directory's weight files come from ``Inventory.parts``, storages and records from
-``Layout``, so no header is read and no archive opened a second time. The one other pass over a torch.save
-pickle is ``MappedCheckpoint.faithful``: the graph kept as written, which the rewrite re-emits, run once per file.
+``Layout``, so no header is read and no archive opened a second time. A torch.save pickle is rewritten by editing
+its bytes where the reader noted its storage types (``Layout.storage_sites``); it runs a second time only as
+``MappedCheckpoint.faithful``, the graph kept as written, for ``--strip-optimizer`` where it strips something.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class MappedCheckpoint:
 
     @cached_property
     def faithful(self) -> tuple[Any, str, dict[str, bytes]]:
-        """The pickle as a faithful graph (persistent ids kept as written), its archive prefix, its other records.
+        """The pickle as a faithful graph (persistent ids kept as written), its archive prefix, its other records:
+        a second run of the pickle, for ``--strip-optimizer`` only (what to strip, and the pickle re-emitted without it).
 
         Interpreted once per file; the rewrite changes it in place (``write_torch_zip``), after every reader of it."""
         buf, pos, prefix, extras = self.main_pickle()

@@ -16,8 +16,9 @@ from .. import dtypes, npcast, torchcast
 from ..errors import ConversionError, UsageError
 from ..formats import directory as hfdir
 from ..formats.pickleout import Persistent, dumps
+from ..formats.picklesplice import SpliceRefused, retype
 from ..formats.picklevm import Global, Opaque
-from ..formats.torchpickle import TensorRef, children, is_optimizer_state, torch_vm
+from ..formats.torchpickle import children, is_optimizer_state
 from ..formats.zipwrite import StoredZipWriter, crc32
 from ..inventory import Format, Inventory, Span, TensorRecord
 from ..pieces import Job, Workers
@@ -261,8 +262,8 @@ def _training_state_paths(root: Any, *, max_depth: int = 8) -> list[tuple[str, .
 
 def strip_keys(src: MappedCheckpoint) -> tuple[tuple[str, ...], ...]:
     """What ``--strip-optimizer`` removes from one torch.save file, as key paths (nothing from safetensors)."""
-    if not Format(src.inv.format).torch_save:
-        return ()
+    if not Format(src.inv.format).torch_save or not src.layout.non_tensor:
+        return ()  # a state dict of tensors alone holds no training state: the faithful graph is not needed
     root, _, _ = src.faithful
     return tuple(_training_state_paths(root))
 
@@ -292,6 +293,59 @@ def _strip(root: Any, paths: tuple[tuple[str, ...], ...]) -> None:
             mapping.pop(path[-1], None)
 
 
+def _source_dtype(storage_type: str) -> str:
+    """The dtype a storage type holds; UntypedStorage's bytes (float8, uint16...: no typed storage class) are copied."""
+    return "uint8" if storage_type == "UntypedStorage" else dtypes.STORAGE_CLASSES.get(storage_type, "")
+
+
+def _typed_once(keys: dict[str, str], key: str, storage_type: str, src: MappedCheckpoint) -> str:
+    """Note ``key``'s dtype in ``keys``: torch keeps the first type it sees for a key; a rewrite cannot keep both."""
+    source_dtype = _source_dtype(storage_type)
+    if not source_dtype:
+        raise ConversionError(f"unknown storage type {storage_type}", path=str(src.path))
+    if keys.setdefault(key, source_dtype) != source_dtype:
+        raise ConversionError(f"storage '{key}' is named with two types ({keys[key]}, {source_dtype}); refused", path=str(src.path))
+    return source_dtype
+
+
+def _spliced(src: MappedCheckpoint, buf: Any, start: int, storage_target: dict[str, str]) -> tuple[bytes, dict[str, str]]:
+    """The source's pickle with each storage type the plan changes renamed where the reader found it, and each
+    storage key's source dtype (``storage_target`` gains the untouched ones)."""
+    layout = src.layout
+    keys: dict[str, str] = {}
+    for _, key, storage_type, _ in layout.storage_sites:
+        source_dtype = _typed_once(keys, key, storage_type, src)
+        storage_target[key] = source_dtype if source_dtype == "uint8" else storage_target.get(key, source_dtype)
+    renamed = {key: dtypes.STORAGE_CLASS_OF[storage_target[key]] for key, dtype in keys.items() if storage_target[key] != dtype}
+    legacy = layout.container == "legacy"
+    pickle = retype(
+        buf, start, layout.pickle_end, layout.storage_sites, layout.storage_type_pushes, layout.pickle_frames, renamed, drop_sixth=legacy
+    )
+    return pickle, keys
+
+
+def _reemitted(src: MappedCheckpoint, strip: tuple[tuple[str, ...], ...], storage_target: dict[str, str]) -> tuple[bytes, dict[str, str]]:
+    """The faithful graph (a second run of the pickle) with ``strip`` left out and its storage types changed, written
+    anew; and each storage key's source dtype."""
+    root = src.faithful[0]  # changed in place: planning has read it already
+    _strip(root, strip)
+    keys: dict[str, str] = {}
+
+    def retype_record(ref: Persistent) -> None:
+        pid = ref.pid
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage" and isinstance(pid[1], Global)):
+            raise ConversionError("unexpected persistent id in the pickle", path=str(src.path))
+        key = str(pid[2])
+        source_dtype = _typed_once(keys, key, pid[1].name, src)
+        target = source_dtype if source_dtype == "uint8" else storage_target.get(key, source_dtype)
+        cls = pid[1] if target == source_dtype else Global("torch", dtypes.STORAGE_CLASS_OF[target])
+        ref.pid = ("storage", cls, key, pid[3], pid[4])
+        storage_target[key] = target
+
+    _walk_graph(root, retype_record)
+    return dumps(root), keys
+
+
 def write_torch_zip(
     plan: Plan,
     src: MappedCheckpoint,
@@ -301,36 +355,24 @@ def write_torch_zip(
     progress: Progress | None,
     workers: Workers | None = None,
 ) -> Written:
-    """``strip``: the entries to leave out, as key paths (--strip-optimizer, decided by ``strip_keys`` when planning)."""
-    root, prefix, extras = src.faithful  # changed in place below: planning has read it already
-    _strip(root, strip)
+    """``strip``: the entries to leave out, as key paths (--strip-optimizer, decided by ``strip_keys`` when planning).
+
+    The pickle is the source's own bytes with the storage types edited where the reader found them
+    (formats/picklesplice.py); only a stripped checkpoint (or one whose types the edits cannot reach) is
+    re-emitted from its faithful graph, which runs the pickle a second time."""
     storage_target: dict[str, str] = {}
     for p in plan.tensors:
         if p.tensor.storage is not None and p.action != "drop":
             storage_target[p.tensor.storage] = p.target
-    keys: dict[str, str] = {}
-
-    def retype(ref: Persistent) -> None:
-        pid = ref.pid
-        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage" and isinstance(pid[1], Global)):
-            raise ConversionError("unexpected persistent id in the pickle", path=str(src.path))
-        key = str(pid[2])
-        if pid[1].name == "UntypedStorage":  # bytes for dtypes with no typed storage class (float8, uint16...): copied
-            source_dtype = target = "uint8"
-        else:
-            source_dtype = dtypes.STORAGE_CLASSES.get(pid[1].name, "")
-            target = storage_target.get(key, source_dtype)
-        if not source_dtype:
-            raise ConversionError(f"unknown storage type {pid[1].qualname}", path=str(src.path))
-        if keys.get(key, source_dtype) != source_dtype:
-            # torch keeps the first type it sees for a key; a rewrite cannot keep both meanings.
-            raise ConversionError(f"storage '{key}' is named with two types ({keys[key]}, {source_dtype}); refused", path=str(src.path))
-        cls = pid[1] if target == source_dtype else Global("torch", dtypes.STORAGE_CLASS_OF[target])
-        ref.pid = ("storage", cls, key, pid[3], pid[4])
-        keys[key] = source_dtype
-        storage_target[key] = target
-
-    _walk_graph(root, retype)
+    buf, start, prefix, extras = src.main_pickle()
+    pickle: bytes | None = None
+    if not strip:
+        try:
+            pickle, keys = _spliced(src, buf, start, storage_target)
+        except SpliceRefused:
+            pickle = None
+    if pickle is None:
+        pickle, keys = _reemitted(src, strip, storage_target)
     stats_of = {p.tensor.storage: plan.values[unit_of(p.tensor)] for p in plan.tensors if unit_of(p.tensor) in plan.values}
     names_of: dict[str | None, list[str]] = {}
     for p in plan.tensors:
@@ -339,7 +381,7 @@ def write_torch_zip(
     written = Written.planned(plan, sharing=True)
     with out.open("wb") as fh:
         zf = StoredZipWriter(fh)
-        zf.add(prefix + "data.pkl", dumps(root))
+        zf.add(prefix + "data.pkl", pickle)
         for name in (".format_version", ".storage_alignment", "byteorder"):
             if name in extras:
                 zf.add(prefix + name, extras[name])
@@ -461,21 +503,9 @@ def safetensors_header(tensors: list[tuple[str, str, tuple[int, ...]]], meta: di
 
 
 def _refuse_non_tensor_content(src: MappedCheckpoint) -> None:
-    """safetensors stores tensors only: refuse rather than silently drop an epoch or hyper-parameters."""
-    buf, pos, _, _ = src.main_pickle()
-    root, _ = torch_vm(buf, source=str(src.path), legacy=src.inv.format == Format.TORCH_LEGACY).load(pos)
-    extra: list[str] = []
-
-    def walk(v: Any, name: str) -> None:
-        if isinstance(v, TensorRef) or len(extra) > 3:
-            return
-        if isinstance(v, dict):
-            for k, x in v.items():
-                walk(x, f"{name}.{k}" if name else str(k))
-        else:
-            extra.append(name or "<root>")
-
-    walk(root, "")
+    """safetensors stores tensors only: refuse rather than silently drop an epoch or hyper-parameters (what the
+    reader found beside the tensors, ``Layout.non_tensor``)."""
+    extra = src.layout.non_tensor
     if extra:
         raise ConversionError(
             f"holds non-tensor content ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}) that safetensors cannot store; "

@@ -20,7 +20,16 @@ from . import locate
 from .locate import AnyPath
 from .picklevm import Opaque, PickleVM, Trace
 from .source import Source
-from .torchpickle import StorageRef, global_findings, module_findings, shadow_findings, tensor_records, torch_vm, walk
+from .torchpickle import (
+    StorageRef,
+    global_findings,
+    module_findings,
+    shadow_findings,
+    tensor_records,
+    torch_vm,
+    walk,
+)
+from .torchrebuild import non_tensor_entries, storage_sites
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
@@ -75,10 +84,10 @@ def _read_legacy(src: Source, mm: Any) -> Inventory:
     storages: list[StorageRef] = []
     header = legacy_header(mm, path)
     vm = torch_vm(mm, source=str(path), on_storage=storages.append, legacy=True)
-    root, pos = vm.load(header.main)
+    root, end = vm.load(header.main)
     objects: list[Opaque] = []
     found = list(walk(root, on_object=objects.append))
-    keys, pos, keys_trace = legacy_storage_keys(mm, pos, path)
+    keys, pos, keys_trace = legacy_storage_keys(mm, end, path)
     src.note_span(0, pos)
     if src.remote:
         src.read_ranges(_count_ranges(pos, keys, storages))
@@ -94,7 +103,7 @@ def _read_legacy(src: Source, mm: Any) -> Inventory:
         findings.append(
             Finding("loader-divergence", "info", "sys_info says big-endian, but torch reads legacy files in the machine's byte order")
         )
-    layout = Layout("legacy", spans, pickle_offset=header.main)
+    layout = Layout("legacy", spans, pickle_offset=header.main, pickle_end=end, non_tensor=non_tensor_entries(root), **storage_sites(vm))
     return Inventory(path, "torch-legacy", tensor_records(found), tuple(findings), metadata, layout)
 
 

@@ -2,9 +2,11 @@
 
 Read with no reducers, a pickle becomes a faithful graph: every call is an :class:`Opaque` that keeps
 its callable, arguments, items and state, and every persistent id a :class:`Persistent`. Conversion
-edits only the storage types inside persistent ids (and, when asked, drops optimizer entries), then
-writes the graph back with the opcodes torch.save itself uses, so everything else keeps its meaning:
-hyper-parameters, loop state, an OrderedDict's ``_metadata``, Lightning's AttributeDict.
+uses it only where it leaves entries out (``--strip-optimizer``), or where a storage type is named in a
+way the byte edits of formats/picklesplice.py (its usual rewrite) cannot change alone: it edits the storage
+types inside persistent ids, drops the entries, then writes the graph back with the opcodes torch.save
+itself uses, so everything else keeps its meaning: hyper-parameters, loop state, an OrderedDict's
+``_metadata``, Lightning's AttributeDict.
 """
 
 from __future__ import annotations

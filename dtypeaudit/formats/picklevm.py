@@ -162,6 +162,7 @@ class PickleVM:
         source: str | None = None,
         encoding: str = "utf-8",
         module_renames: Mapping[str, str] | None = None,
+        track_global: Callable[[Global], bool] | None = None,
     ) -> None:
         self.data = data
         self.reducers = reducers or {}
@@ -177,6 +178,22 @@ class PickleVM:
         self.stack: list[Any] = []
         self.metastack: list[list[Any]] = []
         self.memo: dict[int, Any] = {}
+        self.track_global = track_global
+        """Which globals to follow (``pushes``), for a rewrite that edits the opcodes naming them."""
+        self.pushes: dict[int, list[int]] = {}
+        """id of a followed Global -> where each opcode that pushed it starts: GLOBAL or STACK_GLOBAL first, then
+        GET, BINGET, LONG_BINGET or DUP; -1 where a reducer's result was it."""
+        self.persistent_ids: list[tuple[Any, ...]] = []
+        """With ``track_global``: each persistent id whose second item is a followed Global, in order, and beside it
+        (``type_pushed_at``) the opcode that pushed that item (its latest push; -1 when a reducer returned it), and
+        (``none_pushed_at``) the NONE that pushed its last item where that NONE directly precedes the TUPLE that
+        built it (else -1): what a rewrite that renames the storage types edits (formats/picklesplice.py)."""
+        self.type_pushed_at: list[int] = []
+        self.none_pushed_at: list[int] = []
+        self.frames: list[int] = []
+        """Where each FRAME opcode starts."""
+        self._none_at = self._tuple_at = -1
+        self._tuple: Any = None
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -285,7 +302,10 @@ class PickleVM:
             self.trace.calls.setdefault(func.qualname, self.pos)
             reducer = (self.new_reducers if new else self.reducers).get(func.qualname)
             if reducer is not None:
-                return reducer(args)
+                result = reducer(args)
+                if self.pushes and type(result) is Global:
+                    self._pushed(result, -1)  # a reducer handed back a global it was given: no opcode names it here
+                return result
         elif not isinstance(func, Opaque):
             # A tuple, string, number or container called: every unpickler raises "not callable".
             raise self._fail(f"calls a {type(func).__name__}, which cannot be called")
@@ -331,6 +351,8 @@ class PickleVM:
         self.stack = []
         self.metastack = []
         self.memo = {}
+        self.pushes, self.frames = {}, []
+        self.persistent_ids, self.type_pushed_at, self.none_pushed_at = [], [], []
         ops = 0
         data = self.data
         end = len(data)
@@ -367,6 +389,7 @@ class PickleVM:
         self.trace.protocol = proto
 
     def op_FRAME(self) -> None:
+        self.frames.append(self.pos - 1)
         (n,) = struct.unpack("<Q", self._read(8))
         if n > len(self.data) - self.pos:
             raise self._fail("a frame runs past the end of the pickle")
@@ -387,7 +410,16 @@ class PickleVM:
         self._pop_mark()
 
     def op_DUP(self) -> None:
-        self._push(self._top())
+        value = self._top()
+        if self.pushes and type(value) is Global:
+            self._pushed(value, self.pos - 1)
+        self._push(value)
+
+    def _pushed(self, g: Global, at: int) -> None:
+        """Note a push of ``g`` again, where it is followed."""
+        pushes = self.pushes.get(id(g))
+        if pushes is not None:
+            pushes.append(at)
 
     # numbers
     def op_INT(self) -> None:
@@ -454,6 +486,7 @@ class PickleVM:
         self._push(struct.unpack(">d", self._read(8))[0])
 
     def op_NONE(self) -> None:
+        self._none_at = self.pos - 1
         self._push(None)
 
     def op_NEWTRUE(self) -> None:
@@ -544,7 +577,9 @@ class PickleVM:
         self._push(())
 
     def op_TUPLE(self) -> None:
-        self._push(tuple(self._pop_mark()))
+        value = self._tuple = tuple(self._pop_mark())
+        self._tuple_at = self.pos - 1
+        self._push(value)
 
     def op_TUPLE1(self) -> None:
         self._push((self._pop(),))
@@ -595,13 +630,23 @@ class PickleVM:
 
     # memo
     def op_GET(self) -> None:
-        self._push(self._memo_get(self._py_int(self._readline(), 10)))
+        at = self.pos - 1
+        value = self._memo_get(self._py_int(self._readline(), 10))
+        if self.pushes and type(value) is Global and id(value) in self.pushes:
+            self.pushes[id(value)].append(at)
+        self._push(value)
 
     def op_BINGET(self) -> None:
-        self._push(self._memo_get(self._read(1)[0]))
+        value = self._memo_get(self._read(1)[0])
+        if self.pushes and type(value) is Global and id(value) in self.pushes:
+            self.pushes[id(value)].append(self.pos - 2)
+        self._push(value)
 
     def op_LONG_BINGET(self) -> None:
-        self._push(self._memo_get(struct.unpack("<I", self._read(4))[0]))
+        value = self._memo_get(struct.unpack("<I", self._read(4))[0])
+        if self.pushes and type(value) is Global and id(value) in self.pushes:
+            self.pushes[id(value)].append(self.pos - 5)
+        self._push(value)
 
     def op_PUT(self) -> None:
         self._memo_put(self._py_int(self._readline(), 10), self._top())
@@ -617,16 +662,23 @@ class PickleVM:
 
     # globals and calls
     def op_GLOBAL(self) -> None:
+        at = self.pos - 1
         module = self._utf8(self._readline(), "GLOBAL module")
         name = self._utf8(self._readline(), "GLOBAL name")
-        self._push(self._global(module, name))
+        self._push(self._made(self._global(module, name), at))
 
     def op_STACK_GLOBAL(self) -> None:
         name = self._pop()
         module = self._pop()
         if type(module) is not str or type(name) is not str:
             raise self._fail("STACK_GLOBAL needs two strings")
-        self._push(self._global(module, name))
+        self._push(self._made(self._global(module, name), self.pos - 1))
+
+    def _made(self, g: Global, at: int) -> Global:
+        """Start following ``g`` (a new object: one opcode makes it) where ``track_global`` asks."""
+        if self.track_global is not None and self.track_global(g):
+            self.pushes[id(g)] = [at]
+        return g
 
     def op_REDUCE(self) -> None:
         args = self._pop()
@@ -702,6 +754,10 @@ class PickleVM:
     def _persistent(self, pid: Any) -> None:
         if self.persistent_load is None:
             raise self._fail("a persistent id appears where none is expected")
+        if self.pushes and type(pid) is tuple and len(pid) > 1 and type(pid[1]) is Global and id(pid[1]) in self.pushes:
+            self.persistent_ids.append(pid)
+            self.type_pushed_at.append(self.pushes[id(pid[1])][-1])
+            self.none_pushed_at.append(self._none_at if self._tuple is pid and self._none_at == self._tuple_at - 1 else -1)
         self._push(self.persistent_load(pid))
 
     def op_unsupported(self) -> None:

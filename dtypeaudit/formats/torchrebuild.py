@@ -562,7 +562,44 @@ def torch_vm(
         source=source,
         encoding=encoding,
         module_renames=TORCH_LOAD_MODULE_RENAMES if torch_load else None,
+        track_global=_is_storage_type if persistent else None,
     )
+
+
+def _is_storage_type(g: Global) -> bool:
+    # what storage_loader accepts as a storage type (torch's unpickler maps any global named *Storage to one)
+    return "Storage" in g.name
+
+
+def storage_sites(vm: PickleVM) -> dict[str, Any]:
+    """What a run of ``vm`` (from :func:`torch_vm`) learnt of where its storage types are named, as ``Layout``'s
+    ``storage_sites``, ``storage_type_pushes`` and ``pickle_frames``: what conversion edits to retype a storage
+    without running the pickle again (formats/picklesplice.py)."""
+    sites = tuple(
+        (at, str(pid[2]), pid[1].name, none_at)
+        for pid, at, none_at in zip(vm.persistent_ids, vm.type_pushed_at, vm.none_pushed_at, strict=True)
+    )
+    used = {s[0] for s in sites}
+    pushes = tuple(tuple(p) for p in vm.pushes.values() if used.intersection(p))
+    return {"storage_sites": sites, "storage_type_pushes": pushes, "pickle_frames": tuple(vm.frames)}
+
+
+def non_tensor_entries(root: Any, limit: int = 4) -> tuple[str, ...]:
+    """The first ``limit`` entries of ``root`` that are not tensors, dicts walked (an OrderedDict's attributes are
+    not entries), as dotted key paths; ``<root>`` when the root itself is neither."""
+    found: list[str] = []
+
+    def walk(value: Any, name: str) -> None:
+        if isinstance(value, TensorRef) or len(found) >= limit:
+            return
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{name}.{key}" if name else str(key))
+        else:
+            found.append(name or "<root>")
+
+    walk(root, "")
+    return tuple(found)
 
 
 # torch/serialization.py's load_module_mapping, applied by UnpicklerWrapper.find_class (weights_only=False).

@@ -31,6 +31,7 @@ from .torchpickle import (
     trailing_findings,
     walk,
 )
+from .torchrebuild import non_tensor_entries, storage_sites
 from .ziparchive import ZipArchive, ZipEntry
 
 MAX_PICKLE_BYTES = 1 << 30
@@ -157,7 +158,16 @@ def read_zip(where: AnyPath | Source) -> Inventory:
         records = tuple(e.name[len(prefix) :] for e in za.entries if e != main and not e.name.startswith(prefix + "data/"))
         stored = [(name, za.find(prefix + name)) for name in ("data.pkl", *records)]
         record_spans = {name: Span(*za.span(e)) for name, e in stored if e is not None and e.method == 0}
-        layout = Layout("zip", spans, archive_prefix=prefix, records=records, record_spans=record_spans)
+        layout = Layout(
+            "zip",
+            spans,
+            archive_prefix=prefix,
+            records=records,
+            record_spans=record_spans,
+            pickle_end=end,
+            non_tensor=non_tensor_entries(root),
+            **storage_sites(vm),
+        )
         if torchscript:
             kinds = _torchscript_kinds(za, prefix)
 
