@@ -66,13 +66,9 @@ def _words(command: cli_options.Command = cli_options.SCAN) -> list[str]:
     words = []
     for opt in command.params:
         words.extend(opt.flags)
+    words += ["--", "-", "-h", "--help", "--nope"]  # the end of options, stdin, help, an unknown option
     if command is cli_options.CONVERT:
         return words + [
-            "--",
-            "-",
-            "-h",
-            "--help",
-            "--nope",
             "--to=fp16",
             "--to=half",
             "-tbf16",
@@ -87,11 +83,6 @@ def _words(command: cli_options.Command = cli_options.SCAN) -> list[str]:
             "-oout.pt",
         ]
     return words + [
-        "--",
-        "-",
-        "-h",
-        "--help",
-        "--nope",
         "-z",
         "--format=json",
         "--format=bogus",
@@ -245,14 +236,23 @@ def test_both_fronts_run_scan_alike(
     and the Typer app: the same exit code, report and stderr."""
     import torch
     from safetensors.torch import save_file
-    from typer.testing import CliRunner
 
     torch.save({"fc.weight": torch.ones(4, 2), "fc.bias": torch.zeros(4, dtype=torch.float16)}, tmp_path / "m.pt")
     save_file({"w": torch.ones(2, dtype=torch.bfloat16)}, tmp_path / "m.safetensors")
     paths = {"pt": tmp_path / "m.pt", "st": tmp_path / "m.safetensors", "missing": tmp_path / "nothing.yaml"}
     argv = ["scan", *(a.format(**{k: str(v) for k, v in paths.items()}) for a in args)]
+    _both_fronts_alike(argv, monkeypatch, capsys)
+
+
+def _both_fronts_alike(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *, written: Optional[Path] = None
+) -> None:
+    """Run ``argv`` through Typer, then the light path: the same exit code, report, stderr (and ``written``'s bytes)."""
+    from typer.testing import CliRunner
+
     env = {"NO_COLOR": "1", "COLUMNS": "100"}
     typer_run = CliRunner().invoke(app, argv, env=env, prog_name="dtypeaudit")
+    typer_bytes = written.read_bytes() if written is not None and written.exists() else None
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     run = light_command(argv, {})
@@ -262,6 +262,8 @@ def test_both_fronts_run_scan_alike(
     out, err = capsys.readouterr()
     assert (done.value.code, out, err) == (typer_run.exit_code, typer_run.stdout, typer_run.stderr)
     assert out or err
+    if written is not None:
+        assert (written.read_bytes() if written.exists() else None) == typer_bytes
 
 
 @pytest.mark.parametrize(
@@ -279,21 +281,8 @@ def test_both_fronts_run_convert_alike(
 ) -> None:
     """A convert line runs without Typer too: the same exit code, report, stderr and output file."""
     import torch
-    from typer.testing import CliRunner
 
     torch.save({"fc.weight": torch.randn(4, 2), "fc.bias": torch.zeros(4)}, tmp_path / "m.pt")
     paths = {"pt": tmp_path / "m.pt", "out": tmp_path / "out.pt", "missing": tmp_path / "nothing.pt"}
     argv = ["convert", *(a.format(**{k: str(v) for k, v in paths.items()}) for a in args)]
-    env = {"NO_COLOR": "1", "COLUMNS": "100"}
-    typer_run = CliRunner().invoke(app, argv, env=env, prog_name="dtypeaudit")
-    typer_out = paths["out"].read_bytes() if paths["out"].exists() else None
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    run = light_command(argv, {})
-    assert run is not None  # the light path runs it
-    with pytest.raises(SystemExit) as done:
-        run()
-    out, err = capsys.readouterr()
-    assert (done.value.code, out, err) == (typer_run.exit_code, typer_run.stdout, typer_run.stderr)
-    assert (paths["out"].read_bytes() if paths["out"].exists() else None) == typer_out
-    assert out or err
+    _both_fronts_alike(argv, monkeypatch, capsys, written=paths["out"])
