@@ -161,30 +161,21 @@ def test_values_are_typed_as_typer_types_them(click_scan) -> None:
     assert values["targets"] == ["a.pt"] and values["exclude"] == ["x"] and values["policy"] is None and values["values"] is False
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_generated_lines_agree_with_click(click_scan, seed: int) -> None:
+GENERATED = [("scan", seed) for seed in range(8)] + [("convert", seed) for seed in range(4)]
+
+
+@pytest.mark.parametrize(("name", "seed"), GENERATED, ids=[f"{n}-{s}" for n, s in GENERATED])
+def test_generated_lines_agree_with_click(request: pytest.FixtureRequest, name: str, seed: int) -> None:
+    command, click = cli_options.LIGHT[name], request.getfixturevalue(f"click_{name}")
     ran = declined_valid = 0
-    for argv in _lines(seed, 250):
-        expected, got = click_scan(argv), light(argv)
+    for argv in _lines(seed, 250, command):
+        expected, got = click(argv), light(argv, command)
         if got is not None:
             assert got == expected, argv
             ran += 1
         elif expected is not None:
             declined_valid += 1
     # the interpreter declines only what it does not understand: most lines Click accepts, it runs
-    assert ran > 0 and declined_valid * 10 <= ran, (ran, declined_valid)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_generated_convert_lines_agree_with_click(click_convert, seed: int) -> None:
-    ran = declined_valid = 0
-    for argv in _lines(seed, 250, cli_options.CONVERT):
-        expected, got = click_convert(argv), light(argv, cli_options.CONVERT)
-        if got is not None:
-            assert got == expected, argv
-            ran += 1
-        elif expected is not None:
-            declined_valid += 1
     assert ran > 0 and declined_valid * 10 <= ran, (ran, declined_valid)
 
 
