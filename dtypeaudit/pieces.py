@@ -254,9 +254,9 @@ class Workers:
     checks: Mapping[str, ValueStats] = field(default_factory=dict)
     claim: Callable[[str, int, int], str | None] | None = None
     child: bool = False
-    _proc: Any = None
-    _maker: Maker | None = None
-    _disk: Writeback | None = None
+    _proc: Any = field(default=None, init=False, repr=False)
+    _maker: Maker | None = field(default=None, init=False, repr=False)
+    _disk: Writeback | None = field(default=None, init=False, repr=False)
 
     def unit_of(self, source: str, offset: int, length: int) -> str | None:
         return self.claim(source, offset, length) if self.claim is not None else None
