@@ -279,7 +279,11 @@ class Workers:
                 proc.stdin.close()
             except OSError:
                 pass
-            if exc[0] is not None or proc.wait(timeout=30) != 0:
+            try:
+                failed = exc[0] is not None or proc.wait(timeout=30) != 0
+            except subprocess.TimeoutExpired:
+                failed = True
+            if failed:
                 proc.kill()
                 proc.wait()
 
@@ -345,6 +349,8 @@ class Workers:
                     progress(n)
 
     def _combine(self, jobs: list[Job], owner: dict[int, int], made: dict[int, Made]) -> list[int]:
+        if set(made) != set(owner):
+            raise RuntimeError(f"{len(owner) - len(made)} of {len(owner)} pieces were not made")  # our bug, never a result
         crcs = [0] * len(jobs)
         for piece_id in sorted(made):
             job = jobs[owner[piece_id]]
@@ -403,9 +409,10 @@ class _Feeder(threading.Thread):
                 if not line:
                     raise OSError("the child stopped")
                 piece_id, crc, length, stats = json.loads(line)
-                piece = self._out.pop(piece_id)
+                piece = self._out[piece_id]
                 result = Made(crc, length, None if stats is None else ValueStats.from_fields(piece.dtype, piece.target, stats))
                 with self._lock:
+                    del self._out[piece_id]  # only now: a reply that cannot be read leaves its piece to be made here
                     self._made[piece_id] = result
                     self._progress.append(piece.length)
                 if self._disk is not None and piece.out is not None:
@@ -492,10 +499,15 @@ def _start_child(clamp: bool) -> Any:
         proc = subprocess.Popen(
             [sys.executable, "-I", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
         )
+    except OSError:
+        return None
+    try:
         assert proc.stdin is not None
         proc.stdin.write((json.dumps({"clamp": clamp}) + "\n").encode())
         proc.stdin.flush()
-    except OSError:
+    except OSError:  # it died at once: this process makes every piece
+        proc.kill()
+        proc.wait()
         return None
     return proc
 

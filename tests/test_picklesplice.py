@@ -315,3 +315,35 @@ def test_edits_across_many_frames(tmp_path: Path, spliced_only: None) -> None:
     _only_storage_edits(before, after)
     got = torch.load(out, weights_only=False)  # this test's own file (weights_only refuses protocol 4's opcodes)
     _check_cast(got, state, "fp16")
+
+
+@pytest.mark.parametrize("keep", [("b",), ("a", "c")], ids=["keep-b", "keep-a-c"])
+def test_a_record_that_reuses_anothers_persistent_id_is_re_emitted(tmp_path: Path, keep: tuple[str, ...]) -> None:
+    """A valid pickle may fetch an earlier storage record's pid tuple from the memo instead of building its own: the
+    type push the reader noted then belongs to another record, so the splice refuses and the pickle is re-emitted
+    (before, the wrong storage was retyped and verification failed). Found by review; torch.load reads the file."""
+    torch.manual_seed(0)
+    base = torch.randn(16)
+    src = tmp_path / "src.pt"
+    torch.save({"a": base, "b": torch.randn(8), "c": base[4:12]}, src)
+    with zipfile.ZipFile(src) as z:
+        names = z.namelist()
+        (pkl,) = [n for n in names if n.endswith("/data.pkl")]
+        records = {n: z.read(n) for n in names}
+    data = records[pkl]
+    ops = list(pickletools.genops(data))
+    persids = [i for i, (op, _, _) in enumerate(ops) if op.name == "BINPERSID"]
+    assert ops[persids[0] - 1][0].name == "BINPUT"  # a's pid tuple is memoised
+    memo = ops[persids[0] - 1][1]
+    mark = max(i for i in range(persids[-2] + 1, persids[-1]) if ops[i][0].name == "MARK")  # c's pid tuple
+    crafted = data[: ops[mark][2]] + b"h" + bytes([memo]) + data[ops[persids[-1]][2] :]
+    odd = tmp_path / "odd.pt"
+    with zipfile.ZipFile(odd, "w", zipfile.ZIP_STORED) as zo:
+        for n in names:
+            zo.writestr(n, crafted if n == pkl else records[n])
+    want = torch.load(odd, weights_only=True)
+    result = convert(odd, "fp16", output=tmp_path / "out.pt", keep=keep)
+    got = torch.load(result.output, weights_only=True)
+    for name, t in want.items():
+        target = t.dtype if name in keep else torch.float16
+        assert got[name].dtype == target and torch.equal(got[name], t.to(target)), name

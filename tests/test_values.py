@@ -356,3 +356,26 @@ def test_relative_error_of_normal_values_needs_no_full_pass_and_stays_exact(targ
     assert bit_errors(worst, target, False)[1] == torch_errors(worst, target, False)[1] == largest
     if target == "bfloat16":  # (float16 flushes some weights to zero: a relative error of 1)
         assert bit_errors(torch.cat([weights, worst]), target, False)[1] == largest
+
+
+def test_a_child_reply_that_cannot_be_read_leaves_its_piece_to_this_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child whose replies cannot be read (here: statistics of the wrong length) loses nothing: every piece it
+    had is made here, so the checks count every value, as the checks alone do. Found by review."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.randn(5 << 20) * 0.02, "v": torch.ones(10)}, src)
+    alone = convert(src, "fp16", dry_run=True)
+    _both_processes(monkeypatch)
+    bad = (
+        "import sys, json\nsys.stdin.readline()\n"
+        "for line in sys.stdin:\n    print(json.dumps([json.loads(line)['id'], 0, 0, [1]]), flush=True)\n"
+    )
+    monkeypatch.setattr(
+        pieces, "_start_child", lambda clamp: subprocess.Popen([sys.executable, "-c", bad], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    )
+    monkeypatch.setattr(pieces, "PIECE_ELEMENTS", pieces.CHUNK_ELEMENTS)  # many pieces, some of them the child's
+    result = convert(src, "fp16", dry_run=True)
+    assert {s.name: s for s in result.plan.values.values()}["w"].numel == 5 << 20
+    assert [vars(s) for s in result.plan.values.values()] == [vars(s) for s in alone.plan.values.values()]

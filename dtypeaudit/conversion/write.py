@@ -60,7 +60,8 @@ def make_records(records: list[Record], out: Path, plan: Plan, workers: Workers 
                 crcs[i] = _torch_cast_into(fd, r, clamp=plan.clamp, progress=progress)
         finally:
             os.close(fd)
-    numpy_made = [i for i in range(len(records)) if i not in set(with_torch)]
+    torch_made = set(with_torch)
+    numpy_made = [i for i in range(len(records)) if i not in torch_made]
     if not numpy_made:
         return crcs
     with ExitStack() as stack:
@@ -316,6 +317,8 @@ def _spliced(src: MappedCheckpoint, buf: Any, start: int, storage_target: dict[s
     for _, key, storage_type, _ in layout.storage_sites:
         source_dtype = _typed_once(keys, key, storage_type, src)
         storage_target[key] = source_dtype if source_dtype == "uint8" else storage_target.get(key, source_dtype)
+    if set(keys) != set(layout.storages):  # a storage the sites do not name would be left out of the archive
+        raise SpliceRefused("the storage records the reader noted are not the storages it found")
     renamed = {key: dtypes.STORAGE_CLASS_OF[storage_target[key]] for key, dtype in keys.items() if storage_target[key] != dtype}
     legacy = layout.container == "legacy"
     pickle = retype(

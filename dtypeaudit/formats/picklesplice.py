@@ -60,6 +60,10 @@ def retype(
     def edit(at: int, length: int, new: bytes) -> None:
         edits[at - start] = (length, new)
 
+    if len({site[0] for site in sites}) != len(sites) or any(site[0] < start for site in sites):
+        # a record whose type was not pushed for it (its pid tuple fetched again from the memo): the site the reader
+        # noted belongs to another record, so an edit there would retype the wrong storage
+        raise SpliceRefused("a storage record reuses another's persistent id, which the rewrite does not follow")
     by_site = {site[0]: site for site in sites}
     for pushes in type_pushes:
         named = [by_site[p] for p in pushes if p in by_site]
