@@ -271,7 +271,7 @@ class TensorBytes:
 
     def crc(self, t: TensorRecord) -> int:
         """CRC-32 of ``t``'s elements in C order (little-endian), once per view however many names share it."""
-        from .formats.zipwrite import crc32
+        from .crc import crc32
 
         key = (t.file, t.storage, t.name if t.storage is None else None, t.offset, t.shape, t.stride, t.dtype)
         if not t.numel:

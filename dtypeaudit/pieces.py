@@ -28,30 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from . import dtypes, npcast
+from .crc import crc32, crc32_combine
 from .values import CHUNK_BYTES, ValueCheck, ValueStats, float32_chunks
-
-
-def crc32_of_parts(crc1: int, crc2: int, length2: int, /) -> int:
-    """The CRC-32 of A + B from A's and B's (``length2`` bytes), with any CRC-32: CRC-32 is affine in its start
-    value, so A's CRC extended over B's length of zeros, less what those zeros give from 0, plus B's CRC is
-    A + B's. Costs a pass over ``length2`` zeros (ISA-L's ``crc32_combine`` does it in a few steps)."""
-    zeros = bytes(min(length2, 1 << 20))
-    a, b = crc1, 0
-    left = length2
-    while left:
-        n = min(left, len(zeros))
-        a, b = crc32(zeros[:n], a), crc32(zeros[:n], b)
-        left -= n
-    return a ^ b ^ crc2
-
-
-try:  # Intel ISA-L: the same CRC-32 as zlib's, several times faster, and the combination of two
-    from isal.isal_zlib import crc32, crc32_combine
-except ImportError:  # pragma: no cover - isal is a dependency, but a missing wheel must not break writing
-    from zlib import crc32
-
-    crc32_combine = crc32_of_parts
-
 
 CHUNK_ELEMENTS = CHUNK_BYTES // 4
 """Values per chunk, whatever their dtype: the value checks' step (``values.float32_chunks``), so that a piece's
@@ -136,6 +114,15 @@ def pieces_of(jobs: list[Job]) -> Iterator[tuple[int, Piece]]:
             n += 1
 
 
+def write_at(fd: int, data: Any, where: int) -> None:
+    """All of ``data`` at ``where`` in the file ``fd`` (``pwrite`` may write less than it is given)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, where)
+        where += n
+        view = view[n:]
+
+
 class Maker:
     """Makes pieces in one process: its casters, value check and open outputs kept from piece to piece."""
 
@@ -158,18 +145,13 @@ class Maker:
         copy = piece.dtype == piece.target
         fd = self._output(piece.out) if piece.out is not None else None
         buffer = self._view(piece.source, piece.offset, piece.length)
-        where = piece.out_offset
 
         def write(data: Any) -> None:
-            nonlocal where
+            assert fd is not None
             view = memoryview(data).cast("B")
             made.crc = crc32(view, made.crc)
+            write_at(fd, view, piece.out_offset + made.length)
             made.length += len(view)
-            assert fd is not None
-            while view:
-                n = os.pwrite(fd, view, where)
-                where += n
-                view = view[n:]
 
         if not piece.check:
             if fd is None:
@@ -246,7 +228,7 @@ class Workers:
     ``checks``: the statistics each checked unit folds into (``Job.unit``), every piece's merged in; ``claim``
     says which checked unit, if any, a job's source bytes are exactly (once: see ``conversion.checks.ValueChecks``).
     ``view`` gives this process's bytes of a source (``MappedCheckpoint.bytes_at``, the conversion's one way to
-    them); ``child``: start one (the caller knows how much work is coming).
+    them); ``child``: whether one may help (it is started by the first run of at least ``CHILD_MIN_BYTES``).
     """
 
     clamp: bool
@@ -262,8 +244,6 @@ class Workers:
         return self.claim(source, offset, length) if self.claim is not None else None
 
     def __enter__(self) -> Workers:
-        if self.child:
-            self._proc = _start_child(self.clamp)
         self._maker = Maker(clamp=self.clamp, view=self.view)
         self._disk = Writeback()
         return self
@@ -301,7 +281,10 @@ class Workers:
         made: dict[int, Made] = {}
         lock = threading.Lock()
         feeder = None
-        if self._proc is not None and sum(job.length for job in jobs) >= CHILD_MIN_BYTES:
+        if self._proc is None and self.child and sum(job.length for job in jobs) >= CHILD_MIN_BYTES:
+            self._proc = _start_child(self.clamp)
+            self.child = self._proc is not None  # one that cannot start is not tried again
+        if self._proc is not None:
             feeder = _Feeder(self._proc, queue, lock, made, self._disk)
             feeder.start()
         try:
@@ -315,7 +298,7 @@ class Workers:
                         progress(n)
                 if feeder.failed:  # what it had went back on the queue: made here, and no child from now on
                     self._proc.wait()
-                    self._proc = None
+                    self._proc, self.child = None, False
                     self._make_queued(queue, lock, made, progress, None)
                 feeder = None
         finally:

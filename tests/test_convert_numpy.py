@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dtypeaudit.conversion.checks as conversion_checks
-from dtypeaudit import pieces
+from dtypeaudit import crc, pieces
 from dtypeaudit.conversion import convert
 from dtypeaudit.errors import ConversionError
 
@@ -100,9 +100,7 @@ def _with_overflow(tmp_path: Path) -> Path:
 def _checks_see(monkeypatch: pytest.MonkeyPatch, where: Path) -> list[list[str]]:
     """Make the bytes on both processes whatever their size (as a large checkpoint's are) and record ``where``'s
     listing at the moment the value checks' outcome is known."""
-    import dtypeaudit.conversion as conversion
 
-    monkeypatch.setattr(conversion, "CHILD_MIN_BYTES", 0)
     monkeypatch.setattr(pieces, "CHILD_MIN_BYTES", 0)
     seen: list[list[str]] = []
     real = conversion_checks.ValueChecks.outcome
@@ -207,26 +205,23 @@ def test_crc32_of_parts_is_the_crc32_of_the_whole() -> None:
     for a_len, b_len in [(0, 0), (0, 7), (5, 0), (1000, 3_000_001), (1 << 20, 1 << 21)]:
         a, b = rng.bytes(a_len), rng.bytes(b_len)
         whole = zlib.crc32(a + b)
-        assert pieces.crc32_of_parts(zlib.crc32(a), zlib.crc32(b), len(b)) == whole
-        assert pieces.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == whole
+        assert crc.crc32_of_parts(zlib.crc32(a), zlib.crc32(b), len(b)) == whole
+        assert crc.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == whole
 
 
 def test_records_cut_into_pieces_made_by_both_processes_give_torchs_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A record longer than a piece is made in parts by this process and the child: its CRC is combined and its
     value checks merged in order, so the output verifies, equals torch's cast, and the checks equal one pass's."""
-    import dtypeaudit.conversion as conversion
-
-    monkeypatch.setattr(conversion, "CHILD_MIN_BYTES", 0)
+    g = torch.Generator().manual_seed(2)
+    state = {"emb": torch.randn(1280, 1024, generator=g) * 0.02, "small": torch.randn(1000, generator=g) * 1e-4, "step": torch.tensor(3)}
+    src = tmp_path / "m.pt"
+    torch.save(state, src)
+    alone = convert(src, "fp16", dry_run=True)  # the checks in one pass, here (5 MB: no child)
     monkeypatch.setattr(pieces, "CHILD_MIN_BYTES", 0)
     monkeypatch.setattr(pieces, "PIECE_ELEMENTS", pieces.CHUNK_ELEMENTS)  # 1 MB pieces: a 5 MB weight is five
     started: list[object] = []
     real_start = pieces._start_child
     monkeypatch.setattr(pieces, "_start_child", lambda clamp: started.append(real_start(clamp)) or started[-1])
-    g = torch.Generator().manual_seed(2)
-    state = {"emb": torch.randn(1280, 1024, generator=g) * 0.02, "small": torch.randn(1000, generator=g) * 1e-4, "step": torch.tensor(3)}
-    src = tmp_path / "m.pt"
-    torch.save(state, src)
-    alone = convert(src, "fp16", dry_run=True)  # the checks in one pass, here
     result = convert(src, "fp16")
     assert len(started) == 1 and result.output is not None
     got = torch.load(result.output, weights_only=True)

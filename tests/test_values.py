@@ -238,7 +238,6 @@ def test_errors_per_value_match_one_by_one() -> None:
 
 def _both_processes(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """Share work of any size with the child (as a large checkpoint's is); the children started, recorded."""
-    import dtypeaudit.conversion.checks as checks
 
     started: list[object] = []
     real_start = pieces._start_child
@@ -247,7 +246,6 @@ def _both_processes(monkeypatch: pytest.MonkeyPatch) -> list[object]:
         started.append(real_start(clamp))
         return started[-1]
 
-    monkeypatch.setattr(checks, "CHILD_MIN_BYTES", 0)
     monkeypatch.setattr(pieces, "CHILD_MIN_BYTES", 0)
     monkeypatch.setattr(pieces, "_start_child", spy)
     return started

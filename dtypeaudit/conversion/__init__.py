@@ -19,7 +19,7 @@ from ..errors import DtypeAuditError, UsageError
 from ..formats import Format, read_checkpoint
 from ..formats.locate import TargetRef, as_target, parse_target
 from ..inventory import Finding, Inventory
-from ..pieces import CHILD_MIN_BYTES, Workers
+from ..pieces import Workers
 from ..pipeline import model_inventory, prepare
 from ..policy import Policy
 from ..torchcast import load_torch, one_thread
@@ -310,9 +310,8 @@ def _written_while_checking(
     notes = list(plan.notes)  # a writer's notes (ties kept as aliases) belong to an output that is kept
     checks = ValueChecks(plan, sources)
     plan.values = checks.results
-    work = sum(p.tensor.nbytes for p in plan.tensors if p.action != "drop")
     try:
-        with workers_for(plan, sources, checks, child=work >= CHILD_MIN_BYTES) as workers:
+        with workers_for(plan, sources, checks, child=True) as workers:
             try:
                 pending.enter_context(written(workers))
             except DtypeAuditError as exc:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import dtypes
 from ..inventory import Finding, Inventory, Severity, Span, TensorRecord, format_of, unique_tensors
-from ..pieces import CHILD_MIN_BYTES, Job, Workers
+from ..pieces import Job, Workers
 from ..torchcast import TorchCaster, chunks, load_torch, one_thread
 from ..values import UNDERFLOW_BLOCK_FRACTION, ValueStats, count_nonfinite, measures_errors
 from .plan import Plan, TensorPlan, make_plan, unit_of
@@ -109,7 +109,7 @@ def check_values(
     jobs = checks.remaining()
     to_check = sum(job.length for job in jobs)
     progress = progress_for(to_check) if progress_for and to_check else None
-    with workers_for(plan, sources, checks, child=to_check >= CHILD_MIN_BYTES) as w:
+    with workers_for(plan, sources, checks, child=True) as w:
         w.run(jobs, progress=progress, meanwhile=meanwhile)
     plan.values = checks.outcome()
     return plan.values

@@ -207,7 +207,7 @@ def _write_shard(shard: _Shard, inv: Inventory, sources: dict[str, MappedCheckpo
 
 
 def _write_pieces(shard: _Shard, inv: Inventory, sources: dict[str, MappedCheckpoint], out: Path, progress: Progress | None) -> Written:
-    from ..formats.zipwrite import crc32
+    from ..crc import crc32
     from ..pieces import Writeback
     from ..quant.parallel import ordered, workers
     from .verify import Written

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import dtypes, npcast
+from ..crc import crc32
 from ..errors import ConversionError
 from ..formats import read_checkpoint
-from ..formats.zipwrite import crc32
 from ..inventory import Span, TensorRecord
 from .plan import Plan
 from .source import MappedCheckpoint, materialize

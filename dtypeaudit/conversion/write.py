@@ -13,15 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from .. import dtypes, npcast, torchcast
+from ..crc import crc32
 from ..errors import ConversionError, UsageError
 from ..formats import directory as hfdir
 from ..formats.pickleout import Persistent, dumps
 from ..formats.picklesplice import SpliceRefused, retype
 from ..formats.picklevm import Global, Opaque
 from ..formats.torchpickle import children, is_optimizer_state
-from ..formats.zipwrite import StoredZipWriter, crc32
+from ..formats.zipwrite import StoredZipWriter
 from ..inventory import Format, Inventory, Span, TensorRecord
-from ..pieces import Job, Workers
+from ..pieces import Job, Workers, write_at
 from ..values import CHUNK_BYTES, ValueStats, measures_errors
 from .atomic import flushing
 from .checks import is_training_state, workers_for
@@ -104,10 +105,8 @@ def _torch_cast_into(fd: int, r: Record, *, clamp: bool, progress: Progress | No
     for x in pieces:
         data = tensor_bytes(cast(x))
         crc = crc32(data, crc)
-        while data:
-            n = os.pwrite(fd, data, where)
-            where += n
-            data = data[n:]
+        write_at(fd, data, where)
+        where += len(data)
         if progress:
             progress(x.numel() * itemsize)
     return crc
@@ -172,13 +171,10 @@ def require_torch(reason: str) -> None:
 
 
 def tensor_bytes(y: Any) -> memoryview:
-    """A cast chunk's bytes (a numpy array or a torch tensor), as the file stores them: its elements in order,
-    native little-endian."""
-    if hasattr(y, "numpy"):  # a torch tensor
-        import torch
+    """A tensor's bytes, as the file stores them (its elements in order, native little-endian)."""
+    import torch
 
-        return memoryview(y.contiguous().view(torch.uint8).numpy())
-    return memoryview(y).cast("B")
+    return memoryview(y.contiguous().view(torch.uint8).numpy())
 
 
 def _walk_graph(obj: Any, visit: Callable[[Persistent], None]) -> None:

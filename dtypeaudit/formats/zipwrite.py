@@ -15,10 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-try:  # Intel ISA-L: the same CRC-32, several times faster than zlib's
-    from isal.isal_zlib import crc32
-except ImportError:  # pragma: no cover - isal is a dependency, but a missing wheel must not break writing
-    from zlib import crc32
+from ..crc import crc32
 
 ALIGN = 64
 ZIP64_LIMIT = (1 << 31) - 1
