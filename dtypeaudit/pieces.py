@@ -410,20 +410,24 @@ class _Feeder(threading.Thread):
 
 
 class Writeback:
-    """Starts the disk on a file's bytes as they land, without waiting for it, so that the fsync before the
-    rename finds little left (on a large checkpoint that fsync had been the last 0.3 s of a 2 s conversion).
-    ``posix_fadvise(DONTNEED)`` starts writeback of dirty pages and drops only clean ones, so what verification
-    re-reads is still cached. Ranges that meet are gathered to ``STEP`` bytes first; the calls, a few
-    milliseconds each, run on a thread of their own. Any thread may report a range. A no-op without posix_fadvise."""
+    """Makes a file's bytes durable as they land, so that the fsync before the rename finds little left.
 
-    STEP = 32 << 20
+    Every ``STEP`` bytes reported for a file, a thread of its own calls ``fdatasync`` on it, while the writers go
+    on. Starting writeback alone (``posix_fadvise``, ``sync_file_range``) was not enough: a virtual disk with a
+    write cache on its host empties that cache only on a flush, so the final fsync still waited for every byte
+    (0.9 s for 0.74 GB measured here whether writeback had been started or not; with these syncs, under 0.1 s).
+    On a disk without such a cache the syncs are the writeback itself. Any thread may report a range; the
+    written pages stay cached for verification to read back."""
+
+    STEP = 64 << 20
 
     def __init__(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtypeaudit-writeback") if hasattr(os, "posix_fadvise") else None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtypeaudit-writeback")
         self._fds: dict[str, int] = {}
-        self._gathered: dict[str, tuple[int, int]] = {}
+        self._unsynced: dict[str, int] = {}
+        self._syncing: set[str] = set()
         self._lock = threading.Lock()
 
     def __enter__(self) -> Writeback:
@@ -434,41 +438,33 @@ class Writeback:
 
     def landed(self, path: str, offset: int, length: int) -> None:
         """``length`` bytes at ``offset`` of ``path`` are written."""
-        if self._pool is None or not length:
-            return
         with self._lock:
-            start, end = self._gathered.pop(path, (offset, offset))
-            if offset == end or offset + length == start:
-                start, end = min(start, offset), max(end, offset + length)
-            else:
-                self._pool.submit(self._advise, path, start, end - start)
-                start, end = offset, offset + length
-            if end - start >= self.STEP:
-                self._pool.submit(self._advise, path, start, end - start)
-            else:
-                self._gathered[path] = (start, end)
+            self._unsynced[path] = self._unsynced.get(path, 0) + length
+            if self._unsynced[path] < self.STEP or path in self._syncing:
+                return
+            self._unsynced[path] = 0
+            self._syncing.add(path)
+        self._pool.submit(self._sync, path)
 
-    def _advise(self, path: str, offset: int, length: int) -> None:
-        if not length:
-            return
+    def _sync(self, path: str) -> None:
         try:
             if path not in self._fds:
                 self._fds[path] = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(self._fds[path], offset, length, os.POSIX_FADV_DONTNEED)
-        except OSError:  # only advice: a file already renamed or removed needs none
+            _datasync(self._fds[path])
+        except OSError:  # only a head start: the fsync before the rename reports what matters
             pass
+        finally:
+            with self._lock:
+                self._syncing.discard(path)
 
     def close(self) -> None:
-        if self._pool is None:
-            return
-        with self._lock:
-            for path, (start, end) in self._gathered.items():
-                self._pool.submit(self._advise, path, start, end - start)
-            self._gathered.clear()
         self._pool.shutdown(wait=True)
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+_datasync = getattr(os, "fdatasync", os.fsync)  # macOS and Windows have no fdatasync
 
 
 def _start_child(clamp: bool) -> Any:
