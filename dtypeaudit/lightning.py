@@ -39,7 +39,7 @@ def _parts(trainer: Any, pl_module: Any) -> list[tuple[str, Any]]:
     return parts
 
 
-class _Hooks(TrainingAudit):
+class _LightningHooks(TrainingAudit):
     """Audit a LightningModule's dtypes at fit start, every epoch or every N steps, and its first batch.
 
     Arguments: ``policy`` (a Policy, preset name or YAML file), ``target`` (a hardware target), ``when``
@@ -74,7 +74,8 @@ def callback_base() -> type:
 
 def __getattr__(name: str) -> Any:
     if name == "DtypeAuditCallback":
-        cls = type(name, (_Hooks, callback_base()), {"__module__": __name__, "__doc__": _Hooks.__doc__, "__qualname__": name})
+        namespace = {"__module__": __name__, "__doc__": _LightningHooks.__doc__, "__qualname__": name}
+        cls = type(name, (_LightningHooks, callback_base()), namespace)
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

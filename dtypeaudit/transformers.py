@@ -31,7 +31,7 @@ def _parts(model: Any, optimizer: Any) -> list[tuple[str, Any]]:
     return parts
 
 
-class _Hooks(TrainingAudit):
+class _TrainerHooks(TrainingAudit):
     """Audit a transformers model's dtypes at train start, every epoch or every N steps, and its first batch.
 
     Arguments: ``policy`` (a Policy, preset name or YAML file), ``target`` (a hardware target), ``when``
@@ -77,7 +77,7 @@ def callback_base() -> type:
 
 def __getattr__(name: str) -> Any:
     if name == "DtypeAuditCallback":
-        cls = type(name, (_Hooks, callback_base()), {"__module__": __name__, "__doc__": _Hooks.__doc__, "__qualname__": name})
+        cls = type(name, (_TrainerHooks, callback_base()), {"__module__": __name__, "__doc__": _TrainerHooks.__doc__, "__qualname__": name})
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -151,3 +151,92 @@ def test_only_the_invoked_command_is_built(monkeypatch):
     monkeypatch.setattr(cli.app, "registered_groups", list(cli.app.registered_groups))
     cli.only_the_invoked_command(["scan", "model.pt"])
     assert [c.callback.__name__ for c in cli.app.registered_commands] == ["scan"] and cli.app.registered_groups == []
+
+
+# -- names (issue 18): one meaning per name -------------------------------------------------------------------
+
+
+def _trees() -> dict[str, tuple[Path, ast.Module]]:
+    return {_module_name(p): (p, ast.parse(p.read_text(encoding="utf-8"))) for p in PACKAGE.rglob("*.py")}
+
+
+def _bound_at_module_level(tree: ast.Module) -> set[str]:
+    """Names a module binds when it runs: defs, classes, assignments, imports (a ``from . import x`` binds the
+    submodule itself, which is no shadow), and the keys of a lazy ``_LAZY`` table of attributes."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            names.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+            if any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in targets) and isinstance(node.value, ast.Dict):
+                names.update(k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+    return names
+
+
+def shadowed_modules() -> list[str]:
+    """``package.name`` where the package binds ``name`` to something other than its submodule ``name`` (after
+    ``from .sniff import sniff``, ``formats.sniff`` is a function, and the module can no longer be reached by
+    attribute)."""
+    found = []
+    for name, (path, tree) in _trees().items():
+        if path.name == "__init__.py":
+            submodules = {p.stem for p in path.parent.glob("*.py")} | {p.parent.name for p in path.parent.glob("*/__init__.py")}
+            found += [f"{name}.{n}" for n in sorted(_bound_at_module_level(tree) & (submodules - {"__init__", "__main__"}))]
+    return found
+
+
+def test_no_name_shadows_a_module():
+    assert shadowed_modules() == []
+
+
+def test_the_shadow_finder_finds_a_function_bound_over_its_module(tmp_path, monkeypatch):
+    package = tmp_path / "dtypeaudit"
+    (package / "formats").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "formats" / "__init__.py").write_text("from .sniff import sniff\nfrom . import verify\n")
+    (package / "formats" / "verify.py").write_text("")
+    (package / "formats" / "sniff.py").write_text("def sniff(path):\n    return 'zip'\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
+    assert shadowed_modules() == ["dtypeaudit.formats.sniff"]  # ``from . import verify`` binds the module itself
+
+
+def test_one_class_per_name_across_the_package():
+    where: dict[str, list[str]] = {}
+    for name, (_, tree) in _trees().items():
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(name)
+    assert {cls: modules for cls, modules in where.items() if len(modules) > 1} == {}
+
+
+def test_no_private_name_is_used_across_modules():
+    """``from .x import _y`` and ``x._y`` on another dtypeaudit module: what one module keeps private, another
+    must not lean on (a name used elsewhere is public: give it a public name)."""
+    trees = _trees()
+    uses = []
+    for name, (_, tree) in trees.items():
+        modules = set()  # local names of the dtypeaudit modules this module imports
+        for node in _runtime_imports(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("dtypeaudit")):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        uses.append(f"{name}: from {'.' * node.level}{node.module or ''} import {alias.name}")
+                    modules.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                modules.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("dtypeaudit"))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+            ):
+                uses.append(f"{name}: {node.value.id}.{node.attr}")
+    assert uses == []

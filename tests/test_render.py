@@ -20,7 +20,7 @@ from dtypeaudit.inventory import Report
 from dtypeaudit.pipeline import scan
 from dtypeaudit.policy import load_policy
 from dtypeaudit.render import OutputFormat, plain, renderer_for, text
-from dtypeaudit.render.blocks import Block, Column, Grid, Line, Span, report_blocks
+from dtypeaudit.render.blocks import Block, Column, Grid, Line, Styled, report_blocks
 
 from .helpers import ROOT
 
@@ -152,10 +152,10 @@ def _random_blocks(rng: random.Random) -> list[Block]:
                     overflow=rng.choice(["fold", "ellipsis"]),
                 )
             )
-        rows = [tuple(Span(cell()) for _ in columns) for _ in range(rng.randint(1, 4))]
+        rows = [tuple(Styled(cell()) for _ in columns) for _ in range(rng.randint(1, 4))]
         return Grid(cell()[:80], tuple(columns), rows)
 
-    return [grid() if rng.random() < 0.6 else Line((Span(cell()),)) for _ in range(3)]
+    return [grid() if rng.random() < 0.6 else Line((Styled(cell()),)) for _ in range(3)]
 
 
 def test_plain_drawer_equals_rich_drawer() -> None:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from dtypeaudit import dtypes
 from dtypeaudit.errors import CheckpointError, UsageError
 from dtypeaudit.formats import directory, read_checkpoint
-from dtypeaudit.formats.sniff import is_candidate, sniff
+from dtypeaudit.formats.sniff import is_candidate, sniff_kind
 from dtypeaudit.pipeline import expand
 
 from . import oracle
@@ -36,7 +36,7 @@ def test_legacy_files_of_every_pickle_protocol(tmp_path: Path, protocol: int) ->
     state = {"w": torch.ones(2, 3), "h": torch.zeros(4, dtype=torch.float16)}
     path = tmp_path / "legacy.pt"
     torch.save(state, path, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
-    assert sniff(path) == "legacy"
+    assert sniff_kind(path) == "legacy"
     if protocol in (2, 3):
         loaded = oracle.load(path)
     else:
@@ -53,7 +53,7 @@ def test_protocol_0_pickle_reports_its_globals(tmp_path: Path) -> None:
     path.write_bytes(b"cposix\nsystem\n(S'echo owned'\ntR.")  # protocol 0: no 0x80 header
     with pytest.raises(Exception):  # noqa: B017 - torch refuses it, one way or another
         torch.load(path, weights_only=True)
-    assert sniff(path) == "pickle"
+    assert sniff_kind(path) == "pickle"
     code, doc, _ = json_report("scan", str(path))
     assert code == 1
     assert any(f["rule"] == "unsafe-global" and "posix.system" in f["message"] for f in doc["checkpoints"][0]["findings"])
@@ -63,7 +63,7 @@ def test_protocol_0_pickle_reports_its_globals(tmp_path: Path) -> None:
 def test_benign_old_protocol_pickles_are_pickles(tmp_path: Path, protocol: int) -> None:
     path = tmp_path / "data.bin"
     path.write_bytes(pickle.dumps({"a": [1, 2.5, "x"], "b": None}, protocol=protocol))
-    assert sniff(path) == "pickle"
+    assert sniff_kind(path) == "pickle"
     assert read_checkpoint(path).tensors == ()
 
 
@@ -81,7 +81,7 @@ def test_what_is_not_a_checkpoint_says_what_it_is(tmp_path: Path, content: bytes
     path = tmp_path / "model.pt"
     path.write_bytes(content)
     with pytest.raises(CheckpointError, match=words):
-        sniff(path)
+        sniff_kind(path)
 
 
 def test_tar_archives_are_refused_as_torch_does(tmp_path: Path) -> None:
@@ -93,11 +93,11 @@ def test_tar_archives_are_refused_as_torch_does(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="legacy .tar format"):
         torch.load(path, weights_only=True)
     with pytest.raises(CheckpointError, match="tar archive"):
-        sniff(path)
+        sniff_kind(path)
     zeros = tmp_path / "zeros.pt"
     zeros.write_bytes(b"\0" * 2048)  # tarfile opens it as an empty archive, and so does torch.load
     with pytest.raises(CheckpointError, match="empty tar archive"):
-        sniff(zeros)
+        sniff_kind(zeros)
 
 
 # -- files that are two formats at once -----------------------------------------------------------

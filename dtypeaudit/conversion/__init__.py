@@ -37,7 +37,7 @@ from .checks import (
 )
 from .plan import Plan, TensorPlan, make_plan, plan_findings, unit_of
 from .source import MappedCheckpoint, Progress, open_sources
-from .verify import verify
+from .verify import verify_written
 from .write import (
     casts_need_torch,
     parse_size,
@@ -380,7 +380,7 @@ def _written_and_verified(
                 workers=workers,
             )
             with flushing(tmp):
-                verify(tmp, record)
+                verify_written(tmp, record)
             yield
 
 

@@ -423,7 +423,7 @@ def _write_directory(
     progress: Progress | None,
 ) -> None:
     from .modeldir import config_with_dtype, copy_beside_weights, file_mode, write_index
-    from .verify import verify
+    from .verify import verify_written
 
     weight_map: dict[str, str] = {}
     total = 0
@@ -431,7 +431,7 @@ def _write_directory(
         if not shard.entries:
             continue  # a shard that held only storage of weights written elsewhere (scales of another shard's weights)
         out = tmp / shard.label
-        verify(out, _write_shard(shard, inv, sources, out, progress))
+        verify_written(out, _write_shard(shard, inv, sources, out, progress))
         os.chmod(out, file_mode(sources[shard.label].path))
         for e in shard.entries:
             weight_map[e.name] = shard.label
@@ -460,7 +460,7 @@ def convert_quantized(
     from . import Result
     from .atomic import atomic_output, check_destination, default_output
     from .source import open_sources
-    from .verify import verify
+    from .verify import verify_written
 
     target = dtypes.conversion_target(to)
     if in_place:
@@ -496,7 +496,7 @@ def convert_quantized(
         else:
             (shard,) = shards if shards else (_Shard(""),)
             with atomic_output(dest, mode_from=src_path) as tmp:
-                verify(tmp, _write_shard(shard, inv, sources, tmp, progress))
+                verify_written(tmp, _write_shard(shard, inv, sources, tmp, progress))
     return Result(plan, dest, [])
 
 

@@ -65,7 +65,7 @@ class Written:
         return out
 
 
-def verify(out: Path, written: Written) -> None:
+def verify_written(out: Path, written: Written) -> None:
     """Read ``out`` once with its reader and compare it with ``written``; ConversionError on any difference."""
     got = read_checkpoint(out)
     have = got.by_name()

@@ -29,7 +29,7 @@ from .checks import is_training_state, workers_for
 from .modeldir import config_with_dtype, copy_beside_weights, file_mode, write_index
 from .plan import Plan, TensorPlan, unit_of
 from .source import MappedCheckpoint, Progress, contiguous_span, materialize
-from .verify import Origin, Written, verify
+from .verify import Origin, Written, verify_written
 
 
 @dataclass(frozen=True)
@@ -577,7 +577,7 @@ def write_directory(
                 workers=workers,
             )
             with flushing(out):
-                verify(out, written)
+                verify_written(out, written)
             os.chmod(out, file_mode(src.path))
             total += sub.bytes_after
     index_name = hfdir.INDEX_NAMES[0] if (src_dir / hfdir.INDEX_NAMES[0]).exists() or weight_map is not None else hfdir.INDEX_NAMES[1]
@@ -608,7 +608,7 @@ def _reshard(
         items = [(p, sources[original.tensor.file]) for p, original in zip(sub.tensors, group, strict=True)]
         written = _write_safetensors_file(items, out_dir / name, {"format": "pt"}, sub, progress=progress, workers=workers)
         with flushing(out_dir / name):
-            verify(out_dir / name, written)
+            verify_written(out_dir / name, written)
         weight_map.update({p.tensor.name: name for p in group})
         total += sub.bytes_after
     return weight_map, total

@@ -16,7 +16,7 @@ from ..inventory import Format, Inventory, format_of
 from ..redact import redact
 from . import gguf, locate, safetensors, source, torchzip
 from .locate import AnyPath, TargetRef
-from .sniff import sniff
+from .sniff import sniff_kind
 from .source import Source
 
 __all__ = ["Format", "format_of", "read_checkpoint", "read_file"]
@@ -25,7 +25,7 @@ __all__ = ["Format", "format_of", "read_checkpoint", "read_file"]
 def read_file(path: AnyPath | Source) -> Inventory:
     """One file's inventory, its format decided by content; the source is opened once for sniffing and reading."""
     with locate.opened(path) as src:
-        kind = sniff(src)
+        kind = sniff_kind(src)
         if kind == "zip":
             return torchzip.read_zip(src)
         if kind == "legacy":

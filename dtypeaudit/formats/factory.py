@@ -97,7 +97,7 @@ def _call(target: str) -> Any:
 
     module_name, _, attr = target.rpartition(":")
     try:
-        mod = _import(module_name)
+        mod = import_user_module(module_name)
     except FactoryError as exc:
         raise FactoryError(exc.message, path=target) from None
     except ModuleNotFoundError as exc:
@@ -120,7 +120,9 @@ def _call(target: str) -> Any:
     return model
 
 
-def _import(module: str) -> Any:
+def import_user_module(module: str) -> Any:
+    """The user's module: a script path (``.py``, or any path with a slash) run as a module, or a dotted module name
+    imported; only ever for a script or factory the user named."""
     if module.endswith(".py") or "/" in module or "\\" in module:
         file = Path(module)
         if not file.is_file():

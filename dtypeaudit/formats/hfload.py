@@ -61,7 +61,7 @@ class LoadDtype:
     model_class: str | None = None
     renamed: Mapping[str, str] = field(default_factory=dict)
     """Stored name -> the name the loaded model gives it, where the two differ (the conversion mapping)."""
-    converted: Mapping[str, Converted] = field(default_factory=dict)
+    converted: Mapping[str, WeightConversion] = field(default_factory=dict)
     """Stored name -> the WeightConverter that merges or splits it into another tensor: not modelled."""
     pinned: Mapping[str, str] = field(default_factory=dict)
     """Loaded name -> the dtype the built model gives that parameter or buffer where it is not the main dtype
@@ -85,7 +85,7 @@ class LoadDtype:
 
 
 @dataclass(frozen=True)
-class Converted:
+class WeightConversion:
     """A stored tensor that a ``WeightConverter`` merges or splits on load (MoE experts fused into one tensor)."""
 
     into: str
@@ -199,7 +199,7 @@ class ModelView:
     keep_fp32: tuple[str, ...]
     keep_fp32_strict: tuple[str, ...]
     renamed: dict[str, str]
-    converted: dict[str, Converted]
+    converted: dict[str, WeightConversion]
     pinned: dict[str, str]
 
 
@@ -292,7 +292,7 @@ def _view(model: Any, dtype: str, names: Sequence[str]) -> ModelView:
     state = model.state_dict()
     prefix = model.base_model_prefix
     renamed: dict[str, str] = {}
-    converted: dict[str, Converted] = {}
+    converted: dict[str, WeightConversion] = {}
     for name in names:
         new, pattern = rename_source_key(name, renamings, converters, prefix, state)
         if new not in state and name in state:  # the loader's retry: only the prefix may change
@@ -301,7 +301,7 @@ def _view(model: Any, dtype: str, names: Sequence[str]) -> ModelView:
             continue  # an unexpected key: from_pretrained drops it; it keeps its stored name here
         if pattern is not None:
             conv = next(c for c in converters if pattern in c.source_patterns)
-            converted[name] = Converted(new, tuple(type(op).__name__ for op in conv.operations))
+            converted[name] = WeightConversion(new, tuple(type(op).__name__ for op in conv.operations))
         elif new != name:
             renamed[name] = new
     pinned = {k: str(v.dtype).removeprefix("torch.") for k, v in state.items() if str(v.dtype) != f"torch.{dtype}"}
@@ -411,7 +411,7 @@ def from_metadata(metadata: Mapping[str, object]) -> LoadDtype | None:
         cls if isinstance(cls, str) else None,
         names(raw.get("renamed")),
         {
-            str(k): Converted(str(v["into"]), tuple(str(o) for o in v.get("operations", ())))
+            str(k): WeightConversion(str(v["into"]), tuple(str(o) for o in v.get("operations", ())))
             for k, v in (converted.items() if isinstance(converted, dict) else ())
             if isinstance(v, dict) and "into" in v
         },

@@ -211,11 +211,11 @@ def _both(name: str, formats: list[str]) -> CheckpointError:
 # -- the decisions ------------------------------------------------------------------------------
 
 
-def sniff(path: AnyPath | Source) -> str:
+def sniff_kind(path: AnyPath | Source) -> str:
     """``zip``, ``legacy``, ``safetensors``, ``gguf`` or ``pickle``; anything else raises a one-line CheckpointError."""
     if not isinstance(path, Source):
         with _open(path) as src:
-            return sniff(src)
+            return sniff_kind(src)
     src = path
     name = src.name
     head, size = _head(src, HEAD_BYTES)

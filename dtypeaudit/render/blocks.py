@@ -26,7 +26,7 @@ MIN_NAME_WIDTH = 24
 MIN_MESSAGE_WIDTH = 20
 
 
-class Span(NamedTuple):
+class Styled(NamedTuple):
     text: str
     style: str = ""
 
@@ -34,7 +34,7 @@ class Span(NamedTuple):
 class Line(NamedTuple):
     """One paragraph: wrapped between words at the page's width, a word wider than the page folded."""
 
-    spans: tuple[Span, ...]
+    spans: tuple[Styled, ...]
 
 
 class Column(NamedTuple):
@@ -54,19 +54,19 @@ class Grid(NamedTuple):
 
     title: str
     columns: tuple[Column, ...]
-    rows: Sequence[tuple[Span, ...]]
+    rows: Sequence[tuple[Styled, ...]]
 
 
 Block = Union[Line, Grid]
 BLANK = Line(())
 
 
-def line(*spans: Span | str) -> Line:
-    return Line(tuple(s if isinstance(s, Span) else Span(s) for s in spans))
+def line(*spans: Styled | str) -> Line:
+    return Line(tuple(s if isinstance(s, Styled) else Styled(s) for s in spans))
 
 
-def _spans(*texts: str) -> tuple[Span, ...]:
-    return tuple(Span(t) for t in texts)
+def _spans(*texts: str) -> tuple[Styled, ...]:
+    return tuple(Styled(t) for t in texts)
 
 
 def report_blocks(report: Report, *, width: int, verbose: bool, quiet: bool) -> list[Block]:
@@ -84,14 +84,14 @@ def report_blocks(report: Report, *, width: int, verbose: bool, quiet: bool) -> 
 
 
 def checkpoint_blocks(c: CheckpointReport, *, width: int, verbose: bool, quiet: bool = False) -> list[Block]:
-    title = Span(c.path, "bold")
+    title = Styled(c.path, "bold")
     if c.error:
-        return [line(title, "  ", Span("unreadable", "bold red")), line(Span(f"  {c.error}", "red"))]
+        return [line(title, "  ", Styled("unreadable", "bold red")), line(Styled(f"  {c.error}", "red"))]
     tensors = c.tensors
     unique = unique_tensors(tensors)
     read = f"  ({human_bytes(c.inventory.bytes_read)} read)" if verbose and c.inventory and c.inventory.bytes_read is not None else ""
     size = f"{human_count(sum(t.numel for t in unique))} elements · {human_bytes(sum(t.nbytes for t in unique))}"
-    blocks: list[Block] = [line(title, Span(f"  {c.format}", "dim"), f"  {len(tensors)} tensors · {size}", Span(read, "dim"))]
+    blocks: list[Block] = [line(title, Styled(f"  {c.format}", "dim"), f"  {len(tensors)} tensors · {size}", Styled(read, "dim"))]
     if c.findings:
         blocks += [BLANK, *findings_blocks(c, width=width, verbose=verbose)]
     if tensors and not quiet:
@@ -130,7 +130,7 @@ def findings_blocks(c: CheckpointReport, *, width: int, verbose: bool) -> list[B
     for g in groups:
         names, more = places[g]
         where = "\n".join([*(wrap_name(n, where_w) for n in names), *([f"and {more} more"] if more else [])])
-        rows.append((Span(g.severity, SEVERITY_STYLE[g.severity]), Span(_rule_cell(g)), Span(where), Span(g.message())))
+        rows.append((Styled(g.severity, SEVERITY_STYLE[g.severity]), Styled(_rule_cell(g)), Styled(where), Styled(g.message())))
     return [Grid("Findings", columns, rows)]
 
 
@@ -139,9 +139,9 @@ def _rule_cell(g: FindingGroup) -> str:
 
 
 def _findings_list(groups: list[FindingGroup], places: dict[FindingGroup, tuple[list[str], int]], width: int) -> list[Block]:
-    blocks: list[Block] = [line(Span("Findings", "bold"))]
+    blocks: list[Block] = [line(Styled("Findings", "bold"))]
     for g in groups:
-        blocks.append(line(Span(g.severity, SEVERITY_STYLE[g.severity]), "  ", _rule_cell(g), ": ", g.message()))
+        blocks.append(line(Styled(g.severity, SEVERITY_STYLE[g.severity]), "  ", _rule_cell(g), ": ", g.message()))
         names, more = places[g]
         for n in names:
             blocks += [line("    " + part) for part in wrap_name(n, width - 4).split("\n")]
@@ -154,7 +154,7 @@ def _summary(c: CheckpointReport) -> Grid:
     columns = (Column("dtype"), *(Column(name, justify="right") for name in ("tensors", "elements", "bytes", "share")))
     rows = [
         (
-            Span(row.dtype, DTYPE_STYLE.get(row.dtype, "")),
+            Styled(row.dtype, DTYPE_STYLE.get(row.dtype, "")),
             *_spans(str(row.tensors), human_count(row.numel), human_bytes(row.nbytes), f"{row.share:.1%}"),
         )
         for row in dtype_summary(c.tensors)
@@ -219,7 +219,7 @@ def _tensors(c: CheckpointReport, *, width: int, verbose: bool, quant: QuantView
         *([Column("file", overflow="fold")] if show_file else []),
     )
     cells = [
-        (Span(wrap_name(name, name_w)), Span(dtype, DTYPE_STYLE.get(dtype, "")), *_spans(shape, kind, size, file))[: len(columns)]
+        (Styled(wrap_name(name, name_w)), Styled(dtype, DTYPE_STYLE.get(dtype, "")), *_spans(shape, kind, size, file))[: len(columns)]
         for name, dtype, shape, kind, size, file in rows
     ]
     return Grid(title, columns, cells)
@@ -232,9 +232,9 @@ def verdict(report: Report) -> Line:
     failing = report.failing()
     scanned = f"{len(report.checkpoints)} checkpoint{'s' if len(report.checkpoints) != 1 else ''}"
     if unreadable:
-        return line(Span(f"✗ {unreadable} of {scanned} could not be read" + (f"; {', '.join(parts)}" if parts else ""), "bold red"))
+        return line(Styled(f"✗ {unreadable} of {scanned} could not be read" + (f"; {', '.join(parts)}" if parts else ""), "bold red"))
     if failing:
-        return line(Span(f"✗ {scanned}: {', '.join(parts)} (failing at --fail-on {report.fail_on})", "bold red"))
+        return line(Styled(f"✗ {scanned}: {', '.join(parts)} (failing at --fail-on {report.fail_on})", "bold red"))
     if parts:
-        return line(Span(f"✓ {scanned}: {', '.join(parts)}, none at or above --fail-on {report.fail_on}", "green"))
-    return line(Span(f"✓ {scanned}: no findings", "green"))
+        return line(Styled(f"✓ {scanned}: {', '.join(parts)}, none at or above --fail-on {report.fail_on}", "green"))
+    return line(Styled(f"✓ {scanned}: no findings", "green"))

@@ -6,7 +6,8 @@ from ..inventory import Report, dtype_summary, severity_rank
 from .humanize import group_findings, group_tensors, human_bytes, human_count, shape_text
 
 
-def _cell(text: str) -> str:
+def table_cell(text: str) -> str:
+    """``text`` made safe inside a Markdown table cell: pipes escaped, one line."""
     return text.replace("|", "\\|").replace("\n", " ")
 
 
@@ -24,15 +25,15 @@ def render(report: Report, *, verbose: bool = False, quiet: bool = False) -> str
         out.append(f"## `{c.path}`")
         out.append("")
         if c.error:
-            out += [f"**Unreadable:** {_cell(c.error)}", ""]
+            out += [f"**Unreadable:** {table_cell(c.error)}", ""]
             continue
         out.append(f"Format `{c.format}`, {len(c.tensors)} tensors.")
         out.append("")
         if c.findings:
             out += ["| severity | rule | count | where | message |", "|---|---|---:|---|---|"]
             for fg in group_findings(c.findings):
-                where = _cell(fg.places(every=verbose))
-                out.append(f"| {fg.severity} | `{fg.rule}` | {fg.count} | {where} | {_cell(fg.message())} |")
+                where = table_cell(fg.places(every=verbose))
+                out.append(f"| {fg.severity} | `{fg.rule}` | {fg.count} | {where} | {table_cell(fg.message())} |")
             out.append("")
         if quiet:
             continue
@@ -44,6 +45,6 @@ def render(report: Report, *, verbose: bool = False, quiet: bool = False) -> str
             out += ["<details><summary>Tensors</summary>", "", "| name | dtype | shape | kind |", "|---|---|---|---|"]
             for g in group_tensors(c.tensors):
                 label = f"{g.label} ×{g.count}" if g.count > 1 else g.label
-                out.append(f"| `{_cell(label)}` | `{g.dtype}` | {shape_text(g.shape)} | {g.kind} |")
+                out.append(f"| `{table_cell(label)}` | `{g.dtype}` | {shape_text(g.shape)} | {g.kind} |")
             out += ["", "</details>", ""]
     return "\n".join(out) + "\n"

@@ -289,11 +289,11 @@ def render_markdown(report: Report, *, verbose: bool = False) -> str:
         if summary is None:
             continue
         out += [f"### Trace of `{c.path}`", "", headline(summary) + ".", ""]
-        out += [f"- {markdown._cell(line)}" for line in settings_lines(summary)] + [""]
+        out += [f"- {markdown.table_cell(line)}" for line in settings_lines(summary)] + [""]
         out += ["| module | type | in | compute | out | activations |", "|---|---|---|---|---|---:|"]
         for label, m in module_rows(summary.modules, verbose):
             out.append(
-                f"| `{markdown._cell(label)}` | {m.type} | {_dtypes(m.inputs)} | {_dtypes(m.compute)} | {_dtypes(m.outputs)} | "
+                f"| `{markdown.table_cell(label)}` | {m.type} | {_dtypes(m.inputs)} | {_dtypes(m.compute)} | {_dtypes(m.outputs)} | "
                 f"{_bytes(m.activation_bytes)} |"
             )
         out.append("")

@@ -81,7 +81,7 @@ def from_factory(target: str) -> tuple[tuple[Any, ...], dict[str, Any], tuple[In
     if not module_name or not attr.isidentifier():
         raise UsageError(f"--input-factory '{target}': expected path/to/file.py:func or package.module:func")
     try:
-        fn = getattr(factory._import(module_name), attr, None)
+        fn = getattr(factory.import_user_module(module_name), attr, None)
     except FactoryError:
         raise
     except Exception as exc:
