@@ -248,3 +248,37 @@ def test_writeback_makes_the_bytes_durable_as_they_land(tmp_path: Path, monkeypa
         writeback.landed(str(gone), 0, 2 << 20)
     assert 1 <= len(synced) <= 4  # 4 MiB in steps of 1 MiB; a report that lands during a sync joins the next one
     assert out.stat().st_size == 4 << 20
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_verification_fails_on_a_changed_byte_and_a_short_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str) -> None:
+    """What convert's writer recorded (``Written``) holds against its own output, and not against a copy with one
+    byte of a record flipped, or one cut short (checked while the conversion's sources are open)."""
+    import dtypeaudit.conversion as conversion
+    from dtypeaudit.conversion.verify import verify_written
+    from dtypeaudit.formats import read_checkpoint
+
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.randn(300, 200), "b": torch.randn(200)}, src)
+    copy = tmp_path / f"copy{suffix}"
+    failures: list[str] = []
+
+    def verify_and_corrupt(out: Path, written: Any) -> None:
+        verify_written(out, written)
+        data = bytearray(out.read_bytes())
+        copy.write_bytes(bytes(data))
+        verify_written(copy, written)  # the copy is the output: it holds
+        layout = read_checkpoint(copy).layout
+        assert layout is not None
+        span = dict(layout.storages)[next(iter(written.crcs))]
+        middle = span.offset + span.length // 2
+        data[middle] ^= 0x40
+        for corrupt in (bytes(data), bytes(data[:middle])):
+            copy.write_bytes(corrupt)
+            with pytest.raises(ConversionError, match="verification failed") as caught:
+                verify_written(copy, written)
+            failures.append(str(caught.value))
+
+    monkeypatch.setattr(conversion, "verify_written", verify_and_corrupt)
+    convert(src, "fp16", output=tmp_path / f"out{suffix}")
+    assert len(failures) == 2 and "differs from" in failures[0]
