@@ -17,6 +17,9 @@ def main() -> None:
 
         print(f"dtypeaudit {__version__}")
         return
+    # numpy's OpenBLAS starts a thread per core when numpy is imported, and each spins a while (0.1 s of CPU here,
+    # taken from the other core's share of a conversion); no command does linear algebra with numpy.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from .cli_parse import light_command
 
     run = light_command(args, os.environ)

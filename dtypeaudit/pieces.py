@@ -476,7 +476,11 @@ def _start_child(clamp: bool) -> Any:
     try:
         # stderr is dropped: a failed child only means this process makes its pieces, where any real error surfaces
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+            [sys.executable, "-I", "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},  # no linear algebra here: no spinning BLAS threads
         )
     except OSError:
         return None

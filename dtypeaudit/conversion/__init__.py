@@ -211,12 +211,13 @@ def convert(
         "clamp": clamp,
         "quantized": quant.consumed,
     }
-    make_plan(inv, to, **options)  # what --to and --keep mean, before anything is opened
+    plan = make_plan(inv, to, **options)  # what --to and --keep mean, before anything is opened
     with ExitStack() as stack:
         sources = open_sources(src_path, parts_of, stack)
         stripped = {label: keys for label, src in sources.items() if (keys := strip_keys(src))} if strip_optimizer else {}
-        options["stripped"] = stripped
-        plan = make_plan(inv, to, **options)
+        if stripped:  # the optimizer's entries, known once the sources are open, drop their tensors
+            options["stripped"] = stripped
+            plan = make_plan(inv, to, **options)
         dest = src_path if in_place else Path(output) if output else default_output(src_path, plan.target)
         out_format = output_format(inv.format, dest, src_path)
         if out_format == Format.SAFETENSORS and not output and not in_place:
