@@ -52,9 +52,15 @@ class Format(StrEnum):
 
     @property
     def casts(self) -> bool:
-        """Whether ``convert`` casts this format's tensors itself (its value checks read them too); a quantized
-        checkpoint (GGUF among them) is dequantized instead (``conversion/dequantize.py``)."""
+        """Whether ``convert``'s writers cast this format's tensors in place (its value checks read them too); a
+        quantized checkpoint is dequantized instead (``conversion/dequantize.py``)."""
         return self in _CASTS
+
+    @property
+    def dequantizes(self) -> bool:
+        """Whether ``convert`` writes this format through the dequantizing path, quantized weights or not: no writer
+        of ours writes a GGUF file, so even an all-float one is read tensor by tensor and written as safetensors."""
+        return self is Format.GGUF
 
     @property
     def torch_save(self) -> bool:
@@ -63,8 +69,22 @@ class Format(StrEnum):
 
     @property
     def convert_refusal(self) -> str | None:
-        """Why ``convert`` refuses this format outright, or None."""
-        return _CONVERT_REFUSALS.get(self)
+        """Why ``convert`` refuses this format outright, or None: every format that neither casts nor dequantizes."""
+        if self.casts or self.dequantizes:
+            return None
+        return _CONVERT_REFUSALS.get(self, f"{self.value} input is not a checkpoint file convert can write again")
+
+    @property
+    def cast_refusal(self) -> str | None:
+        """Why ``convert``'s writers cannot cast this format in place (the plan's refusal), or None: its
+        ``convert_refusal``, or for a format only the dequantizing path writes (``--keep-quantized`` keeps its
+        quantized storage, so that path is not taken), that."""
+        if self.dequantizes:
+            return (
+                f"{self.value} files are converted by dequantizing them to safetensors; "
+                "their tensors cannot be kept as they are (--keep-quantized)"
+            )
+        return self.convert_refusal
 
 
 _CASTS = frozenset({Format.TORCH_ZIP, Format.TORCH_LEGACY, Format.SAFETENSORS, Format.HF_DIRECTORY})
@@ -75,6 +95,7 @@ _CONVERT_REFUSALS = {
     "torch.distributed.checkpoint.format_utils.dcp_to_torch_save first, then convert the .pt",
     Format.FACTORY: "a factory builds a model, it is not a checkpoint file to convert",
     Format.PICKLE: "a bare pickle is not a torch.save checkpoint; nothing in it can be converted without running it",
+    Format.ZIP: "a zip archive that is no torch.save file holds nothing convert can cast",
 }
 
 

@@ -152,7 +152,9 @@ def make_plan(
     part in module or tie decisions (a float32 scale does not pull its Linear's bias to float32).
     """
     target = dtypes.conversion_target(to)
-    refusal = (fmt := format_of(inv.format)) and fmt.convert_refusal
+    # The same refusal for --dry-run and the real run: a format our writers cannot write again is refused here,
+    # before a plan is shown (a GGUF reaches this only with --keep-quantized; otherwise it is dequantized).
+    refusal = (fmt := format_of(inv.format)) and fmt.cast_refusal
     if refusal:
         raise ConversionError(refusal, path=inv.path)
     inv = annotate(inv)  # a no-op after convert's own; policies' module: rules see the guessed types
