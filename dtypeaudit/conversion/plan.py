@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, replace
 from .. import dtypes
 from ..errors import ConversionError, UsageError
 from ..formats.hfload import loaded_names
-from ..inventory import Finding, Format, Inventory, TensorRecord, format_of, severity_rank, unique_tensors
+from ..inventory import Finding, Format, Inventory, TensorRecord, failing, format_of, unique_tensors
+from ..options import effective, fail_on_for
 from ..policy import Matcher, Policy, compile_matcher, decide
 from ..structure import annotate
 from ..values import ValueStats
@@ -107,8 +108,7 @@ class Plan:
 
     def failing(self, policy: Policy | None) -> list[Finding]:
         """The planned output's findings that would fail ``scan`` with ``policy`` (at its fail_on, else error)."""
-        threshold = severity_rank((policy.fail_on if policy else None) or "error")
-        return [f for f in self.findings if severity_rank(f.severity) >= threshold]
+        return failing(self.findings, fail_on_for(policy))
 
 
 def unit_of(t: TensorRecord) -> str:
@@ -407,10 +407,12 @@ def plan_findings(plan: Plan, policy: Policy | None) -> list[Finding]:
     plan holds in a castable dtype becomes an error. Scan warns of such a module in a checkpoint it is given;
     convert would be making it, so it refuses instead, naming what holds the module.
     """
-    from ..checks import check
+    from ..checks import run_checks
 
     plan.config_dtype = plan_config_dtype(plan)
-    found = check(plan.output_inventory(), policy, strict=bool(policy and policy.strict))
+    # The checks options.effective says apply: the policy's, and its own target's (the command line gives the policy
+    # without it where --target replaces it, and checks that target apart: cli_commands.convert).
+    found = run_checks(plan.output_inventory(), effective(policy).checks(), strict=bool(policy and policy.strict))[1]
     plan.findings = [_would_not_run(plan, f) for f in found]
     return plan.findings
 
