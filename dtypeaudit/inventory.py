@@ -6,6 +6,7 @@ Frozen dataclasses, no torch: readers produce them, checks and renderers consume
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -331,6 +332,17 @@ def unique_tensors(tensors: Iterable[TensorRecord]) -> list[TensorRecord]:
             seen.add(key)
             out.append(t)
     return out
+
+
+def floating_bytes(tensors: Iterable[TensorRecord]) -> Counter[str]:
+    """Bytes by floating dtype (``dtypes.is_floating``), every record counted: which dtype holds a model's weights."""
+    from .dtypes import is_floating
+
+    weights: Counter[str] = Counter()
+    for t in tensors:
+        if is_floating(t.dtype):
+            weights[t.dtype] += t.nbytes
+    return weights
 
 
 def dtype_summary(tensors: Iterable[TensorRecord]) -> list[DtypeTotals]:

@@ -10,14 +10,13 @@ the plan picks it; where it cannot, the planned output fails its checks and ``co
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from .. import dtypes
 from ..errors import ConversionError, UsageError
 from ..formats.hfload import loaded_names
-from ..inventory import Finding, Format, Inventory, TensorRecord, failing, format_of, unique_tensors
+from ..inventory import Finding, Format, Inventory, TensorRecord, failing, floating_bytes, format_of, unique_tensors
 from ..options import effective, fail_on_for
 from ..policy import Matcher, Policy, compile_matcher, decide
 from ..structure import annotate
@@ -364,10 +363,7 @@ def weights_dtype(inv: Inventory) -> str | None:
     found = dominant_dtype(inv)
     if found is not None:
         return found
-    weights: Counter[str] = Counter()
-    for t in inv.tensors:
-        if t.dtype in dtypes.DTYPES and dtypes.get(t.dtype).is_floating:
-            weights[t.dtype] += t.nbytes
+    weights = floating_bytes(inv.tensors)
     return weights.most_common(1)[0][0] if weights else None
 
 
@@ -385,11 +381,7 @@ def plan_config_dtype(plan: Plan) -> str | None:
     if held:
         out = replace(out, tensors=tuple(t for t in out.tensors if t.name not in held))
     candidates = [weights_dtype(out)]
-    weights: Counter[str] = Counter()
-    for t in out.tensors:
-        if t.dtype in dtypes.DTYPES and dtypes.get(t.dtype).is_floating:
-            weights[t.dtype] += t.nbytes
-    candidates += [d for d, _ in weights.most_common()]
+    candidates += [d for d, _ in floating_bytes(out.tensors).most_common()]
     first = next((c for c in candidates if c), None)
     for c in candidates:
         if c and not any(f.rule == "config-dtype-mismatch" for f in check(plan.output_inventory(config_dtype=c))):
