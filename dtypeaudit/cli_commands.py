@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Optional
 from . import exitcodes
 from ._version import __version__
 from .errors import DtypeAuditError, UsageError
-from .inventory import Report, Severity
+from .inventory import Report
 from .render import OutputFormat, renderer_for
 
 if TYPE_CHECKING:
@@ -147,12 +147,6 @@ def leave_fast_after_torch(run: Callable[[], None]) -> None:
         os._exit(code)
 
 
-def severity(value: str) -> Severity:
-    if value not in ("error", "warning", "info"):
-        raise UsageError(f"--fail-on must be error, warning or info, not '{value}'")
-    return value  # type: ignore[return-value]
-
-
 def require_torch_for_factories(targets: list[TargetRef], model: Optional[str], command: str) -> None:
     """A factory (a target, or --model) builds a torch model: without torch, the one line that names the extra."""
     from .formats.locate import TargetKind
@@ -197,9 +191,9 @@ def scan(
 
         named = [parse_target(t) for t in targets]
         require_torch_for_factories(named, model, "scan")
-        chosen_options = effective(policy, preset=preset, target=target)
+        chosen_options = effective(policy, preset=preset, target=target, fail_on=fail_on)
         pol = chosen_options.policy
-        fails_at = severity(fail_on or (pol.fail_on if pol else None) or "error")
+        fails_at = chosen_options.fail_on
         if explain is not None:
             _explain(named, pol, explain, model)
         progress = _progress_callback()
@@ -447,8 +441,12 @@ def convert(
             require("torch", "dtypeaudit convert --model")
         from .options import effective
 
+        # One resolver for the policy, the target and the failing severity. --target replaces the policy's own
+        # `target:`, as for scan: its findings are the plan's hardware section (below), so the plan is checked
+        # against the policy without its target; otherwise the policy's target holds the plan, as it holds a scan.
+        chosen = effective(policy, preset=preset, target=target)
         options: dict[str, Any] = {
-            "policy": effective(policy, preset=preset).policy,
+            "policy": chosen.policy_alone if target is not None else chosen.policy,
             "keep": tuple(keep or ()),
             "include_optimizer": include_optimizer,
             "strip_optimizer": strip_optimizer,
@@ -470,7 +468,7 @@ def convert(
                 _convert_many(sources, to, output, options, jobs=jobs, cluster=cluster, as_json=fmt == "json", verbose=verbose, debug=debug)
             )
         (source,) = sources
-        hardware = effective(target=target).target if target is not None else None  # --target only: it checks the plan
+        hardware = chosen.target if target is not None else None  # --target only: it checks the plan
         progress = _ByteProgress() if sys.stderr.isatty() else None
         try:
             result = run_convert(source, to, output=output, progress_factory=progress, **options)
@@ -482,7 +480,7 @@ def convert(
         if hardware is not None and not result.refused:
             from .targets import plan_report
 
-            text, unfit = plan_report(text, result.plan.output_inventory(), hardware, as_json=fmt == "json")
+            text, unfit = plan_report(text, result.plan.output_inventory(), hardware, as_json=fmt == "json", fail_on=chosen.fail_on)
         emit(text, None)
         for line in refusal_lines(result):
             say(f"dtypeaudit: {line}")
@@ -520,8 +518,7 @@ def trace(
         from .render.trace import renderer_for as trace_renderer_for
         from .trace import trace as run_trace
 
-        fails_at = severity(fail_on) if fail_on is not None else None
-        chosen_options = effective(policy, preset=preset, target=hardware)
+        chosen_options = effective(policy, preset=preset, target=hardware, fail_on=fail_on)
         report = run_trace(
             model,
             inputs=tuple(inputs or ()),
@@ -532,7 +529,7 @@ def trace(
             loss=loss,
             default_dtype=default_dtype,
             allow_promotion=tuple(allow_promotion or ()),
-            fail_on=fails_at,
+            fail_on=chosen_options.trace_fail_on,
             policy=chosen_options.policy,
             target=chosen_options.target,
         )

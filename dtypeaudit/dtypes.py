@@ -154,6 +154,11 @@ CONVERSION_TARGETS: dict[str, str] = {"fp16": "float16", "bf16": "bfloat16", "fp
 """What ``convert --to`` accepts (short name -> torch name); torch names and aliases of these three work too."""
 
 
+HALF: frozenset[str] = frozenset({"float16", "bfloat16"})
+"""The 16-bit floating dtypes: what mixed precision computes in, and what a float32 norm or a float32 accumulation
+sits beside (``structure``'s module rules, the trace's low-precision checks)."""
+
+
 def is_floating(name: str) -> bool:
     """Whether a dtype name is a floating type (float8 and float4 included); False for names torch does not know."""
     d = DTYPES.get(name)

@@ -6,6 +6,7 @@ Frozen dataclasses, no torch: readers produce them, checks and renderers consume
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -52,9 +53,15 @@ class Format(StrEnum):
 
     @property
     def casts(self) -> bool:
-        """Whether ``convert`` casts this format's tensors itself (its value checks read them too); a quantized
-        checkpoint (GGUF among them) is dequantized instead (``conversion/dequantize.py``)."""
+        """Whether ``convert``'s writers cast this format's tensors in place (its value checks read them too); a
+        quantized checkpoint is dequantized instead (``conversion/dequantize.py``)."""
         return self in _CASTS
+
+    @property
+    def dequantizes(self) -> bool:
+        """Whether ``convert`` writes this format through the dequantizing path, quantized weights or not: no writer
+        of ours writes a GGUF file, so even an all-float one is read tensor by tensor and written as safetensors."""
+        return self is Format.GGUF
 
     @property
     def torch_save(self) -> bool:
@@ -63,8 +70,22 @@ class Format(StrEnum):
 
     @property
     def convert_refusal(self) -> str | None:
-        """Why ``convert`` refuses this format outright, or None."""
-        return _CONVERT_REFUSALS.get(self)
+        """Why ``convert`` refuses this format outright, or None: every format that neither casts nor dequantizes."""
+        if self.casts or self.dequantizes:
+            return None
+        return _CONVERT_REFUSALS.get(self, f"{self.value} input is not a checkpoint file convert can write again")
+
+    @property
+    def cast_refusal(self) -> str | None:
+        """Why ``convert``'s writers cannot cast this format in place (the plan's refusal), or None: its
+        ``convert_refusal``, or for a format only the dequantizing path writes (``--keep-quantized`` keeps its
+        quantized storage, so that path is not taken), that."""
+        if self.dequantizes:
+            return (
+                f"{self.value} files are converted by dequantizing them to safetensors; "
+                "their tensors cannot be kept as they are (--keep-quantized)"
+            )
+        return self.convert_refusal
 
 
 _CASTS = frozenset({Format.TORCH_ZIP, Format.TORCH_LEGACY, Format.SAFETENSORS, Format.HF_DIRECTORY})
@@ -75,6 +96,7 @@ _CONVERT_REFUSALS = {
     "torch.distributed.checkpoint.format_utils.dcp_to_torch_save first, then convert the .pt",
     Format.FACTORY: "a factory builds a model, it is not a checkpoint file to convert",
     Format.PICKLE: "a bare pickle is not a torch.save checkpoint; nothing in it can be converted without running it",
+    Format.ZIP: "a zip archive that is no torch.save file holds nothing convert can cast",
 }
 
 
@@ -310,6 +332,17 @@ def unique_tensors(tensors: Iterable[TensorRecord]) -> list[TensorRecord]:
             seen.add(key)
             out.append(t)
     return out
+
+
+def floating_bytes(tensors: Iterable[TensorRecord]) -> Counter[str]:
+    """Bytes by floating dtype (``dtypes.is_floating``), every record counted: which dtype holds a model's weights."""
+    from .dtypes import is_floating
+
+    weights: Counter[str] = Counter()
+    for t in tensors:
+        if is_floating(t.dtype):
+            weights[t.dtype] += t.nbytes
+    return weights
 
 
 def dtype_summary(tensors: Iterable[TensorRecord]) -> list[DtypeTotals]:

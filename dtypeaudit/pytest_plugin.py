@@ -44,15 +44,16 @@ class DtypeAudit:
         self, obj: Any, policy: Policy | str | None = None, *, target: Target | str | None = None, fail_on: Severity | None = None
     ) -> list[Finding]:
         """Fail the test, with the findings table as its message, if ``obj`` has findings at or above ``fail_on``."""
-        from .inventory import severity_rank
-        from .live import as_policy, describe, render_findings
+        from .inventory import failing
+        from .live import describe, render_findings
+        from .options import effective
 
-        pol = as_policy(policy if policy is not None else self.policy)
+        chosen = effective(policy if policy is not None else self.policy, fail_on=fail_on)
+        pol = chosen.policy
         found = self.audit(obj, pol, target=target)
-        threshold: Severity = fail_on or (pol.fail_on if pol is not None and pol.fail_on else "error")
-        if any(severity_rank(f.severity) >= severity_rank(threshold) for f in found):
+        if failing(found, chosen.fail_on):
             where = f" against {pol.source}" if pol is not None else ""
-            pytest.fail(render_findings(found, title=f"dtype audit of {describe(obj)}{where}", fail_on=threshold), pytrace=False)
+            pytest.fail(render_findings(found, title=f"dtype audit of {describe(obj)}{where}", fail_on=chosen.fail_on), pytrace=False)
         return found
 
 

@@ -27,7 +27,7 @@ Confidence = Literal["fact", "high", "low"]
 # ``state_dict``, a plain ``model``, DDP's ``module``, torch.compile's ``_orig_mod``. Stripped for naming only.
 WRAPPER_PREFIXES: tuple[str, ...] = ("model_state_dict.", "state_dict.", "model.", "module.", "_orig_mod.")
 
-HALF_DTYPES = frozenset({"float16", "bfloat16"})
+HALF_DTYPES = dtypes.HALF
 MEASURED_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 """The dtypes whose forward rules were measured (tests/test_runtime_truth.py), and that factories probe."""
 

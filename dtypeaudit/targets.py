@@ -21,7 +21,7 @@ from typing import Literal
 
 from . import dtypes
 from .errors import UsageError
-from .inventory import Finding, Inventory
+from .inventory import Finding, Inventory, Severity, failing
 
 Support = Literal["native", "emulated", "unsupported"]
 
@@ -413,11 +413,12 @@ def as_json(targets: Iterable[Target] = TARGETS) -> list[dict[str, object]]:
     ]
 
 
-def plan_report(text: str, planned: Inventory, target: Target, *, as_json: bool = False) -> tuple[str, bool]:
+def plan_report(text: str, planned: Inventory, target: Target, *, as_json: bool = False, fail_on: Severity = "error") -> tuple[str, bool]:
     """``convert --dry-run --target``: the plan's report with the target's findings on the planned output added, and
-    whether any is an error (a dtype the target cannot compute)."""
+    whether any fails at ``fail_on`` (the policy's, as for the plan's own findings; by default only a dtype the
+    target cannot compute)."""
     found = target_findings(planned, target)
-    unfit = any(f.severity == "error" for f in found)
+    unfit = bool(failing(found, fail_on))
     if as_json:
         import json
 

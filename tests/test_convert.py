@@ -485,3 +485,36 @@ def test_dry_run_value_checks_show_progress_on_a_terminal(tmp_path: Path) -> Non
     assert b"checking values" in seen and b"\x1b[" not in stdout
     returncode, stdout, seen = on_a_terminal("convert", str(src), "--to", "fp16", "--dry-run")
     assert returncode == 0 and b"values: not read" in stdout and b"checking values" not in seen
+
+
+def test_one_floating_test_one_half_set_and_one_byte_counter(tmp_path: Path) -> None:
+    """dtypes.is_floating (float8 included, ints and bools not), one half-precision set for the structure rules and
+    the trace checks, and inventory.floating_bytes: the bytes torch gives each floating dtype of a saved file, which
+    is what convert's config.json dtype is chosen from."""
+    from dtypeaudit import dtypes, structure
+    from dtypeaudit.conversion.plan import weights_dtype
+    from dtypeaudit.inventory import floating_bytes
+    from dtypeaudit.trace.result import LOW_PRECISION
+
+    assert structure.HALF_DTYPES is dtypes.HALF and LOW_PRECISION is dtypes.HALF
+    assert dtypes.HALF == {str(d).removeprefix("torch.") for d in (torch.float16, torch.bfloat16)}
+    state = {
+        "emb.weight": torch.zeros(8, 4, dtype=torch.float16),
+        "norm.weight": torch.ones(4, dtype=torch.float32),
+        "q.weight": torch.zeros(4, 4, dtype=torch.float8_e4m3fn),
+        "ids": torch.arange(6),
+        "mask": torch.ones(3, dtype=torch.bool),
+    }
+    for dtype in (torch.float16, torch.float32, torch.float8_e4m3fn, torch.int64, torch.bool):
+        assert dtypes.is_floating(str(dtype).removeprefix("torch.")) == dtype.is_floating_point
+    assert not dtypes.is_floating("not-a-dtype")
+    path = tmp_path / "m.pt"
+    torch.save(state, path)
+    inv = read_checkpoint(str(path))
+    want: dict[str, int] = {}
+    for t in state.values():
+        if t.is_floating_point():
+            name = str(t.dtype).removeprefix("torch.")
+            want[name] = want.get(name, 0) + t.numel() * t.element_size()
+    assert dict(floating_bytes(inv.tensors)) == want == {"float16": 64, "float32": 16, "float8_e4m3fn": 16}
+    assert weights_dtype(inv) == "float16"  # no compute layer the structure knows: the dtype with the most bytes

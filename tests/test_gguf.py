@@ -205,3 +205,47 @@ def test_quantized_scans_need_neither_torch_nor_numpy(tmp_path: Path) -> None:
         c.pop("bytes_read")
     assert light == full
     assert [len(c["quantized"]) for c in light["checkpoints"]] == [5, 1]
+
+
+# An all-float GGUF (F32, F16 and BF16 tensors, nothing quantized): no writer of ours writes GGUF, so convert takes
+# the dequantizing path, whose plan and output agree, for --dry-run and the real run alike.
+FLOAT_TENSORS = {
+    "blk.0.attn_norm.weight": (Q.F32, (256,)),
+    "blk.0.attn_q.weight": (Q.F32, (32, 256)),
+    "blk.0.attn_v.weight": (Q.F16, (32, 256)),
+}
+
+
+def test_an_unquantized_gguf_converts_by_the_dequantizing_writer(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    from dtypeaudit.inventory import Format
+
+    path = write_gguf(tmp_path / "float.gguf", FLOAT_TENSORS)
+    assert not view(read_checkpoint(str(path)))  # nothing quantized
+    assert Format.GGUF.dequantizes and not Format.GGUF.casts and Format.GGUF.convert_refusal is None
+    planned = run_cli("convert", str(path), "--to", "fp16", "--dry-run")
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    assert "tensors: 2 cast, 1 left as they are" in planned.stdout
+    assert "note: no quantized weights: a gguf file is converted by the dequantizing writer, to safetensors" in planned.stdout
+    assert "dequantized to" not in planned.stdout  # no "0 quantized weights" note
+    done = run_cli("convert", str(path), "--to", "fp16")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "float.fp16.safetensors"
+    assert f"-> {out}" in done.stdout
+    got = load_file(str(out))
+    # the values are the gguf package's own reading of the file, cast to float16
+    theirs = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(path)).tensors}
+    assert sorted(got) == sorted(FLOAT_TENSORS)
+    for name, value in got.items():
+        assert value.dtype == np.float16 and value.shape == FLOAT_TENSORS[name][1]
+        np.testing.assert_array_equal(value, theirs[name].astype(np.float16).reshape(value.shape))
+
+
+def test_a_gguf_kept_as_it_is_is_refused_alike_by_the_plan_and_the_run(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "float.gguf", FLOAT_TENSORS)
+    why = "gguf files are converted by dequantizing them to safetensors; their tensors cannot be kept as they are (--keep-quantized)"
+    for extra in (("--dry-run",), ("-o", str(tmp_path / "out.pt"))):
+        proc = run_cli("convert", str(path), "--to", "fp16", "--keep-quantized", *extra)
+        assert proc.returncode == 2 and why in proc.stderr and "pickle" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "out.pt").exists()

@@ -354,3 +354,27 @@ def test_policy_requires_the_default_dtype(tmp_path: Path) -> None:
     policy.write_text("version: 1\ndefault_dtype: int64\n")
     with pytest.raises(dtypeaudit.PolicyError, match="train.yaml:2: default_dtype must be a floating dtype"):
         dtypeaudit.load_policy(str(policy))
+
+
+def test_auditor_and_pytest_plugin_fail_at_the_resolved_fail_on(tmp_path: Path) -> None:
+    """Auditor.fail_on and the pytest fixture's assert_clean take --fail-on's rule from options.effective: the
+    argument, else the policy's fail_on, else error; bfloat16 on a t4 is an emulated-dtype warning."""
+    from dtypeaudit.errors import UsageError
+    from dtypeaudit.pytest_plugin import DtypeAudit
+
+    warns = tmp_path / "warns.yaml"
+    warns.write_text("version: 1\nfail_on: warning\n")
+    model = nn.Linear(4, 4).to(torch.bfloat16)
+    assert dtypeaudit.Auditor().fail_on == "error"
+    assert dtypeaudit.Auditor(str(warns)).fail_on == "warning"
+    assert dtypeaudit.Auditor(str(warns), fail_on="info").fail_on == "info"
+    auditor = dtypeaudit.Auditor(str(warns), target="t4")
+    found = auditor.audit(model)
+    assert {f.severity for f in found} == {"warning"} and auditor.failing(found) == found
+    with pytest.raises(UsageError, match="--fail-on must be error, warning or info"):
+        dtypeaudit.Auditor(fail_on="fatal")  # type: ignore[arg-type]
+    fixture = DtypeAudit(target="t4")
+    assert [f.rule for f in fixture.assert_clean(model)] == ["emulated-dtype", "emulated-dtype"]  # warnings pass at error
+    with pytest.raises(pytest.fail.Exception, match="failing at warning"):
+        fixture.assert_clean(model, str(warns))
+    assert len(fixture.assert_clean(model, str(warns), fail_on="error")) == 2

@@ -268,3 +268,46 @@ def test_fp16_mixed_on_training_checkpoint(training_pt: Path) -> None:
 def test_inventory_without_policy_uses_no_default() -> None:
     inv = Inventory("x", "test", (rec("a"),))
     assert check(inv) == []
+
+
+def test_which_fail_on_applies_is_resolved_once(tmp_path: Path) -> None:
+    """--fail-on, else the policy's fail_on, else error (a trace: its trace: fail_on before the policy's): one
+    resolver, options.effective, that scan, trace, live audits, the pytest plugin and convert's plan ask."""
+    from dtypeaudit.errors import UsageError
+    from dtypeaudit.options import effective, fail_on_for
+
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("version: 1\nextends: fp32\n")
+    warns = tmp_path / "warns.yaml"
+    warns.write_text("version: 1\nextends: fp32\nfail_on: warning\ntrace:\n  fail_on: info\n")
+    assert (effective().fail_on, effective().trace_fail_on) == ("error", "error")
+    assert (effective(str(plain)).fail_on, effective(str(plain)).trace_fail_on) == ("error", "error")
+    assert (effective(str(warns)).fail_on, effective(str(warns)).trace_fail_on) == ("warning", "info")
+    assert (effective(str(warns), fail_on="error").fail_on, effective(str(warns), fail_on="error").trace_fail_on) == ("error", "error")
+    assert fail_on_for(load_policy(str(warns))) == "warning" and fail_on_for(None, "info") == "info"
+    with pytest.raises(UsageError, match="--fail-on must be error, warning or info, not 'fatal'"):
+        effective(str(plain), fail_on="fatal")
+
+
+def test_scan_fails_at_the_resolved_fail_on(tmp_path: Path) -> None:
+    """A checkpoint with only warnings (bfloat16 on a v100, emulated): the policy's fail_on: warning fails it,
+    --fail-on error wins over the policy."""
+    import json
+
+    import torch
+
+    from tests.helpers import run_cli
+
+    path = tmp_path / "m.pt"
+    torch.save({"fc.weight": torch.ones(4, 4, dtype=torch.bfloat16), "fc.bias": torch.ones(4, dtype=torch.bfloat16)}, path)
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("version: 1\ntarget: v100\n")
+    base = run_cli("scan", str(path), "--policy", str(plain), "--format", "json")
+    severities = {f["severity"] for c in json.loads(base.stdout)["checkpoints"] for f in c["findings"]}
+    assert base.returncode == 0 and severities == {"warning"}, base.stdout
+    warns = tmp_path / "warns.yaml"
+    warns.write_text("version: 1\ntarget: v100\nfail_on: warning\n")
+    assert run_cli("scan", str(path), "--policy", str(warns)).returncode == 1
+    assert run_cli("scan", str(path), "--policy", str(warns), "--fail-on", "error").returncode == 0
+    bad = run_cli("scan", str(path), "--fail-on", "fatal")
+    assert bad.returncode == 2 and "--fail-on must be error, warning or info, not 'fatal'" in bad.stderr

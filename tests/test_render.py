@@ -185,3 +185,40 @@ def test_plain_report_does_not_import_rich() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("fail_on", ["info", "warning", "error"])
+def test_every_verdict_is_the_reports_own_failing(fail_on: str) -> None:
+    """Markdown, HTML, JUnit, the text report, the trace verdict and the exit code all say what Report.failing says:
+    a warning and an info finding fail at info, the warning alone at warning, nothing at error."""
+    from dataclasses import replace
+
+    from dtypeaudit import exitcodes
+    from dtypeaudit.formats import read_checkpoint
+    from dtypeaudit.inventory import CheckpointReport, Finding
+    from dtypeaudit.render import html, junit, markdown
+    from dtypeaudit.render import trace as trace_render
+
+    inv = read_checkpoint(str(ROOT / "sample_models" / "cnn_fp32.pt"))
+    warned = Finding("dtype-mismatch", "warning", "float32, the policy wants float16", tensor=inv.tensors[0].name)
+    told = Finding("config-dtype-mismatch", "info", "only an info", tensor=inv.tensors[1].name)
+    base = Report((CheckpointReport(inv.path, inv.format, None, inv, (warned, told)),))
+    report = replace(base, fail_on=fail_on)
+    expected = {"info": [warned, told], "warning": [warned], "error": []}[fail_on]
+    assert report.failing() == expected
+    failed = bool(expected)
+    assert ("❌ failed" in markdown.render(report)) is failed and ("✅ passed" in markdown.render(report)) is not failed
+    assert f'class="verdict verdict-{"failed" if failed else "passed"}"' in html.render(report)
+    suite = ET.fromstring(junit.render(report)).find("testsuite")
+    assert suite is not None and suite.get("failures") == str(int(failed))
+    case = suite.find("testcase")
+    assert case is not None
+    failure, out = case.find("failure"), case.find("system-out")
+    assert (failure.get("message") if failure is not None else None) == (
+        f"{len(expected)} finding(s) at or above {fail_on}" if failed else None
+    )
+    shown_apart = 2 - len(expected)  # the findings below --fail-on go to system-out, each once
+    assert (out.text.count("\n") + 1 if out is not None and out.text else 0) == shown_apart
+    assert plain.render(report).rstrip().splitlines()[-1].startswith("✗" if failed else "✓")
+    assert trace_render.verdict(report).startswith("✗" if failed else "✓")
+    assert exitcodes.for_report(report) == (exitcodes.FINDINGS if failed else exitcodes.CLEAN)

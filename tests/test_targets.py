@@ -252,3 +252,43 @@ def test_policy_target_holds_every_checkpoint_to_the_device(tmp_path: Path) -> N
     bad.write_text("version: 1\ntarget: k80\n")
     with pytest.raises(PolicyError, match=r"bad.yaml:2: unknown target 'k80' \(valid: cpu, cpu-avx512bf16"):
         load_policy(str(bad))
+
+
+def _rules_of(findings: list[dict[str, object]]) -> list[tuple[object, object]]:
+    return sorted((f["rule"], f["tensor"]) for f in findings)
+
+
+def test_convert_target_replaces_the_policys_target_as_scan_does(tmp_path: Path) -> None:
+    """A policy saying `target: v100` and `--target h100`: the plan is held to h100 alone, as a scan of its output is
+    (the v100 findings were the plan's too, before). Without --target the policy's v100 holds both alike."""
+    source = _safetensors(tmp_path / "fp32.safetensors", "float32")
+    output = _safetensors(tmp_path / "bf16.safetensors", "bfloat16")  # what the plan makes, written for scan
+    policy = tmp_path / "v100.yaml"
+    policy.write_text("version: 1\nextends: bf16\ntarget: v100\n")
+    emulated = [("emulated-dtype", "fc.bias"), ("emulated-dtype", "fc.weight")]
+    for flags, want in (((), emulated), (("--target", "h100"), [])):
+        planned = run_cli("convert", str(source), "--to", "bf16", "--dry-run", "--policy", str(policy), "--format", "json", *flags)
+        assert planned.returncode == 0, planned.stdout + planned.stderr
+        doc = json.loads(planned.stdout)
+        scanned = run_cli("scan", str(output), "--policy", str(policy), "--format", "json", *flags)
+        assert scanned.returncode == 0, scanned.stdout + scanned.stderr
+        (checkpoint,) = json.loads(scanned.stdout)["checkpoints"]
+        found = _rules_of(doc["plan_findings"]) + _rules_of(doc.get("hardware_target", {}).get("findings", []))
+        assert found == _rules_of(checkpoint["findings"]) == want
+        assert ("hardware_target" in doc) == bool(flags)
+        if flags:
+            assert doc["hardware_target"]["name"] == "h100" and "v100" not in planned.stdout
+
+
+def test_convert_target_findings_fail_at_the_policys_fail_on_as_scan_does(tmp_path: Path) -> None:
+    """`fail_on: warning` in the policy: the target's emulated-dtype warnings fail the plan (exit 1) as they fail a
+    scan of the output; at the default fail_on they do not."""
+    source = _safetensors(tmp_path / "fp32.safetensors", "float32")
+    output = _safetensors(tmp_path / "bf16.safetensors", "bfloat16")
+    for fail_on, code in (("warning", 1), ("error", 0)):
+        policy = tmp_path / f"{fail_on}.yaml"
+        policy.write_text(f"version: 1\nextends: bf16\nfail_on: {fail_on}\n")
+        planned = run_cli("convert", str(source), "--to", "bf16", "--dry-run", "--policy", str(policy), "--target", "v100")
+        scanned = run_cli("scan", str(output), "--policy", str(policy), "--target", "v100")
+        assert (planned.returncode, scanned.returncode) == (code, code), planned.stdout + scanned.stdout
+        assert "warning: emulated-dtype: 2 tensors (" in planned.stdout

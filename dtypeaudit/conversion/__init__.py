@@ -18,7 +18,7 @@ from .. import dtypes
 from ..errors import DtypeAuditError, UsageError
 from ..formats import Format, read_checkpoint
 from ..formats.locate import TargetRef, as_target, parse_target
-from ..inventory import Finding, Inventory
+from ..inventory import Finding, Inventory, format_of
 from ..pieces import Workers
 from ..pipeline import model_inventory, prepare
 from ..policy import Policy
@@ -181,7 +181,8 @@ def convert(
     from ..quant.group import view as quant_view
 
     quant = quant_view(inv)
-    if quant and not keep_quantized:
+    # No writer of ours writes GGUF: an all-float one goes the dequantizing way too, tensor by tensor to safetensors.
+    if (quant or ((fmt := format_of(inv.format)) is not None and fmt.dequantizes)) and not keep_quantized:
         from .dequantize import convert_quantized
 
         if keep or include_optimizer or strip_optimizer or clamp or keep_unsafe or max_shard_size or model:
@@ -189,7 +190,7 @@ def convert(
                 "dequantizing takes no --keep, --include-optimizer, --strip-optimizer, --clamp, --keep-unsafe, "
                 "--max-shard-size or --model; convert the dequantized output again for those"
             )
-        return convert_quantized(
+        dequantized = convert_quantized(
             src_path,
             inv,
             quant,
@@ -201,6 +202,11 @@ def convert(
             in_place=in_place,
             progress_factory=progress_factory,
         )
+        if not quant:
+            dequantized.plan.notes.append(
+                f"no quantized weights: a {inv.format} file is converted by the dequantizing writer, to safetensors"
+            )
+        return dequantized
     parts_of = inv  # the reader's own inventory, whose layout (and a directory's parts) conversion reads from
     inv = prepare(inv, model_inventory(model))  # the module types the policy sees, as scan sees them
     options: dict[str, Any] = {

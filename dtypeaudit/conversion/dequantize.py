@@ -159,10 +159,11 @@ def make_dequant_plan(inv: Inventory, view: qm.QuantView, target: str, sources: 
     plan = Plan(inv, target, plans)
     n = len(view.weights)
     schemes = ", ".join(sorted({w.scheme.name for w in view.weights}))
-    plan.notes.append(
-        f"{n} quantized weight{'s' if n != 1 else ''} ({schemes}) {'are' if n != 1 else 'is'} dequantized to {target}; "
-        "quantization_config is removed from config.json"
-    )
+    if n:  # an all-float GGUF comes this way too (inventory.Format.dequantizes), with nothing to dequantize
+        plan.notes.append(
+            f"{n} quantized weight{'s' if n != 1 else ''} ({schemes}) {'are' if n != 1 else 'is'} dequantized to {target}; "
+            "quantization_config is removed from config.json"
+        )
     return plan, list(shards.values())
 
 

@@ -10,14 +10,14 @@ the plan picks it; where it cannot, the planned output fails its checks and ``co
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from .. import dtypes
 from ..errors import ConversionError, UsageError
 from ..formats.hfload import loaded_names
-from ..inventory import Finding, Format, Inventory, TensorRecord, format_of, severity_rank, unique_tensors
+from ..inventory import Finding, Format, Inventory, TensorRecord, failing, floating_bytes, format_of, unique_tensors
+from ..options import effective, fail_on_for
 from ..policy import Matcher, Policy, compile_matcher, decide
 from ..structure import annotate
 from ..values import ValueStats
@@ -107,8 +107,7 @@ class Plan:
 
     def failing(self, policy: Policy | None) -> list[Finding]:
         """The planned output's findings that would fail ``scan`` with ``policy`` (at its fail_on, else error)."""
-        threshold = severity_rank((policy.fail_on if policy else None) or "error")
-        return [f for f in self.findings if severity_rank(f.severity) >= threshold]
+        return failing(self.findings, fail_on_for(policy))
 
 
 def unit_of(t: TensorRecord) -> str:
@@ -152,7 +151,9 @@ def make_plan(
     part in module or tie decisions (a float32 scale does not pull its Linear's bias to float32).
     """
     target = dtypes.conversion_target(to)
-    refusal = (fmt := format_of(inv.format)) and fmt.convert_refusal
+    # The same refusal for --dry-run and the real run: a format our writers cannot write again is refused here,
+    # before a plan is shown (a GGUF reaches this only with --keep-quantized; otherwise it is dequantized).
+    refusal = (fmt := format_of(inv.format)) and fmt.cast_refusal
     if refusal:
         raise ConversionError(refusal, path=inv.path)
     inv = annotate(inv)  # a no-op after convert's own; policies' module: rules see the guessed types
@@ -362,10 +363,7 @@ def weights_dtype(inv: Inventory) -> str | None:
     found = dominant_dtype(inv)
     if found is not None:
         return found
-    weights: Counter[str] = Counter()
-    for t in inv.tensors:
-        if t.dtype in dtypes.DTYPES and dtypes.get(t.dtype).is_floating:
-            weights[t.dtype] += t.nbytes
+    weights = floating_bytes(inv.tensors)
     return weights.most_common(1)[0][0] if weights else None
 
 
@@ -383,11 +381,7 @@ def plan_config_dtype(plan: Plan) -> str | None:
     if held:
         out = replace(out, tensors=tuple(t for t in out.tensors if t.name not in held))
     candidates = [weights_dtype(out)]
-    weights: Counter[str] = Counter()
-    for t in out.tensors:
-        if t.dtype in dtypes.DTYPES and dtypes.get(t.dtype).is_floating:
-            weights[t.dtype] += t.nbytes
-    candidates += [d for d, _ in weights.most_common()]
+    candidates += [d for d, _ in floating_bytes(out.tensors).most_common()]
     first = next((c for c in candidates if c), None)
     for c in candidates:
         if c and not any(f.rule == "config-dtype-mismatch" for f in check(plan.output_inventory(config_dtype=c))):
@@ -405,10 +399,12 @@ def plan_findings(plan: Plan, policy: Policy | None) -> list[Finding]:
     plan holds in a castable dtype becomes an error. Scan warns of such a module in a checkpoint it is given;
     convert would be making it, so it refuses instead, naming what holds the module.
     """
-    from ..checks import check
+    from ..checks import run_checks
 
     plan.config_dtype = plan_config_dtype(plan)
-    found = check(plan.output_inventory(), policy, strict=bool(policy and policy.strict))
+    # The checks options.effective says apply: the policy's, and its own target's (the command line gives the policy
+    # without it where --target replaces it, and checks that target apart: cli_commands.convert).
+    found = run_checks(plan.output_inventory(), effective(policy).checks(), strict=bool(policy and policy.strict))[1]
     plan.findings = [_would_not_run(plan, f) for f in found]
     return plan.findings
 

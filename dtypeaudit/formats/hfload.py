@@ -126,7 +126,7 @@ def config_dtype_value(cfg: Mapping[str, Any]) -> Any:
 def _first_floating(tensors: Sequence[TensorRecord]) -> str | None:
     """get_state_dict_dtype: the first floating dtype that is not fp8/fp4, else the first dtype, else None."""
     for t in tensors:
-        if t.dtype in dtypes.DTYPES and dtypes.get(t.dtype).is_floating and not t.dtype.startswith(("float8_", "float4_")):
+        if dtypes.is_floating(t.dtype) and not t.dtype.startswith(("float8_", "float4_")):
             return t.dtype
     return tensors[0].dtype if tensors else None
 
@@ -322,7 +322,7 @@ def _pattern(globs: Sequence[str]) -> re.Pattern[str] | None:
 def loaded_dtype(t: TensorRecord, load: LoadDtype, keep: re.Pattern[str] | None) -> str:
     """The dtype ``t`` has in the loaded model: the dtype plan and the model's own parameter dtypes are
     matched against its loaded name, as ``convert_and_load_state_dict_in_model`` matches them."""
-    if t.dtype not in dtypes.DTYPES or not dtypes.get(t.dtype).is_floating:
+    if not dtypes.is_floating(t.dtype):
         return t.dtype  # an integer or bool buffer keeps the model's own dtype, which we take to be the stored one
     name = load.loaded_name(t.name)
     if keep is not None and keep.search(name):

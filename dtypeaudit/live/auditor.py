@@ -92,10 +92,10 @@ class Auditor:
         fail_on: Severity | None = None,
         drift_severity: Severity = "warning",
     ) -> None:
-        self.chosen = effective(policy, target=target)
+        self.chosen = effective(policy, target=target, fail_on=fail_on)
         self.policy = self.chosen.policy
         self.target = self.chosen.target
-        self.fail_on: Severity = fail_on or (self.policy.fail_on if self.policy and self.policy.fail_on else "error")
+        self.fail_on: Severity = self.chosen.fail_on
         self.drift_severity: Severity = drift_severity
         self.previous: Snapshot | None = None
         self.history: list[tuple[str, list[Finding]]] = []

@@ -374,7 +374,7 @@ def _tensor_table(multi: bool) -> str:
 def render(report: Report) -> str:
     """The whole report as one page."""
     multi = len(report.checkpoints) > 1
-    failing = [f for f in report.findings if severity_rank(f.severity) >= severity_rank(report.fail_on)]
+    failing = report.failing()
     unreadable = [c for c in report.checkpoints if c.error]
     verdict = "failed" if failing or unreadable else "passed"
     n_findings = len(report.findings)

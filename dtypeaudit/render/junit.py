@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from ..inventory import Report, severity_rank
+from ..inventory import Report, failing
 
 
 def render(report: Report) -> str:
-    threshold = severity_rank(report.fail_on)
     suites = ET.Element("testsuites", name="dtypeaudit")
     suite = ET.SubElement(suites, "testsuite", name="dtypeaudit")
     failures = errors = 0
@@ -18,12 +17,13 @@ def render(report: Report) -> str:
             errors += 1
             ET.SubElement(case, "error", message=c.error, type="unreadable").text = c.error
             continue
-        failing = [f for f in c.findings if severity_rank(f.severity) >= threshold]
-        if failing:
+        failed = failing(c.findings, report.fail_on)
+        if failed:
             failures += 1
-            body = "\n".join(f"[{f.severity}] {f.rule} {f.tensor or ''}: {f.message}" for f in failing)
-            ET.SubElement(case, "failure", message=f"{len(failing)} finding(s) at or above {report.fail_on}", type="dtypeaudit").text = body
-        others = [f for f in c.findings if severity_rank(f.severity) < threshold]
+            body = "\n".join(f"[{f.severity}] {f.rule} {f.tensor or ''}: {f.message}" for f in failed)
+            ET.SubElement(case, "failure", message=f"{len(failed)} finding(s) at or above {report.fail_on}", type="dtypeaudit").text = body
+        failed_ids = {id(f) for f in failed}
+        others = [f for f in c.findings if id(f) not in failed_ids]
         if others:
             ET.SubElement(case, "system-out").text = "\n".join(f"[{f.severity}] {f.rule} {f.tensor or ''}: {f.message}" for f in others)
     suite.set("tests", str(len(report.checkpoints)))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..inventory import Report, dtype_summary, severity_rank
+from ..inventory import Report, dtype_summary
 from .humanize import group_findings, group_tensors, human_bytes, human_count, shape_text
 
 
@@ -14,7 +14,7 @@ def table_cell(text: str) -> str:
 def render(report: Report, *, verbose: bool = False, quiet: bool = False) -> str:
     """The report as Markdown; ``quiet`` leaves out checkpoints without findings and every dtype table."""
     out = ["# dtypeaudit report", ""]
-    failing = [f for f in report.findings if severity_rank(f.severity) >= severity_rank(report.fail_on)]
+    failing = report.failing()
     unreadable = [c for c in report.checkpoints if c.error]
     status = "❌ failed" if failing or unreadable else "✅ passed"
     out.append(f"**{status}**: {len(report.checkpoints)} checkpoint(s), {len(report.findings)} finding(s), failing at `{report.fail_on}`.")

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..inventory import Report, dtype_summary, severity_rank
+from ..inventory import Report, dtype_summary
 from ..trace.result import ModuleSummary, OpRecord, TraceCheckpointReport, TraceSummary
 from . import OutputFormat, Renderer
 from . import renderer_for as scan_renderer_for
@@ -261,9 +261,7 @@ def _short_bytes(n: int) -> str:
 
 
 def _failing(report: Report) -> bool:
-    return any(c.error for c in report.checkpoints) or any(
-        severity_rank(f.severity) >= severity_rank(report.fail_on) for f in report.findings
-    )
+    return any(c.error for c in report.checkpoints) or bool(report.failing())
 
 
 def verdict(report: Report) -> str:

@@ -139,10 +139,9 @@ def trace_module(
         ac = getattr(torch, ac_name)
     if inputs and input_factory:
         raise UsageError("give --input or --input-factory, not both")
-    chosen = effective(policy, target=target)
+    chosen = effective(policy, target=target, fail_on=fail_on)
     pol, hardware = chosen.policy, chosen.target
-    own = (pol.trace.fail_on or pol.fail_on) if pol is not None else None
-    severity: Severity = fail_on or own or "error"
+    severity = chosen.trace_fail_on
     allowed = _matchers(allow_promotion, pol.trace.allow_promotion if pol is not None else ())
     label = name or type(model).__name__
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

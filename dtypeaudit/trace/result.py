@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..dtypes import is_floating
+from ..dtypes import HALF, is_floating
 from ..inventory import CheckpointReport
 
 Phase = Literal["forward", "backward"]
@@ -204,7 +204,8 @@ class TraceCheckpointReport(CheckpointReport):
 
 NOT_PROMOTION = frozenset({"aten._to_copy", "aten.copy_", "aten.copy", "aten._copy_from", "aten._copy_from_and_resize"})
 """Conversions: a dtype change there is what was asked for."""
-LOW_PRECISION = frozenset({"float16", "bfloat16"})
+LOW_PRECISION = HALF
+"""The half-precision dtypes (``dtypes.HALF``), by the name the trace checks use."""
 
 
 def unique(items: Iterable[str]) -> tuple[str, ...]:
