@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import fleet, structure
 from .checks import Check, run_checks
@@ -73,10 +73,21 @@ def expand_targets(
     return list(unique.values())
 
 
-def _is_checkpoint_dir(path: AnyPath) -> bool:
+def _checkpoint_dir(path: AnyPath) -> Mapping[str, Any] | None:
+    """None where the folder ``path`` is no checkpoint; else the JSON documents parsed to tell that it is a model
+    (config.json, the index: ``directory.documents_under``; none for DCP), which its read takes instead of parsing
+    them again (``TargetRef.documents``)."""
+    if (path / ".metadata").is_file():
+        return {}
     from .formats import directory
 
-    return (path / ".metadata").is_file() or directory.is_model_directory(path)
+    with directory.documents_parsed_once() as parsed:
+        return directory.documents_under(path, parsed) if directory.is_model_directory(path) else None
+
+
+def _learned(target: TargetRef, documents: Mapping[str, Any] | None) -> TargetRef:
+    """``target`` carrying what telling its folder a model parsed (its read parses none of it again)."""
+    return replace(target, documents=documents) if documents else target
 
 
 def _expand_one(
@@ -89,12 +100,23 @@ def _expand_one(
     """A file or checkpoint directory as named (``named``, else its path); a plain directory is walked, and every file
     in it is looked at by content (not by suffix): read, unless no loader would read it or ``exclude`` names it (told
     to ``left_out``). ``hub_origin``: what the files of a hub repository read from the hub carry."""
-    if not path.is_dir() or _is_checkpoint_dir(path):
+    if not path.is_dir():
         return [named or locate.path_target(path, hub_origin=hub_origin)]
+    documents = _checkpoint_dir(path)
+    if documents is not None:
+        return [_learned(named or locate.path_target(path, hub_origin=hub_origin), documents)]
     from .formats import directory
 
     skipped: list[tuple[str, str]] = []
-    walked = list(directory.walk_files(path, stop_at=_is_checkpoint_dir, on_skip=lambda p, why: skipped.append((str(p), why))))
+    learned: dict[str, Mapping[str, Any]] = {}  # the checkpoint folders the walk stops at: what telling them parsed
+
+    def stop_at(p: AnyPath) -> bool:
+        found = _checkpoint_dir(p)
+        if found is not None:
+            learned[str(p)] = found
+        return found is not None
+
+    walked = list(directory.walk_files(path, stop_at=stop_at, on_skip=lambda p, why: skipped.append((str(p), why))))
 
     def why_not(p: AnyPath) -> str | None:
         rel = p.relative_to(path).as_posix() if isinstance(p, Path) and isinstance(path, Path) else str(p)
@@ -104,7 +126,8 @@ def _expand_one(
         return None if p.is_dir() else leave_out_reason(p)
 
     reasons = remote.concurrent_map(why_not, walked) if isinstance(path, RemotePath) else [why_not(p) for p in walked]
-    found = [locate.path_target(p, hub_origin=hub_origin) for p, why in zip(walked, reasons, strict=True) if why is None]
+    kept = [p for p, why in zip(walked, reasons, strict=True) if why is None]
+    found = [_learned(locate.path_target(p, hub_origin=hub_origin), learned.get(str(p))) for p in kept]
     skipped += [(locate.target_string(p), why) for p, why in zip(walked, reasons, strict=True) if why is not None]
     if not found:
         shown = "; ".join(f"{p} ({why})" for p, why in skipped[:5])
@@ -154,6 +177,15 @@ def read_target(target: str | TargetRef, exclude: tuple[str, ...] = ()) -> Inven
         from .formats import factory
 
         return factory.inventory(target.text)
+    if target.documents:  # a model folder the expansion parsed config.json and the index of: not parsed again
+        from .formats import directory
+
+        with directory.documents_parsed_once(target.documents):
+            return _read_located(target, exclude)
+    return _read_located(target, exclude)
+
+
+def _read_located(target: TargetRef, exclude: tuple[str, ...]) -> Inventory:
     if target.kind is TargetKind.HUB and not locate.is_url(target.text):
         try:
             return read_checkpoint(target, label=target.text, exclude=exclude)

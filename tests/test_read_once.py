@@ -268,3 +268,42 @@ def test_directory_scan_parses_each_json_once(tmp_path: Path, counts: Counts) ->
     # The one parse answers both readings: the loader's (the last value wins) and the duplicate-key warning.
     assert inv.metadata["config_dtype"] == "float32"
     assert [f.rule for f in inv.findings if f.file == "config.json"] == ["duplicate-key"]
+
+
+def _model_folder(root: Path) -> Path:
+    src = write_sharded(root, _bf16_state(), 2)
+    (src / "config.json").write_text(json.dumps({"architectures": ["TinyLM"], "torch_dtype": "bfloat16"}))
+    return src
+
+
+def _parsed_once(src: Path) -> Counter[str]:
+    return Counter({str(src / "config.json"): 1, str(src / "model.safetensors.index.json"): 1})
+
+
+def test_scan_of_a_model_folder_parses_each_json_once(tmp_path: Path, counts: Counts) -> None:
+    """Telling a folder is a model (the expansion) and reading it share one parse of config.json and of the index:
+    named, and found by walking the folder above it."""
+    from dtypeaudit.pipeline import scan
+
+    src = _model_folder(tmp_path / "runs" / "st")
+    want = read_checkpoint(src)
+    for named in (src, src.parent):
+        _reset(counts)
+        report = scan([str(named)], jobs=1)
+        assert counts.json_reads == _parsed_once(src)
+        (only,) = report.checkpoints
+        assert only.error is None and only.path == str(src)
+        assert only.inventory is not None
+        assert [(t.name, t.dtype, t.file) for t in only.inventory.tensors] == [(t.name, t.dtype, t.file) for t in want.tensors]
+        assert only.inventory.metadata["config_dtype"] == "bfloat16"
+
+
+def test_cli_scan_of_a_model_folder_parses_each_json_once(tmp_path: Path, counts: Counts) -> None:
+    from .helpers import json_report
+
+    src = _model_folder(tmp_path / "st")
+    code, report, _ = json_report("scan", str(src))
+    assert code == 0
+    assert counts.json_reads == _parsed_once(src)
+    assert [c["path"] for c in report["checkpoints"]] == [str(src)]
+    assert len(report["checkpoints"][0]["tensors"]) == len(read_checkpoint(src).tensors)

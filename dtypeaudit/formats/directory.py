@@ -21,7 +21,7 @@ import fnmatch
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -63,17 +63,31 @@ _DOCUMENTS: contextvars.ContextVar[dict[str, _Document] | None] = contextvars.Co
 
 
 @contextmanager
-def documents_parsed_once() -> Iterator[None]:
+def documents_parsed_once(known: Mapping[str, _Document] | None = None) -> Iterator[dict[str, _Document]]:
     """Within the block, each JSON file of a model directory (config.json, the index) is read and parsed once,
-    however many questions (which files load, which dtype, which keys repeat) are asked of it."""
-    if _DOCUMENTS.get() is not None:
-        yield
+    however many questions (which files load, which dtype, which keys repeat) are asked of it.
+
+    ``known``: documents parsed before, in another block (``documents_under``: what a scan's expansion parsed to
+    tell that a folder is a model, carried in its ``TargetRef``), answered without reading them again. Yields the
+    documents parsed so far, by path (an enclosing block's, where there is one)."""
+    cache = _DOCUMENTS.get()
+    if cache is not None:
+        for key, doc in (known or {}).items():
+            cache.setdefault(key, doc)
+        yield cache
         return
-    token = _DOCUMENTS.set({})
+    fresh: dict[str, _Document] = dict(known or {})
+    token = _DOCUMENTS.set(fresh)
     try:
-        yield
+        yield fresh
     finally:
         _DOCUMENTS.reset(token)
+
+
+def documents_under(folder: AnyPath, parsed: Mapping[str, _Document]) -> dict[str, _Document]:
+    """The documents of ``parsed`` (``documents_parsed_once``'s) that lie in ``folder`` or below it."""
+    prefix = str(folder / "_")[:-1]  # the folder's path and its separator, local or remote
+    return {key: doc for key, doc in parsed.items() if key.startswith(prefix)}
 
 
 def _parse(path: AnyPath) -> _Document:

@@ -4,7 +4,7 @@ source that reads it."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -57,6 +57,9 @@ class TargetRef:
     """The local ``Path`` or ``RemotePath``; None for a factory, and for a hub id or URL not located yet."""
     hub_origin: tuple[str, str | None] | None = field(default=None, compare=False)
     """For a file found through the hub: where it was read from (``cache`` or ``hub``) and the commit, if known."""
+    documents: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    """For a model folder a scan's expansion found: the JSON files (config.json, the index) it parsed to tell, by
+    path (``directory.documents_under``), so that the read answers from them instead of parsing them again."""
 
     @property
     def is_remote(self) -> bool:
@@ -89,7 +92,7 @@ class TargetRef:
     def __reduce__(self) -> tuple[Any, ...]:
         # A remote path's filesystem (its block cache, its locks) stays in this process: a worker locates it again.
         where = self.where if isinstance(self.where, Path) else None
-        return (TargetRef, (self.text, self.kind, where, self.hub_origin))
+        return (TargetRef, (self.text, self.kind, where, self.hub_origin, self.documents))
 
 
 def parse_target(text: str, *, models: bool = True) -> TargetRef:
