@@ -19,7 +19,7 @@ from .formats import Format, locate, read_checkpoint, remote
 from .formats.locate import AnyPath, TargetKind, TargetRef
 from .formats.remote import RemotePath
 from .formats.sniff import leave_out_reason
-from .inventory import CheckpointReport, Inventory, Report, Severity
+from .inventory import CheckpointReport, Finding, Inventory, Report, Severity
 from .redact import redact
 
 if TYPE_CHECKING:
@@ -232,9 +232,19 @@ def prepare(inv: Inventory, model: Inventory | None = None) -> Inventory:
     return structure.annotate(inv)
 
 
+def audit_inventory(
+    inv: Inventory, checks: Sequence[Check], *, model: Inventory | None = None, strict: bool = False
+) -> tuple[Inventory, list[Finding]]:
+    """The pipeline after the read: structure (``prepare``, inferred once) -> checks (``checks.run_checks``).
+    Returns the prepared inventory and its findings; a scanned checkpoint (``audit_one``) and a live object
+    (``live.auditor``) go through it alike."""
+    return run_checks(prepare(inv, model), checks, strict=strict)
+
+
 def audit_one(target: str | TargetRef, work: Work) -> CheckpointReport:
-    """The one pipeline, for one checkpoint: read -> structure -> checks -> its report; the unit of a scan, wherever
-    it runs (``fleet.run``). An unreadable checkpoint is a report with ``error`` set, unless ``work.raise_errors``."""
+    """The one pipeline, for one checkpoint: read -> structure -> checks (``audit_inventory``) -> its report; the unit
+    of a scan, wherever it runs (``fleet.run``). An unreadable checkpoint is a report with ``error`` set, unless
+    ``work.raise_errors``."""
     ref = locate.as_target(target)
     try:
         inv = work.read(ref)
@@ -242,7 +252,7 @@ def audit_one(target: str | TargetRef, work: Work) -> CheckpointReport:
         if work.raise_errors:
             raise
         return CheckpointReport(path=ref.text, format=None, error=exc.one_line(), inventory=None)
-    inv, findings = run_checks(prepare(inv, work.model), work.checks, strict=work.strict)
+    inv, findings = audit_inventory(inv, work.checks, model=work.model, strict=work.strict)
     return CheckpointReport(path=ref.text, format=inv.format, error=None, inventory=inv, findings=tuple(findings))
 
 

@@ -307,3 +307,55 @@ def test_cli_scan_of_a_model_folder_parses_each_json_once(tmp_path: Path, counts
     assert counts.json_reads == _parsed_once(src)
     assert [c["path"] for c in report["checkpoints"]] == [str(src)]
     assert len(report["checkpoints"][0]["tensors"]) == len(read_checkpoint(src).tensors)
+
+
+@pytest.fixture
+def inferences(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Calls of ``structure.infer_modules`` (the structure step's work), by the inventory's path."""
+    from dtypeaudit import structure
+    from dtypeaudit.inventory import Inventory
+
+    calls: Counter[str] = Counter()
+    infer = structure.infer_modules
+
+    def counted(inv: Any) -> Any:
+        calls[inv.path if isinstance(inv, Inventory) else "records"] += 1
+        return infer(inv)
+
+    monkeypatch.setattr(structure, "infer_modules", counted)
+    return calls
+
+
+def test_scan_infers_each_checkpoints_structure_once(tmp_path: Path, inferences: Counter[str]) -> None:
+    """prepare infers the modules; run_checks' annotate and the module checks reuse them (the findings are those
+    the public ``check`` gives each file alone)."""
+    from safetensors.torch import save_file
+
+    from dtypeaudit.checks import check, checks_for
+    from dtypeaudit.pipeline import scan
+    from dtypeaudit.policy import load_policy
+
+    policy = load_policy("bf16-weights-fp32-norms")
+    pt, st = tmp_path / "a.pt", tmp_path / "b.safetensors"
+    torch.save(_bf16_state(), pt)  # norms in bfloat16: the policy's norm rules fail
+    torch.manual_seed(0)
+    state = {k: v.clone() for k, v in TinyLM().state_dict().items()}
+    state["layers.0.attn.weight"] = state["layers.0.attn.weight"].to(torch.bfloat16)  # one outlier in a float32 model
+    save_file(state, st)
+    report = scan([str(pt), str(st)], checks=checks_for(policy), policy=policy, jobs=1)
+    assert inferences == Counter({str(pt): 1, str(st): 1})
+    for got, path in zip(report.checkpoints, (pt, st), strict=True):
+        want = check(read_checkpoint(path), policy)
+        assert want and [f for f in got.findings if f.rule != "unused-rule"] == want
+
+
+def test_live_audit_infers_the_structure_once(inferences: Counter[str]) -> None:
+    import dtypeaudit
+
+    torch.manual_seed(0)
+    model = TinyLM().to(torch.bfloat16)
+    found = dtypeaudit.audit(model, "bf16-weights-fp32-norms")
+    assert sum(inferences.values()) == 1
+    # the policy wants its LayerNorms (guessed from names and shapes, as a scan guesses them) in float32
+    norms = sorted(f"{name}.{p}" for name, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm) for p in ("weight", "bias"))
+    assert sorted((f.rule, f.severity, f.tensor) for f in found) == [("dtype-mismatch", "error", n) for n in norms]
