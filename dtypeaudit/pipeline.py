@@ -5,7 +5,6 @@ what convert's plans use too."""
 from __future__ import annotations
 
 import glob
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -57,7 +56,7 @@ def expand_targets(
         if target.is_remote:
             out.extend(_expand_remote(target))
             continue
-        if locate.is_url(target.text) and target.where is not None:  # file://: a local path named by URL
+        if target.file_url and target.where is not None:  # a local path named by URL: no glob, reported as named
             out.extend(_expand_one(target.where, tuple(exclude), left_out, named=target))
             continue
         matches = sorted(glob.glob(target.text, recursive=True)) if glob.has_magic(target.text) else [target.text]
@@ -67,9 +66,7 @@ def expand_targets(
             out.extend(_expand_one(Path(m), tuple(exclude), left_out))
     unique: dict[str, TargetRef] = {}
     for t in out:
-        # a local path is the same checkpoint under any spelling; a hub id or URL is one as named
-        local = t.kind in (TargetKind.FILE, TargetKind.DIR) and os.path.exists(t.text)
-        unique.setdefault(os.path.realpath(t.text) if local else t.text, t)
+        unique.setdefault(t.identity, t)  # a local path is one checkpoint under any spelling, file:// too
     return list(unique.values())
 
 
@@ -177,16 +174,16 @@ def read_target(target: str | TargetRef, exclude: tuple[str, ...] = ()) -> Inven
         from .formats import factory
 
         return factory.inventory(target.text)
-    if target.documents:  # a model folder the expansion parsed config.json and the index of: not parsed again
+    if target.documents and target.where is not None:  # a model folder the expansion parsed config.json and the index of
         from .formats import directory
 
-        with directory.documents_parsed_once(target.documents):
+        with directory.documents_parsed_once(target.documents, folder=target.where):
             return _read_located(target, exclude)
     return _read_located(target, exclude)
 
 
 def _read_located(target: TargetRef, exclude: tuple[str, ...]) -> Inventory:
-    if target.kind is TargetKind.HUB and not locate.is_url(target.text):
+    if target.kind is TargetKind.HUB and not target.named_by_url:  # a bare hub id, where no local path has its name
         try:
             return read_checkpoint(target, label=target.text, exclude=exclude)
         except CheckpointError as exc:

@@ -296,6 +296,8 @@ def test_scan_of_a_model_folder_parses_each_json_once(tmp_path: Path, counts: Co
         assert only.inventory is not None
         assert [(t.name, t.dtype, t.file) for t in only.inventory.tensors] == [(t.name, t.dtype, t.file) for t in want.tensors]
         assert only.inventory.metadata["config_dtype"] == "bfloat16"
+        # the JSON read while expanding still counts, once, in what reading the folder cost
+        assert only.inventory.bytes_read == want.bytes_read
 
 
 def test_cli_scan_of_a_model_folder_parses_each_json_once(tmp_path: Path, counts: Counts) -> None:
@@ -306,7 +308,9 @@ def test_cli_scan_of_a_model_folder_parses_each_json_once(tmp_path: Path, counts
     assert code == 0
     assert counts.json_reads == _parsed_once(src)
     assert [c["path"] for c in report["checkpoints"]] == [str(src)]
-    assert len(report["checkpoints"][0]["tensors"]) == len(read_checkpoint(src).tensors)
+    want = read_checkpoint(src)
+    assert len(report["checkpoints"][0]["tensors"]) == len(want.tensors)
+    assert report["checkpoints"][0]["bytes_read"] == want.bytes_read
 
 
 @pytest.fixture
