@@ -363,3 +363,26 @@ def test_live_audit_infers_the_structure_once(inferences: Counter[str]) -> None:
     # the policy wants its LayerNorms (guessed from names and shapes, as a scan guesses them) in float32
     norms = sorted(f"{name}.{p}" for name, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm) for p in ("weight", "bias"))
     assert sorted((f.rule, f.severity, f.tensor) for f in found) == [("dtype-mismatch", "error", n) for n in norms]
+
+
+def test_a_worker_reads_a_walked_model_folder_without_parsing_its_json_again(
+    tmp_path: Path, counts: Counts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the expansion parsed travels with the target to a worker (pickled, and named by its absolute path there,
+    as fleet sends a relative one to a Dask worker) and is not parsed again; its bytes still count once."""
+    import pickle
+
+    from dtypeaudit import fleet
+    from dtypeaudit.pipeline import expand_targets, read_target
+
+    src = _model_folder(tmp_path / "st")
+    want = read_checkpoint(src)
+    monkeypatch.chdir(tmp_path)
+    (found,) = expand_targets(["st"])
+    assert found.documents is not None and set(found.documents) == {"config.json", "model.safetensors.index.json"}
+    sent = pickle.loads(pickle.dumps(fleet._absolute(found)))
+    assert sent.where == src and sent.documents is not None and set(sent.documents) == set(found.documents)
+    _reset(counts)
+    inv = read_target(sent)
+    assert counts.json_reads == Counter()
+    assert inv.bytes_read == want.bytes_read and [t.name for t in inv.tensors] == [t.name for t in want.tensors]
