@@ -391,7 +391,7 @@ def _outlier_finding(m: Module, dominant: str | None, modules: list[Module]) -> 
 
 
 def _module_findings(inv: Inventory, *, mixes: bool = True, outliers: bool = True) -> list[Finding]:
-    modules = structure.infer_modules(inv)
+    modules = structure.modules_of(inv)  # annotate's, where ``inv`` is the inventory it returned
     dominant = structure.dominant_dtype(inv, modules)
     out: list[Finding] = []
     for m in modules:
@@ -519,9 +519,10 @@ def strict_findings(findings: Iterable[Finding]) -> list[Finding]:
 def run_checks(inv: Inventory, checks: Iterable[Check], *, strict: bool = False) -> tuple[Inventory, list[Finding]]:
     """The one path from an inventory to its findings, for scan, convert's plans and live audits alike.
 
-    The inventory is annotated with the structure's module guesses first (``structure.annotate``), so policy
-    ``module:`` rules see the same types everywhere; then the reader's own findings, each check's, and ``strict``
-    promotes what a loader might read differently. Returns the annotated inventory and the findings.
+    The inventory is annotated with the structure's module guesses first (``structure.annotate``, which infers
+    nothing again for an inventory it returned: ``pipeline.prepare``'s), so policy ``module:`` rules see the same
+    types everywhere; then the reader's own findings, each check's, and ``strict`` promotes what a loader might read
+    differently. Returns the annotated inventory and the findings.
     """
     inv = structure.annotate(inv)
     out = list(inv.findings)

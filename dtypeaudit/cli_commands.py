@@ -558,28 +558,33 @@ def _convert_many(
 
     from . import dtypes, fleet
     from .conversion import ConvertWork, convert_lost, convert_one
-    from .conversion.atomic import default_output
+    from .formats.locate import parse_target
     from .render.convert import refusal_lines, render_json, render_text
 
-    unique = list(dict.fromkeys(sources))
-    several = len(unique) > 1
-    outputs: dict[str, str] = {}
+    unique: dict[str, TargetRef] = {}
+    for text in sources:
+        # parsed once, a URL or a local path (convert takes no factory or bare hub id); fleet and convert take it as is
+        ref = parse_target(text, models=False)
+        unique.setdefault(ref.identity, ref)  # one source under two spellings (a path and its file:// URL) converts once
+    refs = list(unique.values())
+    several = len(refs) > 1
+    outputs: dict[TargetRef, str] = {}  # by the TargetRef each conversion is handed (``convert_one`` looks it up)
     if output is not None and not several:
-        outputs[unique[0]] = str(output)
+        outputs[refs[0]] = str(output)
     elif output is not None:
         out_dir = Path(output)
         if not out_dir.is_dir():
             raise UsageError("with several SOURCEs, -o names an existing directory to write each output into", path=str(output))
         target = dtypes.conversion_target(to)
-        for src in unique:
-            dest = str(out_dir / default_output(Path(src), target).name)
+        for ref in refs:
+            dest = str(out_dir / _output_name(ref, target))
             if dest in outputs.values():
                 raise UsageError(f"two sources would be written to {dest}; convert them into different directories")
-            outputs[src] = dest
+            outputs[ref] = dest
     work = ConvertWork(to, options, outputs, raise_errors=debug)
     done = fleet.run(
         convert_one,
-        unique,
+        refs,
         work,
         jobs=jobs or (None if cluster else 1),
         cluster=cluster,
@@ -608,6 +613,23 @@ def _convert_many(
             for line in refusal_lines(c.result):
                 say(f"dtypeaudit: {line}")
     return code
+
+
+def _output_name(source: TargetRef, target: str) -> str:
+    """The name of ``source``'s output in ``-o``'s directory: ``default_output``'s beside a local source; a remote
+    source's from the last part of its URL's path, by the same rule (``s3://b/run/model.pt`` -> ``model.fp16.pt``)."""
+    from pathlib import PurePosixPath
+    from urllib.parse import urlsplit
+
+    from .conversion.atomic import default_output
+    from .redact import redact
+
+    if source.is_local and isinstance(source.where, Path):
+        return default_output(source.where, target).name
+    last = PurePosixPath(urlsplit(source.text).path).name
+    if not last:
+        raise UsageError("names no file or folder to name its output after; convert it alone with -o", path=redact(source.text))
+    return default_output(Path(last), target).name
 
 
 class _ByteProgress:

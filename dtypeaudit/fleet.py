@@ -31,8 +31,9 @@ from .formats.locate import TargetRef
 from .inventory import CheckpointReport
 
 T = TypeVar("T")
-Input = Union[str, TargetRef]
-"""One input: a scan's target (``TargetRef``) or a convert's source (its string)."""
+Input = Union[TargetRef, str]
+"""One input: a scan's target or a convert's source, parsed once (``TargetRef``); a plain string (a library caller's)
+is sent as it is."""
 Progress = Callable[[int, int, str], None]
 """Called with (inputs done, inputs in all, the last input done) as results come back."""
 
@@ -223,12 +224,11 @@ def name_of(x: Input) -> str:
 
 
 def _absolute(x: Input) -> Input:
-    """A relative path that names a file here, made absolute: the workers' working directory is not ours."""
-    name = name_of(x)
-    if os.path.isabs(name) or not os.path.exists(name):
+    """A local target named by a relative path, made absolute: the workers' working directory is not ours."""
+    if not isinstance(x, TargetRef) or not x.is_local or not isinstance(x.where, Path) or x.where.is_absolute():
         return x
-    whole = os.path.abspath(name)
-    return replace(x, text=whole, where=Path(whole)) if isinstance(x, TargetRef) else whole
+    whole = os.path.abspath(x.where)
+    return replace(x, text=whole, where=Path(whole))
 
 
 def _renamed(results: list[T], named: Sequence[Input], sent: Sequence[Input]) -> list[T]:

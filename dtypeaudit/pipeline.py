@@ -5,12 +5,11 @@ what convert's plans use too."""
 from __future__ import annotations
 
 import glob
-import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import fleet, structure
 from .checks import Check, run_checks
@@ -19,7 +18,7 @@ from .formats import Format, locate, read_checkpoint, remote
 from .formats.locate import AnyPath, TargetKind, TargetRef
 from .formats.remote import RemotePath
 from .formats.sniff import leave_out_reason
-from .inventory import CheckpointReport, Inventory, Report, Severity
+from .inventory import CheckpointReport, Finding, Inventory, Report, Severity
 from .redact import redact
 
 if TYPE_CHECKING:
@@ -57,7 +56,7 @@ def expand_targets(
         if target.is_remote:
             out.extend(_expand_remote(target))
             continue
-        if locate.is_url(target.text) and target.where is not None:  # file://: a local path named by URL
+        if target.file_url and target.where is not None:  # a local path named by URL: no glob, reported as named
             out.extend(_expand_one(target.where, tuple(exclude), left_out, named=target))
             continue
         matches = sorted(glob.glob(target.text, recursive=True)) if glob.has_magic(target.text) else [target.text]
@@ -67,16 +66,25 @@ def expand_targets(
             out.extend(_expand_one(Path(m), tuple(exclude), left_out))
     unique: dict[str, TargetRef] = {}
     for t in out:
-        # a local path is the same checkpoint under any spelling; a hub id or URL is one as named
-        local = t.kind in (TargetKind.FILE, TargetKind.DIR) and os.path.exists(t.text)
-        unique.setdefault(os.path.realpath(t.text) if local else t.text, t)
+        unique.setdefault(t.identity, t)  # a local path is one checkpoint under any spelling, file:// too
     return list(unique.values())
 
 
-def _is_checkpoint_dir(path: AnyPath) -> bool:
+def _checkpoint_dir(path: AnyPath) -> Mapping[str, Any] | None:
+    """None where the folder ``path`` is no checkpoint; else the JSON documents parsed to tell that it is a model
+    (config.json, the index: ``directory.documents_under``; none for DCP), which its read takes instead of parsing
+    them again (``TargetRef.documents``)."""
+    if (path / ".metadata").is_file():
+        return {}
     from .formats import directory
 
-    return (path / ".metadata").is_file() or directory.is_model_directory(path)
+    with directory.documents_parsed_once() as parsed:
+        return directory.documents_under(path, parsed) if directory.is_model_directory(path) else None
+
+
+def _learned(target: TargetRef, documents: Mapping[str, Any] | None) -> TargetRef:
+    """``target`` carrying what telling its folder a model parsed (its read parses none of it again)."""
+    return replace(target, documents=documents) if documents else target
 
 
 def _expand_one(
@@ -89,12 +97,23 @@ def _expand_one(
     """A file or checkpoint directory as named (``named``, else its path); a plain directory is walked, and every file
     in it is looked at by content (not by suffix): read, unless no loader would read it or ``exclude`` names it (told
     to ``left_out``). ``hub_origin``: what the files of a hub repository read from the hub carry."""
-    if not path.is_dir() or _is_checkpoint_dir(path):
+    if not path.is_dir():
         return [named or locate.path_target(path, hub_origin=hub_origin)]
+    documents = _checkpoint_dir(path)
+    if documents is not None:
+        return [_learned(named or locate.path_target(path, hub_origin=hub_origin), documents)]
     from .formats import directory
 
     skipped: list[tuple[str, str]] = []
-    walked = list(directory.walk_files(path, stop_at=_is_checkpoint_dir, on_skip=lambda p, why: skipped.append((str(p), why))))
+    learned: dict[str, Mapping[str, Any]] = {}  # the checkpoint folders the walk stops at: what telling them parsed
+
+    def stop_at(p: AnyPath) -> bool:
+        found = _checkpoint_dir(p)
+        if found is not None:
+            learned[str(p)] = found
+        return found is not None
+
+    walked = list(directory.walk_files(path, stop_at=stop_at, on_skip=lambda p, why: skipped.append((str(p), why))))
 
     def why_not(p: AnyPath) -> str | None:
         rel = p.relative_to(path).as_posix() if isinstance(p, Path) and isinstance(path, Path) else str(p)
@@ -104,7 +123,8 @@ def _expand_one(
         return None if p.is_dir() else leave_out_reason(p)
 
     reasons = remote.concurrent_map(why_not, walked) if isinstance(path, RemotePath) else [why_not(p) for p in walked]
-    found = [locate.path_target(p, hub_origin=hub_origin) for p, why in zip(walked, reasons, strict=True) if why is None]
+    kept = [p for p, why in zip(walked, reasons, strict=True) if why is None]
+    found = [_learned(locate.path_target(p, hub_origin=hub_origin), learned.get(str(p))) for p in kept]
     skipped += [(locate.target_string(p), why) for p, why in zip(walked, reasons, strict=True) if why is not None]
     if not found:
         shown = "; ".join(f"{p} ({why})" for p, why in skipped[:5])
@@ -154,7 +174,16 @@ def read_target(target: str | TargetRef, exclude: tuple[str, ...] = ()) -> Inven
         from .formats import factory
 
         return factory.inventory(target.text)
-    if target.kind is TargetKind.HUB and not locate.is_url(target.text):
+    if target.documents and target.where is not None:  # a model folder the expansion parsed config.json and the index of
+        from .formats import directory
+
+        with directory.documents_parsed_once(target.documents, folder=target.where):
+            return _read_located(target, exclude)
+    return _read_located(target, exclude)
+
+
+def _read_located(target: TargetRef, exclude: tuple[str, ...]) -> Inventory:
+    if target.kind is TargetKind.HUB and not target.named_by_url:  # a bare hub id, where no local path has its name
         try:
             return read_checkpoint(target, label=target.text, exclude=exclude)
         except CheckpointError as exc:
@@ -200,9 +229,19 @@ def prepare(inv: Inventory, model: Inventory | None = None) -> Inventory:
     return structure.annotate(inv)
 
 
+def audit_inventory(
+    inv: Inventory, checks: Sequence[Check], *, model: Inventory | None = None, strict: bool = False
+) -> tuple[Inventory, list[Finding]]:
+    """The pipeline after the read: structure (``prepare``, inferred once) -> checks (``checks.run_checks``).
+    Returns the prepared inventory and its findings; a scanned checkpoint (``audit_one``) and a live object
+    (``live.auditor``) go through it alike."""
+    return run_checks(prepare(inv, model), checks, strict=strict)
+
+
 def audit_one(target: str | TargetRef, work: Work) -> CheckpointReport:
-    """The one pipeline, for one checkpoint: read -> structure -> checks -> its report; the unit of a scan, wherever
-    it runs (``fleet.run``). An unreadable checkpoint is a report with ``error`` set, unless ``work.raise_errors``."""
+    """The one pipeline, for one checkpoint: read -> structure -> checks (``audit_inventory``) -> its report; the unit
+    of a scan, wherever it runs (``fleet.run``). An unreadable checkpoint is a report with ``error`` set, unless
+    ``work.raise_errors``."""
     ref = locate.as_target(target)
     try:
         inv = work.read(ref)
@@ -210,7 +249,7 @@ def audit_one(target: str | TargetRef, work: Work) -> CheckpointReport:
         if work.raise_errors:
             raise
         return CheckpointReport(path=ref.text, format=None, error=exc.one_line(), inventory=None)
-    inv, findings = run_checks(prepare(inv, work.model), work.checks, strict=work.strict)
+    inv, findings = audit_inventory(inv, work.checks, model=work.model, strict=work.strict)
     return CheckpointReport(path=ref.text, format=inv.format, error=None, inventory=inv, findings=tuple(findings))
 
 

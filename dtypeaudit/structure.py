@@ -12,6 +12,7 @@ metadata only.
 from __future__ import annotations
 
 import re
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -295,17 +296,54 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
     return out
 
 
+# The modules inferred of each annotated inventory, while it lives (by its id, checked against a weak reference):
+# a scan's checks ask for the structure ``annotate`` inferred, and get it without inferring it again. Kept here, not
+# in the inventory, so that nothing of it travels with an inventory (to fleet workers, into reports).
+_INFERRED: dict[int, tuple[weakref.ReferenceType[Inventory], tuple[Module, ...]]] = {}
+
+
+def _known(inv: Inventory) -> tuple[Module, ...] | None:
+    entry = _INFERRED.get(id(inv))
+    return entry[1] if entry is not None and entry[0]() is inv else None
+
+
+def _remember(inv: Inventory, modules: tuple[Module, ...]) -> None:
+    key = id(inv)
+
+    def forget(ref: weakref.ReferenceType[Inventory]) -> None:
+        entry = _INFERRED.get(key)
+        if entry is not None and entry[0] is ref:
+            del _INFERRED[key]
+
+    _INFERRED[key] = (weakref.ref(inv, forget), modules)
+
+
+def modules_of(inv: Inventory) -> list[Module]:
+    """``infer_modules(inv)``, inferred once: an inventory ``annotate`` returned answers from what it inferred."""
+    known = _known(inv)
+    return list(known) if known is not None else infer_modules(inv)
+
+
 def annotate(inv: Inventory) -> Inventory:
     """``inv`` with each model tensor's ``module_guess`` set from the structure (None where nothing is sure).
 
     Done once per checkpoint, after ``--model`` is attached, by ``scan``, ``--explain`` and ``convert``, so that
-    every check, preset and plan reads the same guesses. Idempotent: guesses are recomputed, never read.
+    every check, preset and plan reads the same guesses. Idempotent, and once per inventory: the inventory it returns
+    keeps the modules inferred (``modules_of``), so annotating it again (``checks.run_checks``) infers nothing.
     """
-    guesses = {t.name: m.guessed_type for m in infer_modules(inv) for t in m.tensors}
-    tensors = tuple(t if t.module_guess == guesses.get(t.name) else t.with_(module_guess=guesses.get(t.name)) for t in inv.tensors)
-    if all(a is b for a, b in zip(tensors, inv.tensors, strict=True)):
+    if _known(inv) is not None:
         return inv
-    return replace(inv, tensors=tensors)
+    modules = infer_modules(inv)
+    guesses = {t.name: m.guessed_type for m in modules for t in m.tensors}
+    tensors = tuple(t if t.module_guess == guesses.get(t.name) else t.with_(module_guess=guesses.get(t.name)) for t in inv.tensors)
+    out = inv
+    if not all(a is b for a, b in zip(tensors, inv.tensors, strict=True)):
+        out = replace(inv, tensors=tensors)
+        # the same modules over the annotated records (inference reads ``module``, never ``module_guess``)
+        swap = {id(a): b for a, b in zip(inv.tensors, tensors, strict=True)}
+        modules = [replace(m, tensors=tuple(swap.get(id(t), t) for t in m.tensors)) for m in modules]
+    _remember(out, tuple(modules))
+    return out
 
 
 COMPUTE_KINDS = frozenset({"linear", "conv", "embedding", "rnn"})
@@ -319,7 +357,7 @@ def dominant_dtype(inv: Inventory | Iterable[TensorRecord], modules: Iterable[Mo
     vote (fp32 norms in a half model are ordinary). Without compute modules, the floating dtype with the most
     elements in the model region. None if the model holds no floating tensor.
     """
-    mods = list(modules) if modules is not None else infer_modules(inv)
+    mods = list(modules) if modules is not None else modules_of(inv) if isinstance(inv, Inventory) else infer_modules(inv)
     votes: Counter[str] = Counter()
     elements: Counter[str] = Counter()
     for m in mods:

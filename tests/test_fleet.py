@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -273,3 +274,46 @@ def test_one_source_with_jobs_writes_what_a_plain_convert_writes(tree: Path, tmp
     assert (tmp_path / "a.pt").read_bytes() == (tmp_path / "b.pt").read_bytes()
     broken = run_cli("convert", str(tree / "run_1" / "broken.pt"), "--to", "fp16", "--jobs", "2")
     assert broken.returncode == 2 and broken.stdout == "" and len(broken.stderr.splitlines()) == 1
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A folder served over HTTP with ranges (test_remote's server): its URL and the folder."""
+    import collections
+    import http.server
+    import threading
+
+    from .test_remote import _Handler
+
+    root = tmp_path / "served"
+    root.mkdir()
+    handler = type("Handler", (_Handler,), {"root": root, "served": collections.Counter(), "requests": collections.Counter()})
+    server = type("Server", (http.server.ThreadingHTTPServer,), {"daemon_threads": True})(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/files", root
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_convert_many_takes_a_url_source(tree: Path, tmp_path: Path, served: tuple[str, Path]) -> None:
+    """A URL among several sources: converted as it is alone, its output named after the URL's last part."""
+    import shutil
+
+    base, root = served
+    local = tree / "run_0" / "ckpt_04.pt"
+    shutil.copy(tree / "run_0" / "ckpt_00.safetensors", root / "remote.safetensors")
+    url = f"{base}/remote.safetensors"
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_cli("convert", str(local), url, "--to", "fp16", "-o", str(out), "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    assert [d["source"] for d in json.loads(proc.stdout)] == [str(local), url]
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt_04.fp16.pt", "remote.fp16.safetensors"]
+    # what each source alone writes, byte for byte: the URL's from the same bytes on disk
+    for source, written in ((local, "ckpt_04.fp16.pt"), (root / "remote.safetensors", "remote.fp16.safetensors")):
+        alone = tmp_path / f"alone-{written}"
+        assert run_cli("convert", str(source), "--to", "fp16", "-o", str(alone)).returncode == 0
+        assert (out / written).read_bytes() == alone.read_bytes()

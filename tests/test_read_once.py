@@ -268,3 +268,121 @@ def test_directory_scan_parses_each_json_once(tmp_path: Path, counts: Counts) ->
     # The one parse answers both readings: the loader's (the last value wins) and the duplicate-key warning.
     assert inv.metadata["config_dtype"] == "float32"
     assert [f.rule for f in inv.findings if f.file == "config.json"] == ["duplicate-key"]
+
+
+def _model_folder(root: Path) -> Path:
+    src = write_sharded(root, _bf16_state(), 2)
+    (src / "config.json").write_text(json.dumps({"architectures": ["TinyLM"], "torch_dtype": "bfloat16"}))
+    return src
+
+
+def _parsed_once(src: Path) -> Counter[str]:
+    return Counter({str(src / "config.json"): 1, str(src / "model.safetensors.index.json"): 1})
+
+
+def test_scan_of_a_model_folder_parses_each_json_once(tmp_path: Path, counts: Counts) -> None:
+    """Telling a folder is a model (the expansion) and reading it share one parse of config.json and of the index:
+    named, and found by walking the folder above it."""
+    from dtypeaudit.pipeline import scan
+
+    src = _model_folder(tmp_path / "runs" / "st")
+    want = read_checkpoint(src)
+    for named in (src, src.parent):
+        _reset(counts)
+        report = scan([str(named)], jobs=1)
+        assert counts.json_reads == _parsed_once(src)
+        (only,) = report.checkpoints
+        assert only.error is None and only.path == str(src)
+        assert only.inventory is not None
+        assert [(t.name, t.dtype, t.file) for t in only.inventory.tensors] == [(t.name, t.dtype, t.file) for t in want.tensors]
+        assert only.inventory.metadata["config_dtype"] == "bfloat16"
+        # the JSON read while expanding still counts, once, in what reading the folder cost
+        assert only.inventory.bytes_read == want.bytes_read
+
+
+def test_cli_scan_of_a_model_folder_parses_each_json_once(tmp_path: Path, counts: Counts) -> None:
+    from .helpers import json_report
+
+    src = _model_folder(tmp_path / "st")
+    code, report, _ = json_report("scan", str(src))
+    assert code == 0
+    assert counts.json_reads == _parsed_once(src)
+    assert [c["path"] for c in report["checkpoints"]] == [str(src)]
+    want = read_checkpoint(src)
+    assert len(report["checkpoints"][0]["tensors"]) == len(want.tensors)
+    assert report["checkpoints"][0]["bytes_read"] == want.bytes_read
+
+
+@pytest.fixture
+def inferences(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Calls of ``structure.infer_modules`` (the structure step's work), by the inventory's path."""
+    from dtypeaudit import structure
+    from dtypeaudit.inventory import Inventory
+
+    calls: Counter[str] = Counter()
+    infer = structure.infer_modules
+
+    def counted(inv: Any) -> Any:
+        calls[inv.path if isinstance(inv, Inventory) else "records"] += 1
+        return infer(inv)
+
+    monkeypatch.setattr(structure, "infer_modules", counted)
+    return calls
+
+
+def test_scan_infers_each_checkpoints_structure_once(tmp_path: Path, inferences: Counter[str]) -> None:
+    """prepare infers the modules; run_checks' annotate and the module checks reuse them (the findings are those
+    the public ``check`` gives each file alone)."""
+    from safetensors.torch import save_file
+
+    from dtypeaudit.checks import check, checks_for
+    from dtypeaudit.pipeline import scan
+    from dtypeaudit.policy import load_policy
+
+    policy = load_policy("bf16-weights-fp32-norms")
+    pt, st = tmp_path / "a.pt", tmp_path / "b.safetensors"
+    torch.save(_bf16_state(), pt)  # norms in bfloat16: the policy's norm rules fail
+    torch.manual_seed(0)
+    state = {k: v.clone() for k, v in TinyLM().state_dict().items()}
+    state["layers.0.attn.weight"] = state["layers.0.attn.weight"].to(torch.bfloat16)  # one outlier in a float32 model
+    save_file(state, st)
+    report = scan([str(pt), str(st)], checks=checks_for(policy), policy=policy, jobs=1)
+    assert inferences == Counter({str(pt): 1, str(st): 1})
+    for got, path in zip(report.checkpoints, (pt, st), strict=True):
+        want = check(read_checkpoint(path), policy)
+        assert want and [f for f in got.findings if f.rule != "unused-rule"] == want
+
+
+def test_live_audit_infers_the_structure_once(inferences: Counter[str]) -> None:
+    import dtypeaudit
+
+    torch.manual_seed(0)
+    model = TinyLM().to(torch.bfloat16)
+    found = dtypeaudit.audit(model, "bf16-weights-fp32-norms")
+    assert sum(inferences.values()) == 1
+    # the policy wants its LayerNorms (guessed from names and shapes, as a scan guesses them) in float32
+    norms = sorted(f"{name}.{p}" for name, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm) for p in ("weight", "bias"))
+    assert sorted((f.rule, f.severity, f.tensor) for f in found) == [("dtype-mismatch", "error", n) for n in norms]
+
+
+def test_a_worker_reads_a_walked_model_folder_without_parsing_its_json_again(
+    tmp_path: Path, counts: Counts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the expansion parsed travels with the target to a worker (pickled, and named by its absolute path there,
+    as fleet sends a relative one to a Dask worker) and is not parsed again; its bytes still count once."""
+    import pickle
+
+    from dtypeaudit import fleet
+    from dtypeaudit.pipeline import expand_targets, read_target
+
+    src = _model_folder(tmp_path / "st")
+    want = read_checkpoint(src)
+    monkeypatch.chdir(tmp_path)
+    (found,) = expand_targets(["st"])
+    assert found.documents is not None and set(found.documents) == {"config.json", "model.safetensors.index.json"}
+    sent = pickle.loads(pickle.dumps(fleet._absolute(found)))
+    assert sent.where == src and sent.documents is not None and set(sent.documents) == set(found.documents)
+    _reset(counts)
+    inv = read_target(sent)
+    assert counts.json_reads == Counter()
+    assert inv.bytes_read == want.bytes_read and [t.name for t in inv.tensors] == [t.name for t in want.tensors]

@@ -195,3 +195,37 @@ def test_a_remote_source_is_located_once_by_convert(tmp_path: Path, monkeypatch:
     assert {k: v.dtype for k, v in torch.load(out, weights_only=True).items()} == {"fc.weight": torch.float16, "fc.bias": torch.float16}
     assert located == ["memory://conv/model.pt"]  # read and downloaded from where it was found, not located again
     fs.rm("/conv", recursive=True)
+
+
+# -- a file:// target is its path ----------------------------------------------------------------------------------
+
+
+def test_a_file_url_and_its_path_are_one_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from .helpers import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    ckpt = _save(tmp_path / "model.pt")
+    url = f"file://{ckpt}"
+    named = parse_target(url)
+    assert named.file_url and named.named_by_url and named.identity == parse_target("./model.pt").identity == str(ckpt)
+    # the first spelling is kept, the others dropped: scan reads the checkpoint once, under the name given first
+    assert [t.text for t in expand_targets([url, str(ckpt), "model.pt"])] == [url]
+    assert [t.text for t in expand_targets(["model.pt", url])] == ["model.pt"]
+    report = scan([url, "model.pt"])
+    assert [c.path for c in report.checkpoints] == [url] and report.checkpoints[0].error is None
+    # convert SOURCE...: converted once, written where -o names
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_cli("convert", "model.pt", url, "--to", "fp16", "-o", str(out / "model.fp16.pt"), "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["source"] == "model.pt"
+    got = torch.load(out / "model.fp16.pt", weights_only=True)
+    want = {"fc.weight": (torch.float16, (2, 2)), "fc.bias": (torch.float16, (2,))}
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in got.items()} == want
+    assert sorted(p.name for p in out.iterdir()) == ["model.fp16.pt"]
+
+
+def test_a_file_url_crosses_to_a_worker_as_a_file_url() -> None:
+    named = parse_target("file:///tmp/x/model.pt")
+    sent = pickle.loads(pickle.dumps(named))
+    assert sent == named and sent.file_url and sent.where == Path("/tmp/x/model.pt")

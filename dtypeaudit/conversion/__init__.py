@@ -435,8 +435,9 @@ class ConvertWork:
     """The target dtype, as ``--to`` gives it."""
     options: Mapping[str, Any]
     """Keyword arguments of ``convert`` shared by every source (policy, keep, clamp, dry_run ...)."""
-    outputs: Mapping[str, str] = field(default_factory=dict)
-    """Source -> where its output goes, where ``-o`` names a directory; a source not here is written beside itself."""
+    outputs: Mapping[TargetRef, str] = field(default_factory=dict)
+    """Source (as parsed, and handed to ``convert_one``) -> where its output goes, where ``-o`` names a directory or
+    the one source's output; a source not here is written beside itself."""
     raise_errors: bool = False
     """Raise a source's error instead of reporting it (``--debug``)."""
 
@@ -446,20 +447,22 @@ class Converted:
     """One source's conversion as its task returns it."""
 
     source: str
+    """The source as named."""
     result: Any = None
     """The ``Result``; None when ``error`` says why there is none."""
     error: str | None = None
     """None, or the one line why the source could not be converted (exit 2 for it)."""
 
 
-def convert_one(source: str, work: ConvertWork) -> Converted:
-    """Convert one source (plan, check, write, verify): the unit of ``convert SOURCE...``, wherever ``fleet`` runs it."""
+def convert_one(source: TargetRef, work: ConvertWork) -> Converted:
+    """Convert one source, parsed once (plan, check, write, verify): the unit of ``convert SOURCE...``, wherever
+    ``fleet`` runs it."""
     try:
-        return Converted(source, convert(source, work.to, output=work.outputs.get(source), **work.options))
+        return Converted(source.text, convert(source, work.to, output=work.outputs.get(source), **work.options))
     except DtypeAuditError as exc:
         if work.raise_errors:
             raise
-        return Converted(source, error=exc.one_line())
+        return Converted(source.text, error=exc.one_line())
 
 
 def convert_lost(source: str, reason: str) -> Converted:

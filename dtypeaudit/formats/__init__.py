@@ -47,7 +47,7 @@ def read_checkpoint(path: str | AnyPath | TargetRef, *, label: str | None = None
     left out of its safety scan (each is listed in a note).
     """
     target = locate.as_target(path, models=False)
-    shown = label or (redact(target.text) if locate.is_url(target.text) else None)  # a URL is shown as named
+    shown = label or (redact(target.text) if target.named_by_url else None)  # a URL is shown as named
     hub_meta: dict[str, object] = {}
     with source.metered() as meter:
         p: AnyPath = Path(target.text) if not target.is_remote else Path()

@@ -21,7 +21,7 @@ import fnmatch
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,7 +29,7 @@ from typing import Any, overload
 
 from ..errors import CheckpointError, DtypeAuditError, LimitExceeded
 from ..inventory import Finding, Inventory, TensorRecord, link_shared_storage
-from . import locate, remote
+from . import locate, remote, source
 from .locate import AnyPath
 from .remote import RemoteError, RemotePath
 from .source import SKIPPED_DIRS
@@ -57,29 +57,55 @@ class _Document:
 
     value: Any
     duplicate: str | None
+    size: int = 0
+    """The bytes it was parsed from."""
+    carried: bool = False
+    """Parsed in another block and handed to this one (``documents_parsed_once``'s ``known``): its bytes are not yet
+    counted in this read's ``bytes_read``."""
 
 
 _DOCUMENTS: contextvars.ContextVar[dict[str, _Document] | None] = contextvars.ContextVar("dtypeaudit_documents", default=None)
 
 
 @contextmanager
-def documents_parsed_once() -> Iterator[None]:
+def documents_parsed_once(known: Mapping[str, _Document] | None = None, *, folder: AnyPath | None = None) -> Iterator[dict[str, _Document]]:
     """Within the block, each JSON file of a model directory (config.json, the index) is read and parsed once,
-    however many questions (which files load, which dtype, which keys repeat) are asked of it."""
-    if _DOCUMENTS.get() is not None:
-        yield
+    however many questions (which files load, which dtype, which keys repeat) are asked of it. Yields the documents
+    parsed so far, by path (an enclosing block's, where there is one).
+
+    ``known``: the documents of ``folder`` parsed before, in another block, by their names in it
+    (``documents_under``: what a scan's expansion parsed to tell that the folder is a model, carried in its
+    ``TargetRef``), answered without reading them again; the bytes they were read from still count in the read's
+    ``bytes_read``, once."""
+    handed = {str(folder / name): replace(doc, carried=True) for name, doc in (known or {}).items()} if folder is not None else {}
+    cache = _DOCUMENTS.get()
+    if cache is not None:
+        for key, doc in handed.items():
+            cache.setdefault(key, doc)
+        yield cache
         return
-    token = _DOCUMENTS.set({})
+    token = _DOCUMENTS.set(handed)
     try:
-        yield
+        yield handed
     finally:
         _DOCUMENTS.reset(token)
 
 
+def documents_under(folder: AnyPath, parsed: Mapping[str, _Document]) -> dict[str, _Document]:
+    """The documents of ``parsed`` (``documents_parsed_once``'s) that lie in ``folder`` or below it, by their names
+    relative to it (so that they still apply where the folder is named otherwise: a worker given its absolute path)."""
+    prefix = str(folder / "_")[:-1]  # the folder's path and its separator, local or remote
+    return {key[len(prefix) :]: doc for key, doc in parsed.items() if key.startswith(prefix)}
+
+
 def _parse(path: AnyPath) -> _Document:
     cache = _DOCUMENTS.get()
-    if cache is not None and str(path) in cache:
-        return cache[str(path)]
+    known = cache.get(str(path)) if cache is not None else None
+    if cache is not None and known is not None:
+        if known.carried:  # read before this read began: counted in it now, once
+            source.count_read(source.current_meter(), known.size)
+            cache[str(path)] = known = replace(known, carried=False)
+        return known
     if path.stat().st_size > MAX_JSON_BYTES:
         raise LimitExceeded("JSON file is over the 64 MiB cap", path=str(path))
     repeated: list[str] = []
@@ -92,9 +118,9 @@ def _parse(path: AnyPath) -> _Document:
             out[key] = value
         return out
 
-    doc = _Document(json.loads(locate.read_small(path, MAX_JSON_BYTES).decode("utf-8"), object_pairs_hook=last_wins), None)
-    if repeated:
-        doc = _Document(doc.value, repeated[0])
+    raw = locate.read_small(path, MAX_JSON_BYTES)
+    value = json.loads(raw.decode("utf-8"), object_pairs_hook=last_wins)
+    doc = _Document(value, repeated[0] if repeated else None, len(raw))
     if cache is not None:
         cache[str(path)] = doc
     return doc

@@ -4,9 +4,9 @@ source that reads it."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
@@ -57,11 +57,33 @@ class TargetRef:
     """The local ``Path`` or ``RemotePath``; None for a factory, and for a hub id or URL not located yet."""
     hub_origin: tuple[str, str | None] | None = field(default=None, compare=False)
     """For a file found through the hub: where it was read from (``cache`` or ``hub``) and the commit, if known."""
+    file_url: bool = field(default=False, compare=False)
+    """A local path named by a ``file://`` URL: reports keep the URL, scan expands no glob characters in it."""
+    documents: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    """For a model folder a scan's expansion found: the JSON files (config.json, the index) it parsed to tell, by
+    path (``directory.documents_under``), so that the read answers from them instead of parsing them again."""
 
     @property
     def is_remote(self) -> bool:
         """A URL or a hub id: read through fsspec unless the hub cache holds it."""
         return self.kind in (TargetKind.URL, TargetKind.HUB)
+
+    @property
+    def is_local(self) -> bool:
+        """A file or folder on this machine (named by a path or a ``file://`` URL): ``where`` is its ``Path``."""
+        return self.kind in (TargetKind.FILE, TargetKind.DIR)
+
+    @property
+    def named_by_url(self) -> bool:
+        """Whether ``text`` is a URL (every URL, an ``hf://`` hub target, a ``file://`` path), which reports show as
+        named; a path or a bare hub id is not one."""
+        return self.kind is TargetKind.URL or self.file_url or (self.kind is TargetKind.HUB and self.hub_url == self.text)
+
+    @property
+    def identity(self) -> str:
+        """What two targets naming the same checkpoint share: a local path's real path, however it is spelled
+        (``file://`` included); a URL or hub id as named."""
+        return os.path.realpath(self.where) if self.is_local and isinstance(self.where, Path) else self.text
 
     @property
     def hub_url(self) -> str:
@@ -89,7 +111,7 @@ class TargetRef:
     def __reduce__(self) -> tuple[Any, ...]:
         # A remote path's filesystem (its block cache, its locks) stays in this process: a worker locates it again.
         where = self.where if isinstance(self.where, Path) else None
-        return (TargetRef, (self.text, self.kind, where, self.hub_origin))
+        return (TargetRef, (self.text, self.kind, where, self.hub_origin, self.file_url, self.documents))
 
 
 def parse_target(text: str, *, models: bool = True) -> TargetRef:
@@ -106,7 +128,7 @@ def parse_target(text: str, *, models: bool = True) -> TargetRef:
             return TargetRef(text, TargetKind.FACTORY)
     if is_url(text):
         if text.lower().startswith("file://"):
-            return path_target(Path(unquote(urlsplit(text).path)), text)
+            return replace(path_target(Path(unquote(urlsplit(text).path)), text), file_url=True)
         if text.lower().startswith("hf://"):
             return TargetRef(text, TargetKind.HUB)
         return TargetRef(text, TargetKind.URL)

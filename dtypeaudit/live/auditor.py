@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from ..checks import check, policy_findings
+from ..checks import checks_for, policy_findings
 from ..inventory import Finding, Severity, failing
 from ..options import Effective, effective
 from .collection import LiveInventory, collect
@@ -24,15 +24,17 @@ def as_policy(policy: Policy | str | None) -> Policy | None:
 
 
 def findings_for(live: LiveInventory, chosen: Effective) -> list[Finding]:
-    """Every finding for a collected object: ``check`` on its model and optimizer tensors under the policy, the
-    policy on its batch, the effective target (``options.effective``) on everything, the batch against the first
-    layer, the default dtype, and unused policy rules."""
+    """Every finding for a collected object: the pipeline's structure and checks (``pipeline.audit_inventory``, as
+    for a scanned checkpoint) on its model and optimizer tensors under the policy, the policy on its batch, the
+    effective target (``options.effective``) on everything, the batch against the first layer, the default dtype,
+    and unused policy rules."""
+    from ..pipeline import audit_inventory  # the pipeline a scanned checkpoint goes through, after its read
     from ..targets import target_findings
 
     model = live.part(batch=False)
     batch = live.part(batch=True)
     policy = chosen.policy
-    out = check(model, chosen.policy_alone) if model.tensors or policy is not None else []
+    out = audit_inventory(model, checks_for(chosen.policy_alone))[1] if model.tensors or policy is not None else []
     if policy is not None and batch.tensors:
         out += policy_findings(batch, policy)
     if chosen.target is not None:
