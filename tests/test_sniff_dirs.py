@@ -768,3 +768,26 @@ def test_a_bug_in_looking_into_a_walked_zip_is_not_a_verdict(tmp_path: Path, mon
     proc = run_cli("scan", str(folder), "--format", "json")
     assert proc.returncode == 3, proc.stderr
     assert f"internal error: {bug.__name__}: a bug of ours" in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.parametrize("bug", [TypeError, ValueError])
+def test_a_bug_under_tarfile_is_not_a_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bug: type) -> None:
+    from dtypeaudit.formats import source
+
+    path = tmp_path / "old.tar"
+    with tarfile.open(path, "w") as tar:
+        info = tarfile.TarInfo("sys_info")
+        info.size = 4
+        tar.addfile(info, io.BytesIO(b"abcd"))
+    with pytest.raises(CheckpointError, match="is a tar archive"):
+        sniff_kind(path)
+
+    def read(self: Any, n: int | None = -1) -> bytes:  # the file object the sniffer hands tarfile
+        raise bug("a bug of ours")
+
+    monkeypatch.setattr(source.SourceFile, "read", read)
+    with pytest.raises(bug, match="a bug of ours"):
+        sniff_kind(path)
+    proc = run_cli("scan", str(path), "--format", "json")
+    assert proc.returncode == 3, proc.stderr
+    assert f"internal error: {bug.__name__}: a bug of ours" in proc.stderr

@@ -117,10 +117,21 @@ def _tar(src: Source, size: int) -> str | None:
         return "tar"  # a header claiming a megabyte of long name: a tar to tarfile, and refused as one
     except RemoteError:
         raise  # a remote read failed: say so, rather than guess
-    except (ValueError, EOFError, OverflowError, struct.error):
+    except (ValueError, EOFError, OverflowError, struct.error) as exc:
         # tarfile's own parse failures past its first check: torch.load raises the same out of tarfile, so the
-        # file is unreadable to it. Anything else is a bug of ours and propagates (exit 3), never a verdict.
+        # file is unreadable to it. Anything else, or one raised in our file object, is a bug of ours and
+        # propagates (exit 3), never a verdict.
+        if not _raised_in(exc, "tarfile"):
+            raise
         return "tar"
+
+
+def _raised_in(exc: BaseException, module: str) -> bool:
+    """Whether the innermost frame ``exc`` passed through is in ``module`` (a builtin such as ``int()`` has none)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_globals.get("__name__") == module
 
 
 def _may_be_tar(head: bytes, size: int) -> bool:
