@@ -494,7 +494,7 @@ def test_credential_values_of_the_environment_are_masked(monkeypatch: pytest.Mon
 
 
 def test_a_bug_of_ours_in_a_remote_read_exits_3_not_2(web: tuple[str, type[_Handler]], monkeypatch: pytest.MonkeyPatch) -> None:
-    from fsspec.implementations.http import HTTPFile
+    HTTPFile = pytest.importorskip("fsspec.implementations.http").HTTPFile
 
     base, _ = web
     url = f"{base}/files/cnn.safetensors"
@@ -517,9 +517,9 @@ def test_network_failures_are_still_remote_errors_exit_2_with_their_cause(
 ) -> None:
     import socket
 
-    import aiohttp
-
     from dtypeaudit.formats.remote import RemoteError
+
+    aiohttp = pytest.importorskip("aiohttp")
 
     base, _ = web
     monkeypatch.setenv("DTYPEAUDIT_REMOTE_RETRIES", "1")
