@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from .redact import redact
 
+_E = TypeVar("_E", bound="DtypeAuditError")
 _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
 
 
@@ -26,6 +29,17 @@ class DtypeAuditError(Exception):
 
     def __str__(self) -> str:
         return self.one_line()
+
+    def naming(self: _E, path: str, *, message: str | None = None) -> _E:
+        """A new error of this class that says the same (or ``message``) about ``path``, for a caller that knows
+        which file a reader's error is about; raise it ``from`` this one. An error is never changed once raised:
+        whoever else holds it (a retry, a report, a traceback) keeps what it said."""
+        said = self.message if message is None else message
+        # Built without __init__ (subclasses take other arguments): the same attributes, then the new ones.
+        new = type(self).__new__(type(self), said)
+        new.__dict__.update(self.__dict__)
+        new.path, new.message = path, said
+        return new
 
 
 class CheckpointError(DtypeAuditError):

@@ -188,8 +188,7 @@ def _read_located(target: TargetRef, exclude: tuple[str, ...]) -> Inventory:
             return read_checkpoint(target, label=target.text, exclude=exclude)
         except CheckpointError as exc:
             if exc.path in (target.text, target.hub_url) and not isinstance(exc, LimitExceeded):
-                exc.path = target.text
-                exc.message = f"no such local path; as a Hugging Face hub id: {exc.message}"
+                raise exc.naming(target.text, message=f"no such local path; as a Hugging Face hub id: {exc.message}") from exc
             raise
     return read_checkpoint(target, exclude=exclude)
 

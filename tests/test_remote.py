@@ -488,3 +488,92 @@ def test_credential_values_of_the_environment_are_masked(monkeypatch: pytest.Mon
     monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnop")
     assert redact("bad token hf_abcdefghijklmnop given") == "bad token REDACTED given"
     assert CheckpointError("rejected hf_abcdefghijklmnop", path="x").one_line() == "x: rejected REDACTED"
+
+
+# -- remote_call: a backend's failure is one line and exit 2; a bug of ours propagates, exit 3 -----------------------
+
+
+def test_a_bug_of_ours_in_a_remote_read_exits_3_not_2(web: tuple[str, type[_Handler]], monkeypatch: pytest.MonkeyPatch) -> None:
+    HTTPFile = pytest.importorskip("fsspec.implementations.http").HTTPFile
+
+    base, _ = web
+    url = f"{base}/files/cnn.safetensors"
+    assert read_checkpoint(url).format == "safetensors"
+
+    # RemoteSource calls fsspec's private _fetch_range: were its signature to change, our call is the bug.
+    def _fetch_range(self: Any, start: int, end: int, session: Any) -> bytes:
+        raise AssertionError("never reached: the call itself fails")
+
+    monkeypatch.setattr(HTTPFile, "_fetch_range", _fetch_range)
+    with pytest.raises(TypeError, match="session"):
+        read_checkpoint(url)
+    proc = run_cli("scan", url, "--format", "json")
+    assert proc.returncode == 3, proc.stderr
+    assert "internal error: TypeError" in proc.stderr and "bug in dtypeaudit" in proc.stderr and proc.stdout == ""
+
+
+def test_network_failures_are_still_remote_errors_exit_2_with_their_cause(
+    web: tuple[str, type[_Handler]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    from dtypeaudit.formats.remote import RemoteError
+
+    aiohttp = pytest.importorskip("aiohttp")
+
+    base, _ = web
+    monkeypatch.setenv("DTYPEAUDIT_REMOTE_RETRIES", "1")
+    with pytest.raises(RemoteError) as err:  # an HTTP error: aiohttp's ClientResponseError
+        read_checkpoint(f"{base}/error500/cnn.pt?token={URL_TOKEN}")
+    assert err.value.one_line() == f"{base}/error500/cnn.pt?token=REDACTED: server error (HTTP 500)"
+    # fsspec's HTTP info raises FileNotFoundError from aiohttp's ClientResponseError: both kept for --debug
+    cause = err.value.__cause__
+    assert isinstance(cause, FileNotFoundError) and isinstance(cause.__cause__, aiohttp.ClientResponseError)
+    assert cause.__cause__.status == 500
+
+    with socket.socket() as s:  # a port nothing listens on: an OSError (connection refused)
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with pytest.raises(RemoteError) as err:
+        read_checkpoint(f"http://127.0.0.1:{closed}/files/cnn.pt")
+    assert err.value.one_line() == f"http://127.0.0.1:{closed}/files/cnn.pt: cannot connect (Connection refused)"
+    assert isinstance(err.value.__cause__, OSError)
+
+    with pytest.raises(RemoteError) as err:  # fsspec's HTTP file refuses a server that ignores Range with a ValueError
+        read_checkpoint(f"{base}/norange/big.pt")
+    assert "does not honour range requests" in err.value.one_line()
+    assert isinstance(err.value.__cause__, ValueError) and "range requests" in str(err.value.__cause__)
+
+    proc = run_cli("scan", f"{base}/error500/cnn.pt", f"http://127.0.0.1:{closed}/files/cnn.pt", "--format", "json")
+    assert proc.returncode == 2 and "internal error" not in proc.stderr
+    assert [c["error"] for c in json.loads(proc.stdout)["checkpoints"]] == [
+        f"{base}/error500/cnn.pt: server error (HTTP 500)",
+        f"http://127.0.0.1:{closed}/files/cnn.pt: cannot connect (Connection refused)",
+    ]
+
+
+def test_remote_call_takes_only_a_backends_errors_for_the_networks() -> None:
+    botocore = pytest.importorskip("botocore.exceptions")
+    from dtypeaudit.formats.remote import RemoteError, remote_call
+
+    calls: list[str] = []
+
+    def fails(exc: Exception) -> Any:
+        calls.append(type(exc).__name__)
+        raise exc
+
+    denied = botocore.ClientError({"Error": {"Code": "AccessDenied"}, "ResponseMetadata": {"HTTPStatusCode": 403}}, "GetObject")
+    with pytest.raises(RemoteError) as err:
+        remote_call(lambda: fails(denied), "s3://models/x.pt")
+    assert err.value.one_line() == "s3://models/x.pt: access denied (HTTP 403 AccessDenied): check the credentials"
+    assert err.value.__cause__ is denied
+    with pytest.raises(RemoteError) as err:
+        remote_call(lambda: fails(FileNotFoundError(2, "No such file or directory")), "s3://models/y.pt")
+    assert err.value.one_line() == "s3://models/y.pt: not found"
+
+    # ours: passed through unchanged, the first time, not retried and not renamed
+    for bug in (TypeError("unsupported operand"), AttributeError("no attribute 'size'"), KeyError("k"), ValueError("ours")):
+        calls.clear()
+        with pytest.raises(type(bug)) as raised:
+            remote_call(lambda: fails(bug), "s3://models/z.pt")  # noqa: B023 (called at once)
+        assert raised.value is bug and calls == [type(bug).__name__]

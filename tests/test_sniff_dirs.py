@@ -662,3 +662,132 @@ def test_a_model_directory_inside_a_walked_tree(tmp_path: Path) -> None:
     _gpt2(root / "model")
     torch.save({"w": torch.ones(2)}, root / "loose.ckpt")
     assert [Path(p).relative_to(root).as_posix() for p in expand([str(root)])] == ["loose.ckpt", "model"]
+
+
+# -- a sniffer's verdicts come from the input only: a bug of ours propagates (exit 3) -----------------------------
+
+
+def _mutants(seed: bytes, n: int, rng: Any) -> Any:
+    """``n`` copies of ``seed``, each with a few bytes changed, cut out or put in (seeded: the same every run)."""
+    for _ in range(n):
+        data = bytearray(seed)
+        for _ in range(rng.randint(1, 4)):
+            at, roll = rng.randrange(len(data)), rng.random()
+            if roll < 0.5:
+                data[at] = rng.randrange(256)
+            elif roll < 0.75:
+                del data[at : at + rng.randint(1, 8)]
+            else:
+                data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 4)))
+        yield bytes(data)
+
+
+def test_malformed_pickles_and_zips_raise_only_checkpoint_errors(tmp_path: Path) -> None:
+    """What the sniffer catches is all a bad input makes the readers raise: PickleVM and ZipArchive say what is
+    wrong only as CheckpointError, so anything else they raise is a bug and may propagate."""
+    import random
+
+    from dtypeaudit.formats.picklevm import PickleVM
+    from dtypeaudit.formats.source import LocalSource
+    from dtypeaudit.formats.ziparchive import ZipArchive
+
+    rng = random.Random(18)
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(2), "meta": [1, 2.5, "s", (3, None)]}, buf, _use_new_zipfile_serialization=False)
+    pickles = [pickle.dumps({"a": [1, 2.5, "s", b"b", (1,), None, True, {1: 2}]}, protocol=p) for p in range(6)] + [buf.getvalue()]
+    outcomes: dict[str, int] = {}
+    for seed in pickles:
+        for data in _mutants(seed, 300, rng):
+            try:
+                PickleVM(data, source="mutant").load(0)
+                outcomes["read"] = outcomes.get("read", 0) + 1
+            except CheckpointError:
+                outcomes["refused"] = outcomes.get("refused", 0) + 1
+    assert outcomes["refused"] > 1000 and outcomes["read"] > 100  # both outcomes, and nothing else raised
+
+    zipped = io.BytesIO()
+    torch.save({"w": torch.ones(2), "h": torch.zeros(3, dtype=torch.float16)}, zipped)
+    refused = 0
+    path = tmp_path / "mutant.pt"
+    for data in _mutants(zipped.getvalue(), 300, rng):
+        # the central directory is where a zip reader parses most: change bytes there too
+        tail = bytearray(data)
+        for _ in range(rng.randint(0, 4)):
+            tail[len(tail) - rng.randint(1, min(200, len(tail)))] = rng.randrange(256)
+        path.write_bytes(bytes(tail))
+        try:
+            with LocalSource(path) as src, ZipArchive.open(src) as za:
+                za.pickle_entries()
+        except CheckpointError:
+            refused += 1
+    assert refused > 100
+
+
+@pytest.mark.parametrize("bug", [TypeError, ValueError])
+def test_a_bug_in_reading_a_first_pickle_is_not_a_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bug: type) -> None:
+    from dtypeaudit.formats import picklevm
+    from dtypeaudit.formats.sniff import HEAD_BYTES
+
+    path = tmp_path / "big.pkl"
+    path.write_bytes(pickle.dumps({"x": b"a" * (HEAD_BYTES + 1000)}, protocol=2))
+    assert sniff_kind(path) == "pickle"  # its first pickle runs past the head: read over the whole file
+    real_load = picklevm.PickleVM.load
+
+    def load(self: Any, start: int = 0) -> Any:
+        if not isinstance(self.data, bytes):  # the whole file, mapped: where the sniffer used to catch ValueError
+            raise bug("a bug of ours")
+        return real_load(self, start)
+
+    monkeypatch.setattr(picklevm.PickleVM, "load", load)
+    with pytest.raises(bug, match="a bug of ours"):
+        sniff_kind(path)
+    proc = run_cli("scan", str(path), "--format", "json")
+    assert proc.returncode == 3, proc.stderr
+    assert f"internal error: {bug.__name__}: a bug of ours" in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.parametrize("bug", [TypeError, AttributeError])
+def test_a_bug_in_looking_into_a_walked_zip_is_not_a_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bug: type) -> None:
+    from dtypeaudit.formats.sniff import leave_out_reason
+    from dtypeaudit.formats.ziparchive import ZipArchive
+
+    folder = tmp_path / "tree"
+    folder.mkdir()
+    torch.save({"w": torch.ones(2)}, folder / "weights.bin")  # a zip not named like a checkpoint: looked into
+    with zipfile.ZipFile(folder / "notes.bin", "w") as z:
+        z.writestr("readme.txt", "no pickle here")
+    assert leave_out_reason(folder / "weights.bin") is None
+    assert leave_out_reason(folder / "notes.bin") == "a zip archive with no pickle in it (torch.load cannot load it)"
+
+    def pickle_entries(self: Any) -> Any:
+        raise bug("a bug of ours")
+
+    monkeypatch.setattr(ZipArchive, "pickle_entries", pickle_entries)
+    with pytest.raises(bug, match="a bug of ours"):
+        leave_out_reason(folder / "weights.bin")
+    proc = run_cli("scan", str(folder), "--format", "json")
+    assert proc.returncode == 3, proc.stderr
+    assert f"internal error: {bug.__name__}: a bug of ours" in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.parametrize("bug", [TypeError, ValueError])
+def test_a_bug_under_tarfile_is_not_a_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bug: type) -> None:
+    from dtypeaudit.formats import source
+
+    path = tmp_path / "old.tar"
+    with tarfile.open(path, "w") as tar:
+        info = tarfile.TarInfo("sys_info")
+        info.size = 4
+        tar.addfile(info, io.BytesIO(b"abcd"))
+    with pytest.raises(CheckpointError, match="is a tar archive"):
+        sniff_kind(path)
+
+    def read(self: Any, n: int | None = -1) -> bytes:  # the file object the sniffer hands tarfile
+        raise bug("a bug of ours")
+
+    monkeypatch.setattr(source.SourceFile, "read", read)
+    with pytest.raises(bug, match="a bug of ours"):
+        sniff_kind(path)
+    proc = run_cli("scan", str(path), "--format", "json")
+    assert proc.returncode == 3, proc.stderr
+    assert f"internal error: {bug.__name__}: a bug of ours" in proc.stderr

@@ -60,7 +60,7 @@ def read_checkpoint(path: str | AnyPath | TargetRef, *, label: str | None = None
             inv = _read(p, shown, exclude)
         except DtypeAuditError as exc:
             if exc.path is None:
-                exc.path = shown or str(p)
+                raise exc.naming(shown or str(p)) from exc
             raise
         except PermissionError:
             raise CheckpointError("permission denied", path=shown or str(p)) from None

@@ -176,19 +176,60 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
 
 
+_BACKENDS = frozenset(
+    {
+        *("fsspec", "s3fs", "gcsfs", "adlfs", "ocifs", "huggingface_hub"),  # fsspec and its filesystems
+        *("aiohttp", "yarl", "botocore", "aiobotocore", "requests", "urllib3", "httpx", "httpx2", "httpcore"),  # their clients
+        *("google", "azure"),  # google-auth, google-api-core, azure-core
+    }
+)
+"""Top-level packages whose own exception classes say that a remote request failed."""
+
+
+def _frame_packages(exc: BaseException) -> Iterator[str]:
+    """The top-level package of each frame ``exc`` passed through."""
+    tb = exc.__traceback__
+    while tb is not None:
+        yield str(tb.tb_frame.f_globals.get("__name__", "")).partition(".")[0]
+        tb = tb.tb_next
+
+
+def _is_remote_failure(exc: Exception) -> bool:
+    """Whether ``exc``, raised by a call into an fsspec backend, is the backend saying the request failed (exit 2),
+    rather than a bug of ours (a TypeError, an AttributeError: exit 3, with its traceback).
+
+    Known: OSError and its kin (FileNotFoundError, PermissionError, ConnectionError, TimeoutError, which are also
+    asyncio's and fsspec's timeouts, aiohttp's connection errors and requests' errors); every class a backend or its
+    client defines (aiohttp's ClientResponseError, botocore's ClientError and BotoCoreError, huggingface_hub's and
+    httpx's errors); a missing backend package (fsspec's ImportError names it); and a ValueError raised inside a
+    backend's own code, which is how fsspec's HTTP file refuses a server that ignores Range."""
+    if isinstance(exc, OSError):
+        return True
+    if isinstance(exc, ImportError):
+        return not (exc.name or "").startswith("dtypeaudit")
+    if type(exc).__module__.partition(".")[0] in _BACKENDS:
+        return True
+    return isinstance(exc, ValueError) and any(m in _BACKENDS for m in _frame_packages(exc))
+
+
 def remote_call(fn: Callable[[], T], name: str) -> T:
-    """``fn()``, retried with backoff while it fails in a way that may pass; else one CheckpointError naming ``name``."""
+    """``fn()``, retried with backoff while it fails in a way that may pass; else one RemoteError naming ``name``.
+    Only a backend's failures (``_is_remote_failure``) are taken for the network's: anything else is a bug of ours
+    and propagates unchanged (exit 3)."""
     attempts = retries()
     for attempt in range(1, attempts + 1):
         try:
             return fn()
         except (CheckpointError, UsageError):
             raise
-        except Exception as exc:  # fsspec backends raise anything: aiohttp, botocore, httpx, OSError
+        except Exception as exc:
+            if not _is_remote_failure(exc):
+                raise
             problem = _problem(exc)
             if not problem.transient or attempt == attempts:
                 tries = f" after {attempt} tries" if attempt > 1 else ""
-                raise RemoteError(problem.what + tries, path=name) from None
+                # The line names the object without credentials; --debug shows the backend's error as the cause.
+                raise RemoteError(problem.what + tries, path=name) from exc
             time.sleep(0.2 * 2 ** (attempt - 1) * (0.5 + random.random()))
     raise AssertionError("unreachable")
 

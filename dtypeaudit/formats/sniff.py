@@ -117,10 +117,21 @@ def _tar(src: Source, size: int) -> str | None:
         return "tar"  # a header claiming a megabyte of long name: a tar to tarfile, and refused as one
     except RemoteError:
         raise  # a remote read failed: say so, rather than guess
-    except (ValueError, EOFError, OverflowError, struct.error):
+    except (ValueError, EOFError, OverflowError, struct.error) as exc:
         # tarfile's own parse failures past its first check: torch.load raises the same out of tarfile, so the
-        # file is unreadable to it. Anything else is a bug of ours and propagates (exit 3), never a verdict.
+        # file is unreadable to it. Anything else, or one raised in our file object, is a bug of ours and
+        # propagates (exit 3), never a verdict.
+        if not _raised_in(exc, "tarfile"):
+            raise
         return "tar"
+
+
+def _raised_in(exc: BaseException, module: str) -> bool:
+    """Whether the innermost frame ``exc`` passed through is in ``module`` (a builtin such as ``int()`` has none)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_globals.get("__name__") == module
 
 
 def _may_be_tar(head: bytes, size: int) -> bool:
@@ -168,17 +179,21 @@ def _first_pickle(src: Source, head: bytes, size: int) -> tuple[Any, int] | _NoP
         if len(head) >= size:
             return _NO_PICKLE
     # It ran past the bytes read: the file decides. Any protocol, so no prefix is trusted.
+    try:
+        whole = src.view()
+    except (OSError, ValueError):  # mmap's refusals: a file that shrank to nothing, or is no regular file, since it was opened
+        return _NO_PICKLE
     vm = None
     try:
-        vm = PickleVM(src.view(), source=src.name)
+        vm = PickleVM(whole, source=src.name)
         return vm.load(0)
     except LimitExceeded:
         return _TOO_BIG
     except RemoteError:
         raise  # the network failed, not the pickle
-    except CheckpointError:
-        return _NO_PICKLE
-    except (OSError, ValueError):
+    except (CheckpointError, OSError):
+        # PickleVM says what is wrong with a pickle only as CheckpointError: anything else (a ValueError, a
+        # TypeError) is a bug of ours and propagates (exit 3), never a verdict on the file.
         return _NO_PICKLE
     finally:
         if vm is not None:
@@ -278,7 +293,9 @@ def _zip_left_out(src: Source) -> str | None:
             return None if za.pickle_entries() else "a zip archive with no pickle in it (torch.load cannot load it)"
     except RemoteError:
         raise
-    except Exception:
+    except (CheckpointError, OSError):
+        # What ZipArchive raises for an archive it refuses (it reports every malformed one as CheckpointError). Any
+        # other exception is a bug of ours: it propagates (exit 3) rather than decide that the file is scanned.
         return None
 
 
