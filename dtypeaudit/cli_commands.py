@@ -110,24 +110,34 @@ def run_guarded(fn: Callable[[], None], debug: bool) -> None:
         fn()
     except DtypeAuditError as exc:
         if debug:
-            raise
+            _debug_traceback(exc)
         fail(exc.one_line())
     except KeyboardInterrupt:
         say("dtypeaudit: interrupted")
         raise SystemExit(exitcodes.INTERRUPTED) from None
     except OSError as exc:  # the machine said no (a full disk, say): one line, and not a bug report
         if debug:
-            raise
+            _debug_traceback(exc)
         fail(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
     except Exception as exc:  # a bug of ours: exit 3 (not an input verdict), with what a bug report needs
         if debug:
-            raise
+            _debug_traceback(exc)
         say(
             f"dtypeaudit: internal error: {type(exc).__name__}: {exc}\n"
             f"dtypeaudit {__version__}, Python {sys.version.split()[0]}: this is a bug in dtypeaudit, not in your input; "
             "please report it with the output of the same command run with --debug"
         )
         raise SystemExit(exitcodes.INTERNAL) from None
+
+
+def _debug_traceback(exc: BaseException) -> None:
+    """--debug: the whole traceback, causes included, on stderr before the usual line and exit code. A backend's
+    own messages in it may quote a URL with its credentials: shown without them, as every line we print."""
+    import traceback
+
+    from .redact import redact
+
+    say(redact("".join(traceback.format_exception(exc))).rstrip())
 
 
 def leave_fast_after_torch(run: Callable[[], None]) -> None:

@@ -38,7 +38,8 @@ def test_an_unreadable_input_is_still_exit_2_not_3(tmp_path):
 def test_debug_shows_the_traceback_of_our_bug(monkeypatch):
     monkeypatch.setattr(pipeline, "read_target", lambda *a, **k: {}["missing"])
     result = CliRunner().invoke(cli.app, ["scan", SAMPLE, "--debug"])
-    assert isinstance(result.exception, KeyError)
+    assert result.exit_code == 3
+    assert "Traceback" in result.stderr and "KeyError: 'missing'" in result.stderr and "internal error" in result.stderr
 
 
 def test_a_failed_audit_is_a_verdict_not_an_input_error():

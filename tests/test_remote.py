@@ -577,3 +577,11 @@ def test_remote_call_takes_only_a_backends_errors_for_the_networks() -> None:
         with pytest.raises(type(bug)) as raised:
             remote_call(lambda: fails(bug), "s3://models/z.pt")  # noqa: B023 (called at once)
         assert raised.value is bug and calls == [type(bug).__name__]
+
+
+def test_debug_tracebacks_show_no_credential(web: tuple[str, type[_Handler]]) -> None:
+    """--debug prints the whole traceback, causes included (a backend's own messages quote the URL): redacted too."""
+    base, _ = web
+    proc = run_cli("scan", f"{base}/error500/cnn.pt?token={URL_TOKEN}", "--debug", env={"DTYPEAUDIT_REMOTE_RETRIES": "1"})
+    assert proc.returncode == 2 and "Traceback" in proc.stderr and "HTTP 500" in proc.stderr
+    assert URL_TOKEN not in proc.stderr and URL_TOKEN not in proc.stdout
