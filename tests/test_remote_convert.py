@@ -7,15 +7,18 @@ reaches any output; a remote source without -o is refused with one line.
 
 from __future__ import annotations
 
+import pickle
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from dtypeaudit.conversion import convert
+from dtypeaudit.conversion import convert, remote
 from dtypeaudit.errors import ConversionError, UsageError
 
 from .conftest import TinyLM, write_sharded
@@ -40,6 +43,13 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_sharded(root / "ft-loud", loud, 2)
     canary = root / "canary"
     with_data_pkl(root / "evil.pt", reduce_pickle("posix", "system", f"touch {canary}"))
+    # formats convert refuses outright, each with 4 MiB of weights a refusal must not download
+    big = torch.nn.Linear(1024, 1024)
+    torch.jit.save(torch.jit.script(big), str(root / "scripted.pt"))
+    (root / "bare.pkl").write_bytes(pickle.dumps({"w": [0.5] * 1000}, protocol=4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": big.state_dict()}, checkpoint_id=str(root / "dcp"))
     return root
 
 
@@ -171,3 +181,32 @@ def test_unsafe_values_publish_nothing_and_keep_unsafe_matches_local(s3: dict[st
         for p in want.iterdir():
             assert _body(client, f"ft-loud-fp16/{p.name}") == p.read_bytes(), p.name
     _no_temporaries(client)
+
+
+@pytest.mark.parametrize("name", ["scripted.pt", "bare.pkl", "dcp"])
+def test_a_format_convert_refuses_is_refused_before_a_download_as_locally(
+    name: str, s3: dict[str, Any], local: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TorchScript, a bare pickle and DCP: the local refusal (ConversionError, its reason word for word), from the
+    remote headers, with nothing downloaded and nothing written."""
+    with pytest.raises(ConversionError) as mine:
+        convert(local / name, "fp16", output=tmp_path / "local-out")
+    downloads: list[str] = []
+    real = remote._download
+    monkeypatch.setattr(remote, "_download", lambda src, dest: (downloads.append(str(src)), real(src, dest))[1])
+    before = set(_objects(s3["client"]))
+    for output in ("s3://convert-test/refused-out", str(tmp_path / "out")):
+        with pytest.raises(ConversionError) as theirs:
+            convert(f"s3://convert-test/{name}", "fp16", output=output)
+        assert theirs.value.message == mine.value.message
+        assert theirs.value.path == f"s3://convert-test/{name}"
+    assert downloads == []
+    assert set(_objects(s3["client"])) == before and not list(tmp_path.iterdir())
+
+
+def test_cli_remote_format_refusal_exits_2_with_the_local_line(s3: dict[str, Any], local: Path) -> None:
+    mine = run_cli("convert", str(local / "scripted.pt"), "--to", "fp16")
+    theirs = run_cli("convert", "s3://convert-test/scripted.pt", "--to", "fp16", "-o", "s3://convert-test/s.pt", env=s3["env"])
+    assert mine.returncode == theirs.returncode == 2
+    assert theirs.stderr.strip() == mine.stderr.strip().replace(str(local / "scripted.pt"), "s3://convert-test/scripted.pt")
+    assert len(theirs.stderr.strip().splitlines()) == 1 and "TorchScript" in theirs.stderr

@@ -8,7 +8,7 @@ Memory stays bounded by a chunk (a tensor, for non-contiguous views into safeten
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,12 +18,12 @@ from .. import dtypes
 from ..errors import DtypeAuditError, UsageError
 from ..formats import Format, read_checkpoint
 from ..formats.locate import TargetRef, as_target, parse_target
-from ..inventory import Finding, Inventory
+from ..inventory import Inventory
 from ..pieces import Workers
 from ..pipeline import model_inventory, prepare
 from ..policy import Policy
 from ..torchcast import load_torch, one_thread
-from ..values import ValueStats, measures_errors
+from ..values import measures_errors
 from .atomic import atomic_output, check_destination, default_output, flushing
 from .checks import (
     ValueChecks,
@@ -36,6 +36,7 @@ from .checks import (
     workers_for,
 )
 from .plan import Plan, TensorPlan, make_plan, plan_findings, unit_of
+from .result import Result, pickled_module_files, plan_fails, refusals
 from .source import MappedCheckpoint, Progress, open_sources
 from .verify import verify_written
 from .write import (
@@ -49,51 +50,6 @@ from .write import (
     write_directory,
     write_file,
 )
-
-
-@dataclass
-class Result:
-    plan: Plan
-    """What happens to each tensor; empty when the conversion was ``refused``."""
-    output: Path | str | None
-    """What was written (a remote output: its URL, credentials redacted), or None (a dry run, unsafe values, a refusal)."""
-    unsafe: list[ValueStats]
-    """Tensors whose values block the conversion; nothing was written."""
-    dry_run: bool = False
-    values_read: bool = True
-    """False for a metadata-only dry run: ``plan.values`` is empty because no value was read, not because none was unsafe."""
-    refused: tuple[Finding, ...] = ()
-    """The reader's findings that forbid converting this checkpoint at all (see ``refusals``); nothing was written."""
-    failed: tuple[Finding, ...] = ()
-    """The planned output's findings that would fail ``scan`` with the same policy (see ``plan_findings``);
-    the plan could not be made to pass, so nothing was written."""
-
-    @property
-    def blocked(self) -> bool:
-        """Nothing was written because of the checkpoint itself, its plan or its values: the command fails (exit 1)."""
-        return bool(self.refused or self.failed or self.unsafe)
-
-
-# A rewrite would carry what hides after the pickle along or silently drop it: either way it launders it.
-REFUSED_WARNINGS = frozenset({"trailing-data"})
-
-
-def refusals(inv: Inventory) -> tuple[Finding, ...]:
-    """The reader's findings that make ``convert`` refuse before anything is written.
-
-    Every error the reader raises (a code-running global, a pickled whole module, an index that
-    disagrees with its shards) and trailing data.
-    """
-    return tuple(f for f in inv.findings if f.severity == "error" or f.rule in REFUSED_WARNINGS)
-
-
-def pickled_module_files(findings: Iterable[Finding]) -> list[str | None]:
-    """The files (None: the checkpoint itself) that the reader found to pickle a whole nn.Module."""
-    out: list[str | None] = []
-    for f in findings:
-        if f.rule == "pickled-module" and f.file not in out:
-            out.append(f.file)
-    return out
 
 
 def output_format(source_format: str, dest: Path, source: Path) -> Format:
@@ -132,7 +88,9 @@ def convert(
     A checkpoint ``scan`` flags as an error is refused before anything is written (see ``Result.refused``);
     so is a plan whose output would fail the policy or a built-in check (``Result.failed``: ``scan`` of
     the output with the same policy must pass), and unsafe values (``Result.unsafe``). None of these
-    raises: the Result says why. ``model`` (a factory, as ``scan --model``) gives tensors their module types.
+    raises: the Result says why. A format convert cannot convert at all (TorchScript, a bare pickle, DCP)
+    is bad input, not a verdict on the checkpoint: it raises ``ConversionError`` (see ``refusals``), before
+    anything is written or, for a remote source, downloaded. ``model`` (a factory, as ``scan --model``) gives tensors their module types.
     ``materialize_ties``: a safetensors output holds a copy of a tied tensor under each of its names, so that a
     plain ``load_file`` gives every key back (by default it is written once, the tie kept as a metadata alias).
     ``read_values=False`` makes a dry run metadata-only: the plan, its sizes and refusals from the headers alone,
@@ -382,12 +340,6 @@ def _written_and_verified(
             with flushing(tmp):
                 verify_written(tmp, record)
             yield
-
-
-def plan_fails(plan: Plan, policy: Policy | None) -> bool:
-    """Whether ``plan``'s output would fail ``scan`` with ``policy`` (its findings are left in ``plan.findings``)."""
-    plan_findings(plan, policy)
-    return bool(plan.failing(policy))
 
 
 def _hold_unsafe(plan: Plan, inv: Inventory, to: str, options: dict[str, Any], sources: dict[str, MappedCheckpoint]) -> Plan:

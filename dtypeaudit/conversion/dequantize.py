@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     import torch
 
     from ..policy import Policy
-    from . import Result
     from .plan import Plan
+    from .result import Result
     from .source import MappedCheckpoint, Progress
     from .verify import Written
 
@@ -457,8 +457,8 @@ def convert_quantized(
 ) -> Result:
     """Dequantize ``inv`` (a quantized directory, safetensors file or GGUF file) to ``to``."""
     from ..checks import check
-    from . import Result
     from .atomic import atomic_output, check_destination, default_output
+    from .result import Result
     from .source import open_sources
     from .verify import verify_written
 

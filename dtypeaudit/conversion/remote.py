@@ -34,6 +34,7 @@ from ..redact import redact
 from .atomic import swap_into_place
 from .modeldir import config_with_dtype, index_with_sizes, read_json, write_json
 from .plan import Plan, make_plan
+from .result import Result, plan_fails, refusals
 
 Local = Callable[..., Any]
 """The local ``convert`` (passed in, so that this module does not import its package)."""
@@ -121,7 +122,7 @@ def _download(src: RemotePath, local: Path) -> None:
     remote_call(lambda: src.rfs.fs.get_file(src.path, str(local)), str(src))
 
 
-def _shown_plan(result: Any, shown: str) -> Any:
+def _shown_plan(result: Result, shown: str) -> Result:
     plan = result.plan
     plan.source = replace(plan.source, path=shown)
     return result
@@ -140,9 +141,8 @@ def convert_remote(
     max_shard_size: str | None,
     model: str | None,
     options: dict[str, Any],
-) -> Any:
+) -> Result:
     """``convert`` for a URL source (see the module's docstring); the Result names the source and output as given."""
-    from . import Result, refusals
 
     shown = redact(source.text)
     if in_place:
@@ -166,8 +166,6 @@ def convert_remote(
         dest.check(force)
     if inv.format == Format.HF_DIRECTORY:
         return _directory(root, inv, to, local_convert, dest, policy=policy, dry_run=dry_run, model=model, options=options)
-    if inv.format == Format.DCP:
-        raise UsageError(f"{shown}: convert reads single files and Hugging Face directories remotely, not {inv.format}")
     with tempfile.TemporaryDirectory(prefix="dtypeaudit-remote-") as td:
         local_src = Path(td) / "in" / (root.name or "checkpoint")
         _download(root, local_src)
@@ -208,10 +206,8 @@ def _directory(
     dry_run: bool,
     model: str | None,
     options: dict[str, Any],
-) -> Any:
+) -> Result:
     """Each weight file converted alone, checked against the whole directory's plan, then published together."""
-    from . import Result, plan_fails
-
     res = hfdir.resolve(root)
     if res is None:
         raise ConversionError("directory holds no weights to convert", path=str(root))
