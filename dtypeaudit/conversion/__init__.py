@@ -38,7 +38,7 @@ from .checks import (
 from .plan import Plan, TensorPlan, make_plan, plan_findings, unit_of
 from .result import Result, pickled_module_files, plan_fails, refusals
 from .source import MappedCheckpoint, Progress, open_sources
-from .verify import verify_written
+from .verify import Written, verify_written
 from .write import (
     casts_need_torch,
     parse_size,
@@ -199,6 +199,8 @@ def convert(
             require_torch(needed)  # the light install converts what numpy casts; this, before anything is read
         with_torch = plan.casts_with_torch = needed is not None or torch_pays(plan)
 
+        records: dict[str, Written] = {}
+
         def written(workers: Workers | None = None) -> AbstractContextManager[None]:
             return _written_and_verified(
                 plan,
@@ -206,6 +208,7 @@ def convert(
                 sources,
                 dest,
                 out_format,
+                records,
                 force=force,
                 in_place=in_place,
                 progress_factory=progress_factory,
@@ -218,7 +221,7 @@ def convert(
             # numpy makes every byte: the output is written (and verified) while the value checks run in
             # their child, on the other core, and renamed into place only if they block nothing
             if _written_while_checking(plan, sources, check_progress, written):
-                return Result(plan, dest, [])
+                return Result(plan, dest, [], written=records)
         else:
             # torch's import overlaps the checks when a cast will need it: before a write, and on a dry run
             # only for the casts whose errors numpy cannot measure from the bits (float64's)
@@ -241,7 +244,7 @@ def convert(
             stack.enter_context(one_thread())  # torch's casts and verification's recasts (see one_thread)
         with written():
             pass
-    return Result(plan, dest, [])
+    return Result(plan, dest, [], written=records)
 
 
 class _Abandoned(Exception):
@@ -300,6 +303,7 @@ def _written_and_verified(
     sources: dict[str, MappedCheckpoint],
     dest: Path,
     out_format: Format,
+    records: dict[str, Written],
     *,
     force: bool,
     in_place: bool,
@@ -308,20 +312,24 @@ def _written_and_verified(
     materialize_ties: bool,
     workers: Workers | None = None,
 ) -> Iterator[None]:
-    """Write ``plan``'s output to a temporary beside ``dest`` and verify it; on leaving, fsync and rename it into place."""
+    """Write ``plan``'s output to a temporary beside ``dest`` and verify it, each file's ``Written`` left in
+    ``records`` (see ``Result.written``); on leaving, fsync and rename it into place."""
     check_destination(src_path, dest, force=force, in_place=in_place)
+    records.clear()  # a speculative write abandoned before this one left its files' records
     total = sum(p.tensor.nbytes for p in plan.tensors if p.action != "drop")
     progress = progress_factory("writing", total) if progress_factory else None
     if out_format == Format.HF_DIRECTORY:
         with atomic_output(dest, mode_from=src_path, is_dir=True) as tmp:
-            write_directory(
-                plan,
-                src_path,
-                sources,
-                tmp,
-                progress=progress,
-                max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
-                workers=workers,
+            records.update(
+                write_directory(
+                    plan,
+                    src_path,
+                    sources,
+                    tmp,
+                    progress=progress,
+                    max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
+                    workers=workers,
+                )
             )
             yield
     else:
@@ -339,6 +347,7 @@ def _written_and_verified(
             )
             with flushing(tmp):
                 verify_written(tmp, record)
+            records[dest.name] = record
             yield
 
 

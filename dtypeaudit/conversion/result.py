@@ -8,14 +8,18 @@ no path leans on the package's ``__init__`` (which imports them all).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import ConversionError
 from ..inventory import Finding, Inventory, format_of
 from ..policy import Policy
 from ..values import ValueStats
 from .plan import Plan, plan_findings
+
+if TYPE_CHECKING:
+    from .verify import Written
 
 
 @dataclass
@@ -34,6 +38,10 @@ class Result:
     failed: tuple[Finding, ...] = ()
     """The planned output's findings that would fail ``scan`` with the same policy (see ``plan_findings``);
     the plan could not be made to pass, so nothing was written."""
+    written: dict[str, Written] = field(default_factory=dict)
+    """What each weight file written holds, as its writer recorded it and ``verify.verify_written`` read it back:
+    its name in the output directory (a single file: the output's own name) -> its ``Written``; empty when
+    nothing was written."""
 
     @property
     def blocked(self) -> bool:
