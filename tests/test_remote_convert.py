@@ -305,6 +305,8 @@ def test_written_records_are_what_the_files_hold(s3: dict[str, Any], local: Path
         assert got.written[name].tensors == record.tensors and got.written[name].crcs == record.crcs
     single = convert(local / "x.pt", "fp16", output=tmp_path / "x.fp16.pt")
     assert list(single.written) == ["x.fp16.pt"] and single.written["x.fp16.pt"].crcs
+    # a Result crosses processes (fleet): its records hold what the files hold, not maps of the closed sources
+    assert pickle.loads(pickle.dumps(single)).written["x.fp16.pt"].tensors == single.written["x.fp16.pt"].tensors
 
 
 def _bad_upload(damage: Any) -> Any:

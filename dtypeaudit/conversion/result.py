@@ -8,7 +8,7 @@ no path leans on the package's ``__init__`` (which imports them all).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,7 +41,11 @@ class Result:
     written: dict[str, Written] = field(default_factory=dict)
     """What each weight file written holds, as its writer recorded it and ``verify.verify_written`` read it back:
     its name in the output directory (a single file: the output's own name) -> its ``Written``; empty when
-    nothing was written."""
+    nothing was written. Without ``origins``: a Result outlives the source's maps they point into, and crosses
+    processes (``fleet``)."""
+
+    def __post_init__(self) -> None:
+        self.written = {name: replace(w, origins={}) for name, w in self.written.items()}
 
     @property
     def blocked(self) -> bool:
