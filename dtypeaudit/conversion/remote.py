@@ -157,7 +157,6 @@ def convert_remote(
     options: dict[str, Any],
 ) -> Result:
     """``convert`` for a URL source (see the module's docstring); the Result names the source and output as given."""
-
     shown = redact(source.text)
     if in_place:
         raise UsageError(f"{shown}: --in-place cannot replace a remote checkpoint; give -o")
