@@ -61,16 +61,18 @@ def refusals(inv: Inventory) -> tuple[Finding, ...]:
     """What makes ``convert`` refuse ``inv`` before anything is written (or, for a remote source, downloaded):
     the one decision, for local and remote sources alike, from the reader's inventory alone.
 
-    A format convert cannot convert at all (``Format.convert_refusal``: TorchScript, a bare pickle, DCP ...) is
-    bad input: ``ConversionError`` (exit 2), the format's reason as its message. Otherwise the reader's findings
-    that forbid it, returned for ``Result.refused`` (exit 1, like a scan that fails): every error the reader
-    raises (a code-running global, a pickled whole module, an index that disagrees with its shards) and trailing
-    data.
+    First the reader's findings that forbid it, returned for ``Result.refused`` (exit 1, like a scan that fails,
+    and shown as a scan shows them): every error the reader raises (a code-running global, a pickled whole
+    module, an index that disagrees with its shards) and trailing data. A hostile bare pickle is refused for
+    its global, not for its format. Without those, a format convert cannot convert at all
+    (``Format.convert_refusal``: TorchScript, a bare pickle, DCP ...) is bad input: ``ConversionError`` (exit 2),
+    the format's reason as its message.
     """
+    refused = tuple(f for f in inv.findings if f.severity == "error" or f.rule in REFUSED_WARNINGS)
     fmt = format_of(inv.format)
-    if fmt is not None and fmt.convert_refusal:
+    if not refused and fmt is not None and fmt.convert_refusal:
         raise ConversionError(fmt.convert_refusal, path=inv.path)
-    return tuple(f for f in inv.findings if f.severity == "error" or f.rule in REFUSED_WARNINGS)
+    return refused
 
 
 def pickled_module_files(findings: Iterable[Finding]) -> list[str | None]:
