@@ -20,23 +20,28 @@ def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _runtime_imports(tree: ast.Module):
+def _runtime_imports(tree: ast.Module, *, with_level: bool = False):
     """Every import statement that can run: at module level or inside a function (an import moved into a function
-    to dodge a cycle is still a cycle of the design), but not under ``if TYPE_CHECKING:``."""
-    todo: list[ast.AST] = [tree]
+    to dodge a cycle is still a cycle of the design), but not under ``if TYPE_CHECKING:``. ``with_level``: yield
+    (statement, whether it runs when the module is imported) instead: False inside a function (or class body of one)."""
+    todo: list[tuple[ast.AST, bool]] = [(tree, True)]
     while todo:
-        node = todo.pop()
+        node, at_import = todo.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
+            yield (node, at_import) if with_level else node
         elif isinstance(node, ast.If) and _is_type_checking(node.test):
-            todo.extend(node.orelse)
+            todo.extend((n, at_import) for n in node.orelse)
         else:
-            todo.extend(ast.iter_child_nodes(node))
+            inner = at_import and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            todo.extend((n, inner) for n in ast.iter_child_nodes(node))
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the dtypeaudit modules its import runs (a submodule import runs its packages' __init__ too, unless
-    they are the importing module's own packages, which are already running)."""
+    """Module -> the dtypeaudit modules its imports run or lean on (a submodule import runs its packages' __init__
+    too). An edge to one of the importing module's own packages is dropped only where Python has run that package
+    anyway: when the module itself is imported (a module-level import), or as the parent of a submodule imported
+    (``from .plan import Plan``). A function that imports its own package's names (``from . import Result``) leans
+    on the package's __init__, which imports the module: that edge is kept, so such a cycle is seen."""
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     packages = {name for name, p in files.items() if p.name == "__init__.py"}
 
@@ -52,8 +57,9 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         here = name if name in packages else name.rpartition(".")[0]
+        own = {a for a in with_parents(name) if a != name}
         edges: set[str] = set()
-        for node in _runtime_imports(ast.parse(path.read_text(encoding="utf-8"))):
+        for node, at_import in _runtime_imports(ast.parse(path.read_text(encoding="utf-8")), with_level=True):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -63,12 +69,16 @@ def import_graph() -> dict[str, set[str]]:
                     mod = ".".join(base + ([node.module] if node.module else []))
                 else:
                     mod = node.module or ""
-                targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+                # ``from pkg import x`` names the submodule pkg.x where there is one, else pkg's own attribute x
+                submodules = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in files]
+                targets = submodules if len(submodules) == len(node.names) else [mod, *submodules]
             for t in targets:
-                if t.split(".")[0] == "dtypeaudit":
-                    edges |= with_parents(t)
-        # A module's own packages are already being imported when it runs: an edge to one is no cycle.
-        edges -= {a for a in with_parents(name) if a != name} | {name}
+                if t.split(".")[0] != "dtypeaudit":
+                    continue
+                edges |= with_parents(t) - own  # parents of what is imported: the own ones have already run
+                if t in own and not at_import:
+                    edges.add(t)  # a function leaning on its own package's __init__
+        edges.discard(name)
         graph[name] = edges
     return graph
 
@@ -122,6 +132,28 @@ def test_the_graph_sees_relative_package_and_function_level_imports():
     assert "dtypeaudit.pipeline" in graph["dtypeaudit.cli_commands"]  # imported inside the scan command
     # a submodule import runs its package's __init__ first
     assert {"dtypeaudit.formats", "dtypeaudit.formats.sniff"} <= graph["dtypeaudit.pipeline"]
+
+
+def test_the_graph_sees_a_function_that_imports_its_own_package(tmp_path, monkeypatch):
+    """conversion <-> conversion.remote: the package imports remote inside convert(), and remote imports the
+    package's names inside a function. A module-level import of the own package, or a submodule of it imported
+    anywhere, is no edge to the package (Python has run it already)."""
+    package = tmp_path / "dtypeaudit"
+    (package / "conversion").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "conversion" / "__init__.py").write_text(
+        "class Result:\n    pass\n\n\ndef convert():\n    from .remote import go\n\n    return go()\n"
+    )
+    (package / "conversion" / "remote.py").write_text(
+        "from .plan import Plan\n\n\ndef go():\n    from . import Result\n    from .plan import Plan\n\n    return Result(), Plan\n"
+    )
+    (package / "conversion" / "plan.py").write_text("from . import Result\n\nPlan = Result\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
+    graph = import_graph()
+    assert graph["dtypeaudit.conversion.plan"] == set()  # module level: the package has run first
+    assert graph["dtypeaudit.conversion.remote"] == {"dtypeaudit.conversion", "dtypeaudit.conversion.plan"}
+    assert graph["dtypeaudit.conversion"] == {"dtypeaudit.conversion.remote"}
+    assert cycles(graph) == [["dtypeaudit.conversion", "dtypeaudit.conversion.remote"]]
 
 
 def test_no_import_cycles_inside_the_package():

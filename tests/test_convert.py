@@ -518,3 +518,63 @@ def test_one_floating_test_one_half_set_and_one_byte_counter(tmp_path: Path) -> 
             want[name] = want.get(name, 0) + t.numel() * t.element_size()
     assert dict(floating_bytes(inv.tensors)) == want == {"float16": 64, "float32": 16, "float8_e4m3fn": 16}
     assert weights_dtype(inv) == "float16"  # no compute layer the structure knows: the dtype with the most bytes
+
+
+def _both_indexes(path: Path) -> dict[str, torch.Tensor]:
+    """huggingface_hub's own sharded writers (save_pretrained's, and transformers 4's .bin one): safetensors shards
+    and model.safetensors.index.json beside pytorch_model-*.bin shards and pytorch_model.bin.index.json."""
+    import warnings
+
+    from huggingface_hub import save_torch_state_dict
+
+    torch.manual_seed(0)
+    state = {f"layers.{i}.weight": torch.randn(32, 32) for i in range(4)}
+    path.mkdir()
+    save_torch_state_dict(state, path, max_shard_size="5KB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_torch_state_dict(state, path, safe_serialization=False, max_shard_size="5KB")
+    (path / "config.json").write_text(json.dumps({"model_type": "tiny", "torch_dtype": "float32"}))
+    return state
+
+
+def test_the_index_from_pretrained_reads_is_rewritten_and_the_other_copied(tmp_path: Path) -> None:
+    """modeldir.output_index: from_pretrained resolves the output as the source (the safetensors index first), so
+    that index gets the converted sizes (re-packed: a new weight map); the .bin index names .bin shards the
+    conversion copies untouched, and is copied untouched (it used to be dropped)."""
+    from safetensors.torch import load_file
+
+    src = tmp_path / "both"
+    state = _both_indexes(src)
+    bin_index = (src / "pytorch_model.bin.index.json").read_bytes()
+    for out, repack in ((tmp_path / "fp16", None), (tmp_path / "packed", "5KB")):
+        convert(src, "fp16", output=out, max_shard_size=repack)
+        assert (out / "pytorch_model.bin.index.json").read_bytes() == bin_index
+        assert all((out / p.name).read_bytes() == p.read_bytes() for p in src.glob("*.bin"))
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        loaded = {k: v for shard in sorted(out.glob("*.safetensors")) for k, v in load_file(shard).items()}
+        assert {k: v.dtype for k, v in loaded.items()} == dict.fromkeys(state, torch.float16)
+        assert index["metadata"]["total_size"] == sum(v.nbytes for v in loaded.values()) == 4 * 32 * 32 * 2
+        assert {k: (out / f).is_file() for k, f in index["weight_map"].items()} == dict.fromkeys(state, True)
+        assert all(torch.equal(load_file(out / index["weight_map"][k])[k], v.half()) for k, v in state.items())
+    assert (
+        json.loads((tmp_path / "packed" / "model.safetensors.index.json").read_text())["weight_map"]
+        != json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    )
+
+
+def test_directory_result_holds_each_files_written_record(tmp_path: Path) -> None:
+    """write_directory returns one verify.Written per file it wrote (Result.written), as safetensors loads each."""
+    import zlib
+
+    from safetensors.torch import load_file
+
+    src = tmp_path / "both"
+    _both_indexes(src)
+    r = convert(src, "bf16", output=tmp_path / "out", max_shard_size="5KB")
+    shards = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    assert len(shards) > 1 and sorted(r.written) == shards
+    for name in shards:
+        loaded = load_file(tmp_path / "out" / name)
+        assert r.written[name].tensors == {k: ("bfloat16", tuple(v.shape)) for k, v in loaded.items()}
+        assert r.written[name].crcs == {k: zlib.crc32(v.view(torch.uint8).numpy().tobytes()) for k, v in loaded.items()}

@@ -8,7 +8,7 @@ Memory stays bounded by a chunk (a tensor, for non-contiguous views into safeten
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,12 +18,12 @@ from .. import dtypes
 from ..errors import DtypeAuditError, UsageError
 from ..formats import Format, read_checkpoint
 from ..formats.locate import TargetRef, as_target, parse_target
-from ..inventory import Finding, Inventory, format_of
+from ..inventory import Inventory, format_of
 from ..pieces import Workers
 from ..pipeline import model_inventory, prepare
 from ..policy import Policy
 from ..torchcast import load_torch, one_thread
-from ..values import ValueStats, measures_errors
+from ..values import measures_errors
 from .atomic import atomic_output, check_destination, default_output, flushing
 from .checks import (
     ValueChecks,
@@ -36,8 +36,9 @@ from .checks import (
     workers_for,
 )
 from .plan import Plan, TensorPlan, make_plan, plan_findings, unit_of
+from .result import Result, pickled_module_files, plan_fails, refusals
 from .source import MappedCheckpoint, Progress, open_sources
-from .verify import verify_written
+from .verify import Written, verify_written
 from .write import (
     casts_need_torch,
     parse_size,
@@ -49,51 +50,6 @@ from .write import (
     write_directory,
     write_file,
 )
-
-
-@dataclass
-class Result:
-    plan: Plan
-    """What happens to each tensor; empty when the conversion was ``refused``."""
-    output: Path | str | None
-    """What was written (a remote output: its URL, credentials redacted), or None (a dry run, unsafe values, a refusal)."""
-    unsafe: list[ValueStats]
-    """Tensors whose values block the conversion; nothing was written."""
-    dry_run: bool = False
-    values_read: bool = True
-    """False for a metadata-only dry run: ``plan.values`` is empty because no value was read, not because none was unsafe."""
-    refused: tuple[Finding, ...] = ()
-    """The reader's findings that forbid converting this checkpoint at all (see ``refusals``); nothing was written."""
-    failed: tuple[Finding, ...] = ()
-    """The planned output's findings that would fail ``scan`` with the same policy (see ``plan_findings``);
-    the plan could not be made to pass, so nothing was written."""
-
-    @property
-    def blocked(self) -> bool:
-        """Nothing was written because of the checkpoint itself, its plan or its values: the command fails (exit 1)."""
-        return bool(self.refused or self.failed or self.unsafe)
-
-
-# A rewrite would carry what hides after the pickle along or silently drop it: either way it launders it.
-REFUSED_WARNINGS = frozenset({"trailing-data"})
-
-
-def refusals(inv: Inventory) -> tuple[Finding, ...]:
-    """The reader's findings that make ``convert`` refuse before anything is written.
-
-    Every error the reader raises (a code-running global, a pickled whole module, an index that
-    disagrees with its shards) and trailing data.
-    """
-    return tuple(f for f in inv.findings if f.severity == "error" or f.rule in REFUSED_WARNINGS)
-
-
-def pickled_module_files(findings: Iterable[Finding]) -> list[str | None]:
-    """The files (None: the checkpoint itself) that the reader found to pickle a whole nn.Module."""
-    out: list[str | None] = []
-    for f in findings:
-        if f.rule == "pickled-module" and f.file not in out:
-            out.append(f.file)
-    return out
 
 
 def output_format(source_format: str, dest: Path, source: Path) -> Format:
@@ -132,7 +88,9 @@ def convert(
     A checkpoint ``scan`` flags as an error is refused before anything is written (see ``Result.refused``);
     so is a plan whose output would fail the policy or a built-in check (``Result.failed``: ``scan`` of
     the output with the same policy must pass), and unsafe values (``Result.unsafe``). None of these
-    raises: the Result says why. ``model`` (a factory, as ``scan --model``) gives tensors their module types.
+    raises: the Result says why. A format convert cannot convert at all (TorchScript, a bare pickle, DCP)
+    is bad input, not a verdict on the checkpoint: it raises ``ConversionError`` (see ``refusals``), before
+    anything is written or, for a remote source, downloaded. ``model`` (a factory, as ``scan --model``) gives tensors their module types.
     ``materialize_ties``: a safetensors output holds a copy of a tied tensor under each of its names, so that a
     plain ``load_file`` gives every key back (by default it is written once, the tie kept as a metadata alias).
     ``read_values=False`` makes a dry run metadata-only: the plan, its sizes and refusals from the headers alone,
@@ -248,6 +206,8 @@ def convert(
             require_torch(needed)  # the light install converts what numpy casts; this, before anything is read
         with_torch = plan.casts_with_torch = needed is not None or torch_pays(plan)
 
+        records: dict[str, Written] = {}
+
         def written(workers: Workers | None = None) -> AbstractContextManager[None]:
             return _written_and_verified(
                 plan,
@@ -255,6 +215,7 @@ def convert(
                 sources,
                 dest,
                 out_format,
+                records,
                 force=force,
                 in_place=in_place,
                 progress_factory=progress_factory,
@@ -267,7 +228,7 @@ def convert(
             # numpy makes every byte: the output is written (and verified) while the value checks run in
             # their child, on the other core, and renamed into place only if they block nothing
             if _written_while_checking(plan, sources, check_progress, written):
-                return Result(plan, dest, [])
+                return Result(plan, dest, [], written=records)
         else:
             # torch's import overlaps the checks when a cast will need it: before a write, and on a dry run
             # only for the casts whose errors numpy cannot measure from the bits (float64's)
@@ -290,7 +251,7 @@ def convert(
             stack.enter_context(one_thread())  # torch's casts and verification's recasts (see one_thread)
         with written():
             pass
-    return Result(plan, dest, [])
+    return Result(plan, dest, [], written=records)
 
 
 class _Abandoned(Exception):
@@ -349,6 +310,7 @@ def _written_and_verified(
     sources: dict[str, MappedCheckpoint],
     dest: Path,
     out_format: Format,
+    records: dict[str, Written],
     *,
     force: bool,
     in_place: bool,
@@ -357,20 +319,24 @@ def _written_and_verified(
     materialize_ties: bool,
     workers: Workers | None = None,
 ) -> Iterator[None]:
-    """Write ``plan``'s output to a temporary beside ``dest`` and verify it; on leaving, fsync and rename it into place."""
+    """Write ``plan``'s output to a temporary beside ``dest`` and verify it, each file's ``Written`` left in
+    ``records`` (see ``Result.written``); on leaving, fsync and rename it into place."""
     check_destination(src_path, dest, force=force, in_place=in_place)
+    records.clear()  # a speculative write abandoned before this one left its files' records
     total = sum(p.tensor.nbytes for p in plan.tensors if p.action != "drop")
     progress = progress_factory("writing", total) if progress_factory else None
     if out_format == Format.HF_DIRECTORY:
         with atomic_output(dest, mode_from=src_path, is_dir=True) as tmp:
-            write_directory(
-                plan,
-                src_path,
-                sources,
-                tmp,
-                progress=progress,
-                max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
-                workers=workers,
+            records.update(
+                write_directory(
+                    plan,
+                    src_path,
+                    sources,
+                    tmp,
+                    progress=progress,
+                    max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
+                    workers=workers,
+                )
             )
             yield
     else:
@@ -388,13 +354,8 @@ def _written_and_verified(
             )
             with flushing(tmp):
                 verify_written(tmp, record)
+            records[dest.name] = record
             yield
-
-
-def plan_fails(plan: Plan, policy: Policy | None) -> bool:
-    """Whether ``plan``'s output would fail ``scan`` with ``policy`` (its findings are left in ``plan.findings``)."""
-    plan_findings(plan, policy)
-    return bool(plan.failing(policy))
 
 
 def _hold_unsafe(plan: Plan, inv: Inventory, to: str, options: dict[str, Any], sources: dict[str, MappedCheckpoint]) -> Plan:

@@ -41,10 +41,11 @@ def check_destination(source: Path, dest: Path, *, force: bool, in_place: bool) 
 
 
 @contextmanager
-def atomic_output(dest: Path, *, mode_from: Path, is_dir: bool = False) -> Iterator[Path]:
+def atomic_output(dest: Path, *, mode_from: Path | None, is_dir: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside ``dest``; on success fsync it and rename it into place, else remove it.
 
     The name carries this host and process (see ``temporaries``): what a killed run left here is removed first.
+    The output takes ``mode_from``'s permission bits; None (a remote source, which has none): the umask's.
     """
     remove_stale(dest.parent)
     tmp = temporary_path(dest)
@@ -56,7 +57,8 @@ def atomic_output(dest: Path, *, mode_from: Path, is_dir: bool = False) -> Itera
             if f.is_file():
                 with f.open("rb+") as fh:
                     os.fsync(fh.fileno())
-        os.chmod(tmp, stat.S_IMODE(mode_from.stat().st_mode))  # a directory's files got theirs as they were written
+        if mode_from is not None:
+            os.chmod(tmp, stat.S_IMODE(mode_from.stat().st_mode))  # a directory's files got theirs as they were written
         swap_into_place(tmp, dest)
     except BaseException as exc:
         if is_dir:

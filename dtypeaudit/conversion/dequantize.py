@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 from .. import dtypes, npcast
 from ..errors import ConversionError, UsageError
-from ..formats import directory as hfdir
 from ..inventory import Format, Inventory, Span, TensorRecord
 from ..quant import model as qm
 
@@ -32,8 +31,8 @@ if TYPE_CHECKING:
     import torch
 
     from ..policy import Policy
-    from . import Result
     from .plan import Plan
+    from .result import Result
     from .source import MappedCheckpoint, Progress
     from .verify import Written
 
@@ -422,25 +421,30 @@ def _write_directory(
     tmp: Path,
     target: str,
     progress: Progress | None,
-) -> None:
-    from .modeldir import config_with_dtype, copy_beside_weights, file_mode, write_index
+) -> dict[str, Written]:
+    """The dequantized shards (each verified against one read of it) and the files beside them; returns each
+    shard's name in ``tmp`` -> what it holds."""
+    from .modeldir import config_with_dtype, copy_beside_weights, file_mode, output_index, write_index
     from .verify import verify_written
 
     weight_map: dict[str, str] = {}
     total = 0
+    written: dict[str, Written] = {}
     for shard in shards:
         if not shard.entries:
             continue  # a shard that held only storage of weights written elsewhere (scales of another shard's weights)
         out = tmp / shard.label
-        verify_written(out, _write_shard(shard, inv, sources, out, progress))
+        written[shard.label] = _write_shard(shard, inv, sources, out, progress)
+        verify_written(out, written[shard.label])
         os.chmod(out, file_mode(sources[shard.label].path))
         for e in shard.entries:
             weight_map[e.name] = shard.label
             total += _numel(e.shape) * dtypes.get(e.target).itemsize
-    copy_beside_weights(src_dir, tmp, skip=set(sources), edit_config=lambda config: config_with_dtype(config, target, dequantized=True))
-    index = next((src_dir / n for n in hfdir.INDEX_NAMES if (src_dir / n).is_file()), None)
-    if index is not None:
-        write_index(tmp, index, index.name, total, weight_map)
+    index = output_index(inv)  # its weight map renamed: storage names become the logical weights'
+    skip = {*sources, *([index] if index else [])}
+    copy_beside_weights(src_dir, tmp, skip=skip, edit_config=lambda config: config_with_dtype(config, target, dequantized=True))
+    write_index(src_dir, tmp, index, total, weight_map)
+    return written
 
 
 def convert_quantized(
@@ -458,8 +462,8 @@ def convert_quantized(
 ) -> Result:
     """Dequantize ``inv`` (a quantized directory, safetensors file or GGUF file) to ``to``."""
     from ..checks import check
-    from . import Result
     from .atomic import atomic_output, check_destination, default_output
+    from .result import Result
     from .source import open_sources
     from .verify import verify_written
 
@@ -493,12 +497,13 @@ def convert_quantized(
         progress = progress_factory("writing", total) if progress_factory else None
         if is_dir:
             with atomic_output(dest, mode_from=src_path, is_dir=True) as tmp:
-                _write_directory(shards, inv, src_path, sources, tmp, target, progress)
+                written = _write_directory(shards, inv, src_path, sources, tmp, target, progress)
         else:
             (shard,) = shards if shards else (_Shard(""),)
             with atomic_output(dest, mode_from=src_path) as tmp:
-                verify_written(tmp, _write_shard(shard, inv, sources, tmp, progress))
-    return Result(plan, dest, [])
+                written = {dest.name: _write_shard(shard, inv, sources, tmp, progress)}
+                verify_written(tmp, written[dest.name])
+    return Result(plan, dest, [], written=written)
 
 
 def _span(t: TensorRecord) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import ConversionError
 from ..formats import directory as hfdir
+from ..inventory import Inventory
 
 
 def config_with_dtype(config: dict[str, Any], dtype: str | None, *, dequantized: bool = False) -> dict[str, Any]:
@@ -58,14 +59,33 @@ def refuse_escaping_link(root: Path, item: Path) -> None:
         raise ConversionError(f"'{item.relative_to(root)}' is a link that leads outside the directory; refused", path=str(root))
 
 
+def output_index(source: Inventory, *, repacked: bool = False) -> str | None:
+    """The one index a converted model directory gets written with the output's sizes (and, ``repacked``, its new
+    weight map), local, remote and dequantized alike; None: none.
+
+    The output keeps the names of the source's weight files, so ``from_pretrained`` resolves the output as it
+    resolved the source (``formats.directory.resolve``): it reads the index it read there (``Resolution.index``,
+    which the directory's reader leaves in ``source.metadata["index"]``), and that one must describe the
+    converted shards. Weights re-packed into ``model-NNNNN-of-NNNNN.safetensors`` shards are found through
+    ``model.safetensors.index.json`` (or the source's own index, where it was a safetensors one). Any other index
+    (a ``pytorch_model.bin.index.json`` beside a safetensors model) names files the conversion copies untouched,
+    so it is copied untouched too.
+    """
+    named = source.metadata.get("index")
+    source_index = named if isinstance(named, str) else None
+    if repacked and not (source_index and source_index.endswith(".safetensors.index.json")):
+        return hfdir.SAFE_WEIGHTS_INDEX_NAME
+    return source_index
+
+
 def copy_beside_weights(
     src_dir: Path, out_dir: Path, *, skip: Collection[str], edit_config: Callable[[dict[str, Any]], dict[str, Any]]
 ) -> None:
-    """Every file and folder of a model directory other than its weights (``skip``), hidden files and its index,
-    copied into ``out_dir``: confined to ``src_dir`` (links are copied as the files they name), config.json
-    rewritten through ``edit_config``, modes kept."""
+    """Every file and folder of a model directory other than ``skip`` (its weights and the index the output gets
+    written, ``output_index``) and hidden files, copied into ``out_dir``: confined to ``src_dir`` (links are
+    copied as the files they name), config.json rewritten through ``edit_config``, modes kept."""
     for item in sorted(src_dir.iterdir()):
-        if item.name in skip or item.name.startswith(".") or item.name in hfdir.INDEX_NAMES:
+        if item.name in skip or item.name.startswith("."):
             continue
         dest = out_dir / item.name
         refuse_escaping_link(src_dir, item)
@@ -79,9 +99,12 @@ def copy_beside_weights(
             shutil.copy2(item, dest)
 
 
-def write_index(out_dir: Path, source_index: Path | None, name: str, total_size: int, weight_map: dict[str, str] | None = None) -> None:
-    """The output's index ``name``: the source's (``source_index``, when it has one) with the output's sizes,
-    or a new one where the weights were re-packed into shards (``weight_map``)."""
+def write_index(src_dir: Path, out_dir: Path, name: str | None, total_size: int, weight_map: dict[str, str] | None = None) -> None:
+    """The output's index ``name`` (``output_index``'s choice; None: none): the source's of that name, when it has
+    one, with the output's sizes, or a new one where the weights were re-packed into shards (``weight_map``)."""
+    if name is None:
+        return
+    source_index = src_dir / name if (src_dir / name).is_file() else None
     if source_index is None and weight_map is None:
         return
     doc = read_json(source_index) if source_index is not None else {}

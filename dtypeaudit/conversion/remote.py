@@ -1,19 +1,23 @@
 """Remote conversion: one file at a time through a local temporary, published last.
 
 Each remote file (a single checkpoint, or each weight file a Hugging Face directory's resolution lists) is
-downloaded to a local temporary directory, converted there by the local code path (refusals, plan checks,
-value checks, verification, all as for a local file), uploaded to a temporary name under the destination
-(s3fs uploads a big file in parts), re-read through the remote reader and compared with the plan, and the
-local copies removed before the next file: local disk and memory are bounded by the largest file.
+downloaded to a local temporary directory and converted there by the local code path (plan checks, value
+checks, and verification: ``verify.verify_written`` reads the written file back once, names, dtypes, shapes,
+ties and every record's CRC, before it is uploaded). A remote output is then uploaded to a temporary name under
+the destination (s3fs uploads a big file in parts) and the upload checked without a second transfer: its size
+is the verified file's, and its header, read through the remote reader, holds what the writer's ``Written``
+says. The local copies are removed before the next file: local disk and memory are bounded by the largest file.
 Only when every file is in place are the temporary names moved to their own, and a directory's config.json
-and index written last, so a reader never sees a half-converted model under the destination's names.
+and index written last, so a reader never sees a half-converted model under the destination's names. A local
+output directory is made inside ``atomic_output``'s temporary and swapped into place, as a local source's is.
+
+What is refused is refused from the remote headers (``refusals``) before a byte is downloaded.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
-import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,9 +35,11 @@ from ..inventory import Inventory
 from ..pipeline import model_inventory, prepare
 from ..policy import Policy
 from ..redact import redact
-from .atomic import swap_into_place
-from .modeldir import config_with_dtype, index_with_sizes, read_json, write_json
+from .atomic import atomic_output
+from .modeldir import config_with_dtype, index_with_sizes, output_index, read_json, write_json
 from .plan import Plan, make_plan
+from .result import Result, plan_fails, refusals
+from .verify import Written
 
 Local = Callable[..., Any]
 """The local ``convert`` (passed in, so that this module does not import its package)."""
@@ -41,17 +47,6 @@ Local = Callable[..., Any]
 
 def _shape_map(inv: Inventory, file: str | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {t.name: (t.dtype, tuple(t.shape)) for t in inv.tensors if file is None or t.file == file}
-
-
-def _compare(got: Inventory, want: dict[str, tuple[str, tuple[int, ...]]], shown: str) -> None:
-    have = _shape_map(got)
-    if have != want:
-        diff = sorted(set(have.items()) ^ set(want.items()))
-        name = diff[0][0] if diff else "?"
-        raise ConversionError(
-            f"the uploaded file does not hold what the plan says ({len(diff)} difference(s), first: {name}); nothing was published",
-            path=shown,
-        )
 
 
 def _agrees(alone: dict[str, tuple[str, tuple[int, ...]]], whole: dict[str, tuple[str, tuple[int, ...]]], plan: Plan, shown: str) -> None:
@@ -115,13 +110,33 @@ class _Dest:
         rfs.forget()
         return read_checkpoint(RemotePath(rfs, path))  # where it was written: not a URL to locate again
 
+    def uploaded(self, local: Path, path: str, written: Written | None, shown: str) -> None:
+        """Check the upload of ``local`` (verified before it was uploaded) at ``path``, without a second transfer:
+        the same size, and, for a weight file, a header that holds what its writer's ``written`` says (each name,
+        dtype and shape, as ``verify_written`` compares them; a tie kept as an alias is under its target's name)."""
+        size, made = remote_call(lambda: self.fs.size(path), shown), local.stat().st_size
+        if size != made:
+            why = f"the upload is {size} bytes, the verified file {made}"
+            raise ConversionError(f"verification failed: {why}; nothing was published", path=shown)
+        if written is None:
+            return
+        have = {t.name: (t.dtype, tuple(t.shape)) for t in self.reread(path).tensors}
+        want = {written.aliases.get(n, n): (dtype, tuple(shape)) for n, (dtype, shape) in written.tensors.items()}
+        if have != want:
+            diff = sorted(set(have.items()) ^ set(want.items()))
+            raise ConversionError(
+                f"verification failed: the upload does not hold what was written ({len(diff)} difference(s), first: {diff[0][0]}); "
+                "nothing was published",
+                path=shown,
+            )
+
 
 def _download(src: RemotePath, local: Path) -> None:
     local.parent.mkdir(parents=True, exist_ok=True)
     remote_call(lambda: src.rfs.fs.get_file(src.path, str(local)), str(src))
 
 
-def _shown_plan(result: Any, shown: str) -> Any:
+def _shown_plan(result: Result, shown: str) -> Result:
     plan = result.plan
     plan.source = replace(plan.source, path=shown)
     return result
@@ -140,10 +155,8 @@ def convert_remote(
     max_shard_size: str | None,
     model: str | None,
     options: dict[str, Any],
-) -> Any:
+) -> Result:
     """``convert`` for a URL source (see the module's docstring); the Result names the source and output as given."""
-    from . import Result, refusals
-
     shown = redact(source.text)
     if in_place:
         raise UsageError(f"{shown}: --in-place cannot replace a remote checkpoint; give -o")
@@ -166,8 +179,6 @@ def convert_remote(
         dest.check(force)
     if inv.format == Format.HF_DIRECTORY:
         return _directory(root, inv, to, local_convert, dest, policy=policy, dry_run=dry_run, model=model, options=options)
-    if inv.format == Format.DCP:
-        raise UsageError(f"{shown}: convert reads single files and Hugging Face directories remotely, not {inv.format}")
     with tempfile.TemporaryDirectory(prefix="dtypeaudit-remote-") as td:
         local_src = Path(td) / "in" / (root.name or "checkpoint")
         _download(root, local_src)
@@ -179,7 +190,7 @@ def convert_remote(
             return _shown_plan(out, shown)
         local_out = Path(td) / "out" / posixpath.basename(dest.path)
         local_out.parent.mkdir()
-        result = local_convert(local_src, to, output=local_out, **kw)
+        result = local_convert(local_src, to, output=local_out, **kw)  # verified there, before the upload
         local_src.unlink()
         _shown_plan(result, shown)
         if result.output is None:
@@ -187,8 +198,8 @@ def convert_remote(
         tmp = f"{posixpath.dirname(dest.path)}/.{posixpath.basename(dest.path)}{dest.tag}"
         try:
             dest.put(local_out, tmp)
+            dest.uploaded(local_out, tmp, result.written[local_out.name], dest.shown)
             local_out.unlink()
-            _compare(dest.reread(tmp), _shape_map(result.plan.output_inventory()), dest.shown)
             dest.move(tmp, dest.path)
         except BaseException:
             dest.remove([tmp])
@@ -208,10 +219,8 @@ def _directory(
     dry_run: bool,
     model: str | None,
     options: dict[str, Any],
-) -> Any:
+) -> Result:
     """Each weight file converted alone, checked against the whole directory's plan, then published together."""
-    from . import Result, plan_fails
-
     res = hfdir.resolve(root)
     if res is None:
         raise ConversionError("directory holds no weights to convert", path=str(root))
@@ -225,44 +234,40 @@ def _directory(
     expected = plan.output_inventory()
     unsafe: list[Any] = []
     total = 0
-    written: list[str] = []  # names relative to the output directory, in its temporary area
-    with _staging(dest, dry_run) as stage:
-        with tempfile.TemporaryDirectory(prefix="dtypeaudit-remote-") as td:
-            for label in res.files:
-                local_src = Path(td) / "in" / label
-                _download(root / label, local_src)
-                local_out = Path(td) / "out" / label
-                local_out.parent.mkdir(parents=True, exist_ok=True)
-                r = local_convert(local_src, to, output=local_out, policy=policy, dry_run=dry_run, model=model, **options)
-                local_src.unlink()
-                if r.refused or r.failed:
-                    return Result(plan, None, [], dry_run=dry_run, refused=r.refused, failed=r.failed)
-                unsafe.extend(r.unsafe)
-                plan.values.update(r.plan.values)
-                if dry_run or r.unsafe:
-                    continue
-                want = _shape_map(r.plan.output_inventory())
-                # the local convert verified local_out against r.plan with one read; an upload is read back in stage.put
-                _agrees(want, _shape_map(expected, label), r.plan, f"{root}/{label}")
-                total += r.plan.bytes_after
-                stage.put(local_out, label, want)
-                local_out.unlink(missing_ok=True)
-                written.append(label)
-            if unsafe or dry_run:
-                return Result(plan, None, unsafe, dry_run=dry_run)
-            # every other file: config.json with the planned dtype, the index last, the rest copied
-            extras = _other_files(root, set(res.files))
-            for name in extras:
-                local = Path(td) / "extra" / name
-                _download(root / name, local)
-                if name == "config.json" and plan.config_dtype is not None:
-                    write_json(local, config_with_dtype(read_json(local), plan.config_dtype))
-                if name in hfdir.INDEX_NAMES:
-                    write_json(local, index_with_sizes(read_json(local), total))
-                stage.put(local, name, None)
-                local.unlink(missing_ok=True)
-            stage.publish(written, sorted(extras, key=lambda n: (n in hfdir.INDEX_NAMES, n == "config.json", n)))
-    return Result(plan, dest.shown if dest else None, [])
+    written: dict[str, Written] = {}
+    with tempfile.TemporaryDirectory(prefix="dtypeaudit-remote-") as td, _staging(dest, dry_run, Path(td) / "out") as stage:
+        for label in res.files:
+            local_src = Path(td) / "in" / label
+            _download(root / label, local_src)
+            r = local_convert(local_src, to, output=stage.place(label), policy=policy, dry_run=dry_run, model=model, **options)
+            local_src.unlink()
+            if r.refused or r.failed:
+                return Result(plan, None, [], dry_run=dry_run, refused=r.refused, failed=r.failed)
+            unsafe.extend(r.unsafe)
+            plan.values.update(r.plan.values)
+            if dry_run or r.unsafe:
+                continue
+            # the local convert verified the file against what it wrote (verify_written), before stage.put uploads it
+            _agrees(_shape_map(r.plan.output_inventory()), _shape_map(expected, label), r.plan, f"{root}/{label}")
+            total += r.plan.bytes_after
+            (written[label],) = r.written.values()
+            stage.put(label, written[label])
+        if unsafe or dry_run:
+            return Result(plan, None, unsafe, dry_run=dry_run)
+        # every other file: config.json with the planned dtype and the output's index (modeldir decides which, as
+        # for a local directory) rewritten, the rest copied; published last, the index after config.json
+        index = output_index(inv)
+        extras = _other_files(root, set(res.files))
+        for name in extras:
+            local = stage.place(name)
+            _download(root / name, local)
+            if name == "config.json":
+                write_json(local, config_with_dtype(read_json(local), plan.config_dtype))
+            if name == index:
+                write_json(local, index_with_sizes(read_json(local), total))
+            stage.put(name, None)
+        stage.publish(list(written), sorted(extras, key=lambda n: (n == index, n == "config.json", n)))
+    return Result(plan, dest.shown if dest else None, [], written=written)
 
 
 def _other_files(root: RemotePath, shards: set[str]) -> list[str]:
@@ -278,75 +283,106 @@ def _other_files(root: RemotePath, shards: set[str]) -> list[str]:
     return out
 
 
-class _Stage:
-    """A directory's output as it is made: a hidden temporary directory (local) or prefix (remote) under ``dest``."""
+class _Scratch:
+    """Where a dry run's files would go (a dry run writes none)."""
 
-    def __init__(self, dest: _Dest) -> None:
-        self.dest = dest
-        if dest.remote:
-            self.tmp = f"{dest.path}/{dest.tag}"
-            self.before = self._listing() if dest.exists() else []
-        else:
-            self.local_tmp = dest.local.parent / f".{dest.local.name}{dest.tag}"
-            self.local_tmp.mkdir()
+    def __init__(self, scratch: Path) -> None:
+        self.scratch = scratch
 
-    def _listing(self) -> list[str]:
-        fs = self.dest.fs
-        return [posixpath.relpath(p, self.dest.path) for p in remote_call(lambda: fs.find(self.dest.path), self.dest.shown)]
+    def place(self, name: str) -> Path:
+        return _made(self.scratch / name)
 
-    def put(self, local: Path, name: str, want: dict[str, tuple[str, tuple[int, ...]]] | None) -> None:
-        if self.dest.remote:
-            self.dest.put(local, f"{self.tmp}/{name}")
-            if want is not None:
-                _compare(self.dest.reread(f"{self.tmp}/{name}"), want, redact(self.dest.url(f"{self.dest.path}/{name}")))
-        else:
-            target = self.local_tmp / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(local), target)
-
-    def publish(self, shards: list[str], extras: list[str]) -> None:
-        """Weight files first, then the other files, config.json and the index last."""
-        if not self.dest.remote:
-            swap_into_place(self.local_tmp, self.dest.local)
-            return
-        for name in [*shards, *extras]:
-            self.dest.move(f"{self.tmp}/{name}", f"{self.dest.path}/{name}")
-        stale = [f"{self.dest.path}/{n}" for n in self.before if n not in set(shards) | set(extras) and not n.startswith(self.dest.tag)]
-        self.dest.remove(stale)
-
-    def abandon(self) -> None:
-        if self.dest.remote:
-            try:
-                found = self.dest.fs.find(self.tmp)
-            except (FileNotFoundError, OSError):
-                found = []
-            self.dest.remove(list(found))
-        else:
-            shutil.rmtree(self.local_tmp, ignore_errors=True)
-
-    def cleanup(self) -> None:
-        if self.dest.remote:
-            self.abandon()
-            remote_fs(self.dest.fs).forget()
-        elif self.local_tmp.exists():
-            shutil.rmtree(self.local_tmp, ignore_errors=True)
-
-
-class _NoStage:
-    def put(self, local: Path, name: str, want: Any) -> None:  # pragma: no cover - a dry run writes nothing
+    def put(self, name: str, written: Written | None) -> None:  # pragma: no cover - a dry run writes nothing
         raise AssertionError("a dry run writes nothing")
 
     def publish(self, shards: list[str], extras: list[str]) -> None:  # pragma: no cover
         raise AssertionError("a dry run writes nothing")
 
 
+class _LocalStage:
+    """A local output directory, made in ``atomic_output``'s temporary beside it: each file is made in place
+    (``place``), and leaving ``_staging`` after ``publish`` fsyncs it and swaps it in, the one swap every
+    conversion ends with; without ``publish`` it is removed."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.published = False
+
+    def place(self, name: str) -> Path:
+        return _made(self.tmp / name)
+
+    def put(self, name: str, written: Written | None) -> None:
+        """Nothing to move: the file was made where it stays (and a weight file verified there)."""
+
+    def publish(self, shards: list[str], extras: list[str]) -> None:
+        self.published = True
+
+
+class _RemoteStage:
+    """A remote output directory as it is made: files made locally in ``scratch``, each uploaded under a hidden
+    temporary prefix of ``dest`` and checked there, moved to their own names by ``publish``."""
+
+    def __init__(self, dest: _Dest, scratch: Path) -> None:
+        self.dest = dest
+        self.scratch = scratch
+        self.tmp = f"{dest.path}/{dest.tag}"
+        self.before = self._listing() if dest.exists() else []
+
+    def _listing(self) -> list[str]:
+        fs = self.dest.fs
+        return [posixpath.relpath(p, self.dest.path) for p in remote_call(lambda: fs.find(self.dest.path), self.dest.shown)]
+
+    def place(self, name: str) -> Path:
+        return _made(self.scratch / name)
+
+    def put(self, name: str, written: Written | None) -> None:
+        local = self.scratch / name
+        self.dest.put(local, f"{self.tmp}/{name}")
+        self.dest.uploaded(local, f"{self.tmp}/{name}", written, redact(self.dest.url(f"{self.dest.path}/{name}")))
+        local.unlink()
+
+    def publish(self, shards: list[str], extras: list[str]) -> None:
+        """Weight files first, then the other files, config.json and the index last."""
+        for name in [*shards, *extras]:
+            self.dest.move(f"{self.tmp}/{name}", f"{self.dest.path}/{name}")
+        stale = [f"{self.dest.path}/{n}" for n in self.before if n not in set(shards) | set(extras) and not n.startswith(self.dest.tag)]
+        self.dest.remove(stale)
+
+    def cleanup(self) -> None:
+        """Whatever is left of the temporary prefix: all of it when the conversion stopped early."""
+        try:
+            found = self.dest.fs.find(self.tmp)
+        except (FileNotFoundError, OSError):
+            found = []
+        self.dest.remove(list(found))
+        remote_fs(self.dest.fs).forget()
+
+
+def _made(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class _Unpublished(Exception):
+    """Thrown into ``atomic_output`` when the conversion stopped before ``publish``: its temporary is removed."""
+
+
 @contextmanager
-def _staging(dest: _Dest | None, dry_run: bool) -> Iterator[Any]:
+def _staging(dest: _Dest | None, dry_run: bool, scratch: Path) -> Iterator[_Scratch | _LocalStage | _RemoteStage]:
     if dest is None or dry_run:
-        yield _NoStage()
-        return
-    stage = _Stage(dest)
-    try:
-        yield stage
-    finally:
-        stage.cleanup()  # whatever is left of the temporary area: all of it when the conversion stopped early
+        yield _Scratch(scratch)
+    elif dest.remote:
+        stage = _RemoteStage(dest, scratch)
+        try:
+            yield stage
+        finally:
+            stage.cleanup()
+    else:
+        try:
+            with atomic_output(dest.local, mode_from=None, is_dir=True) as tmp:
+                local = _LocalStage(tmp)
+                yield local
+                if not local.published:
+                    raise _Unpublished
+        except _Unpublished:
+            pass

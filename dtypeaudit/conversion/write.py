@@ -15,7 +15,6 @@ from typing import Any
 from .. import dtypes, npcast, torchcast
 from ..crc import crc32
 from ..errors import ConversionError, UsageError
-from ..formats import directory as hfdir
 from ..formats.pickleout import Persistent, dumps
 from ..formats.picklesplice import SpliceRefused, retype
 from ..formats.picklevm import Global, Opaque
@@ -26,7 +25,7 @@ from ..pieces import Job, Workers, write_at
 from ..values import CHUNK_BYTES, ValueStats, measures_errors
 from .atomic import flushing
 from .checks import is_training_state, workers_for
-from .modeldir import config_with_dtype, copy_beside_weights, file_mode, write_index
+from .modeldir import config_with_dtype, copy_beside_weights, file_mode, output_index, write_index
 from .plan import Plan, TensorPlan, unit_of
 from .source import MappedCheckpoint, Progress, contiguous_span, materialize
 from .verify import Origin, Written, verify_written
@@ -550,16 +549,20 @@ def write_directory(
     progress: Progress | None,
     max_shard_size: int | None = None,
     workers: Workers | None = None,
-) -> None:
+) -> dict[str, Written]:
     """Every shard converted (or re-packed), config.json's dtype set to ``plan.config_dtype``, every other file
     copied; each file keeps its source's mode. Links are followed where they stay inside the directory or
-    lead into the Hugging Face cache's blobs/ of the same repository (a snapshot), and refused elsewhere."""
+    lead into the Hugging Face cache's blobs/ of the same repository (a snapshot), and refused elsewhere.
+
+    Returns what each weight file holds (its name in ``out_dir`` -> its ``Written``), each already verified
+    against one read of the file."""
     total = 0
     weight_map: dict[str, str] | None = None
+    written: dict[str, Written] = {}
     if max_shard_size is not None:
         if any(src.inv.format != Format.SAFETENSORS for src in sources.values()):
             raise UsageError("--max-shard-size re-shards safetensors directories only")
-        weight_map, total = _reshard(plan, sources, out_dir, max_shard_size, progress, workers)
+        weight_map, total = _reshard(plan, sources, out_dir, max_shard_size, progress, workers, written)
         shard_mode = file_mode(next(iter(sources.values())).path)
         for name in set(weight_map.values()):
             os.chmod(out_dir / name, shard_mode)
@@ -567,7 +570,7 @@ def write_directory(
         for label, src in sources.items():
             sub = _subplan(src.inv, plan, [p for p in plan.tensors if p.tensor.file == label])
             out = out_dir / label
-            written = write_file(
+            written[label] = write_file(
                 sub,
                 src,
                 out,
@@ -577,19 +580,27 @@ def write_directory(
                 workers=workers,
             )
             with flushing(out):
-                verify_written(out, written)
+                verify_written(out, written[label])
             os.chmod(out, file_mode(src.path))
             total += sub.bytes_after
-    index_name = hfdir.INDEX_NAMES[0] if (src_dir / hfdir.INDEX_NAMES[0]).exists() or weight_map is not None else hfdir.INDEX_NAMES[1]
-    copy_beside_weights(src_dir, out_dir, skip=set(sources), edit_config=lambda config: config_with_dtype(config, plan.config_dtype))
-    source_index = src_dir / index_name
-    write_index(out_dir, source_index if source_index.is_file() else None, index_name, total, weight_map)
+    index = output_index(plan.source, repacked=weight_map is not None)
+    skip = {*sources, *([index] if index else [])}
+    copy_beside_weights(src_dir, out_dir, skip=skip, edit_config=lambda config: config_with_dtype(config, plan.config_dtype))
+    write_index(src_dir, out_dir, index, total, weight_map)
+    return written
 
 
 def _reshard(
-    plan: Plan, sources: dict[str, MappedCheckpoint], out_dir: Path, limit: int, progress: Progress | None, workers: Workers | None
+    plan: Plan,
+    sources: dict[str, MappedCheckpoint],
+    out_dir: Path,
+    limit: int,
+    progress: Progress | None,
+    workers: Workers | None,
+    records: dict[str, Written],
 ) -> tuple[dict[str, str], int]:
-    """Pack tensors, in order, into shards of at most ``limit`` bytes (a larger tensor gets a shard of its own)."""
+    """Pack tensors, in order, into shards of at most ``limit`` bytes (a larger tensor gets a shard of its own);
+    each shard's ``Written`` lands in ``records``."""
     groups: list[list[TensorPlan]] = [[]]
     size = 0
     for p in plan.tensors:
@@ -606,9 +617,9 @@ def _reshard(
         name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         sub = _subplan(plan.source, plan, group)
         items = [(p, sources[original.tensor.file]) for p, original in zip(sub.tensors, group, strict=True)]
-        written = _write_safetensors_file(items, out_dir / name, {"format": "pt"}, sub, progress=progress, workers=workers)
+        records[name] = _write_safetensors_file(items, out_dir / name, {"format": "pt"}, sub, progress=progress, workers=workers)
         with flushing(out_dir / name):
-            verify_written(out_dir / name, written)
+            verify_written(out_dir / name, records[name])
         weight_map.update({p.tensor.name: name for p in group})
         total += sub.bytes_after
     return weight_map, total
