@@ -23,9 +23,6 @@ from .helpers import run_cli
 from .hostile import reduce_pickle, with_data_pkl
 from .s3server import ACCESS_KEY, SECRET_KEY, moto_s3
 
-pytest.importorskip("s3fs")
-pytest.importorskip("moto.server")
-
 
 @pytest.fixture(scope="module")
 def local(tmp_path_factory: pytest.TempPathFactory) -> Path:
