@@ -215,7 +215,7 @@ def test_cluster_conversion_equals_local_conversion_byte_for_byte(tree: Path, tm
     assert run_cli("convert", sources[0], "--to", "bf16", "-o", str(single)).returncode == 0
     assert single.read_bytes() == written["ckpt_01.bf16.pt"]
     converted = read_target(str(tmp_path / "fleet" / "ckpt_01.bf16.pt"))
-    assert {t.dtype for t in converted.tensors} == {"bfloat16", "int64"} or {t.dtype for t in converted.tensors} == {"bfloat16"}
+    assert {t.dtype for t in converted.tensors} == {"bfloat16"}  # Net's weights; the epoch is a plain int
 
 
 def test_convert_many_in_processes(tree: Path, tmp_path: Path) -> None:
