@@ -21,8 +21,8 @@ from dtypeaudit.formats import read_checkpoint
 from dtypeaudit.policy import load_policy
 
 from . import oracle
-from .conftest import TinyCNN, TinyLM, all_dtypes_state
-from .helpers import ROOT, facts, run_cli, sharing
+from .helpers import ROOT, all_dtypes_state, facts, run_cli, sharing
+from .models import TinyCNN, TinyLM
 
 
 def non_tensors(obj: Any, prefix: str = "") -> dict[str, Any]:

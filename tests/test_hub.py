@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 from dtypeaudit.pipeline import expand, scan
 from dtypeaudit.render.json import report_dict
 
-from .conftest import TinyLM, write_sharded
-from .helpers import run_cli
+from .helpers import run_cli, write_sharded
+from .models import TinyLM
 
 MAIN = "a" * 8 + "1" * 32
 V1 = "b" * 8 + "2" * 32

@@ -29,6 +29,7 @@ from dtypeaudit.policy import Policy, compile_matcher, decide, load_policy, pres
 from dtypeaudit.render import explain as explain_render
 
 from .helpers import ROOT, run_cli
+from .models import BasicBlock
 
 HERE = "tests.test_policy_truth"
 
@@ -36,29 +37,11 @@ HERE = "tests.test_policy_truth"
 # -- real models ---------------------------------------------------------------------------------
 
 
-class Block(nn.Module):
-    """torchvision's BasicBlock: BatchNorms as attributes and, when the shape changes, inside a Sequential."""
-
-    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.downsample = (
-            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)) if stride != 1 or cin != cout else None
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
-        return torch.relu(out + (self.downsample(x) if self.downsample is not None else x))
-
-
 class ResNetish(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1), nn.BatchNorm2d(8), nn.ReLU())
-        self.layer1 = nn.Sequential(Block(8, 8), Block(8, 16, stride=2))
+        self.layer1 = nn.Sequential(BasicBlock(8, 8, relu_module=False), BasicBlock(8, 16, stride=2, relu_module=False))
         self.fc = nn.Linear(16, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,8 @@ from dtypeaudit.formats import locate, read_checkpoint, ziparchive
 from dtypeaudit.formats.picklevm import PickleVM
 from dtypeaudit.formats.source import LocalSource
 
-from .conftest import TinyLM, write_sharded
+from .helpers import write_sharded
+from .models import TinyLM
 
 
 def _file(name: object) -> str:

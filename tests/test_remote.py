@@ -32,8 +32,8 @@ from dtypeaudit.formats import read_checkpoint
 from dtypeaudit.pipeline import expand, scan
 from dtypeaudit.render.json import report_dict
 
-from .conftest import TinyCNN, TinyLM, write_sharded
-from .helpers import run_cli
+from .helpers import run_cli, write_sharded
+from .models import TinyCNN, TinyLM
 from .s3server import ACCESS_KEY, SECRET_KEY, moto_s3
 
 URL_TOKEN = "tok-3a9f1c77e2b54d0c"

@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from dtypeaudit.conversion import convert
 from dtypeaudit.errors import ConversionError, UsageError
 
-from .conftest import TinyLM, write_sharded
-from .helpers import run_cli
+from .helpers import run_cli, write_sharded
 from .hostile import reduce_pickle, with_data_pkl
+from .models import TinyLM
 from .s3server import ACCESS_KEY, SECRET_KEY, moto_s3
 
 

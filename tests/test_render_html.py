@@ -32,23 +32,15 @@ from dtypeaudit.render import html as html_render
 from dtypeaudit.render.html import dtype_abbrev, dtype_colours, render, render_diff
 
 from .helpers import run_cli
+from .models import TwoConvNet
 
 # -- checkpoints the pages are made of ------------------------------------------------------------------------------
-
-
-class SmallCNN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3)
-        self.bn1 = nn.BatchNorm2d(8)
-        self.conv2 = nn.Conv2d(8, 8, 3)
-        self.fc = nn.Linear(8, 10)
 
 
 def write_cnn(path: Path) -> Path:
     """A half-finished fp16 conversion: ``fc``'s bias stayed fp32, the crash ``module-dtype-mix`` reports."""
     torch.manual_seed(0)
-    state = {k: v.half() if v.is_floating_point() else v for k, v in SmallCNN().state_dict().items()}
+    state = {k: v.half() if v.is_floating_point() else v for k, v in TwoConvNet().state_dict().items()}
     state["fc.bias"] = state["fc.bias"].float()
     torch.save(state, path)
     return path
@@ -319,7 +311,7 @@ def test_hostile_names_stay_text(tmp_path: Path) -> None:
 
 def test_several_checkpoints_in_one_page(tmp_path: Path) -> None:
     write_cnn(tmp_path / "a.pt")
-    torch.save(SmallCNN().state_dict(), tmp_path / "b.pt")
+    torch.save(TwoConvNet().state_dict(), tmp_path / "b.pt")
     report = scan_report(tmp_path)
     assert len(report.checkpoints) == 2
     text = render(report)
@@ -346,7 +338,7 @@ def test_unreadable_checkpoint_says_why(tmp_path: Path) -> None:
 
 def test_diff_page_marks_changed_cells_on_both_sides(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    state = SmallCNN().state_dict()
+    state = TwoConvNet().state_dict()
     state["head.weight"] = state["fc.weight"]  # tied in A
     a, b = tmp_path / "a.pt", tmp_path / "b.pt"
     torch.save(state, a)
