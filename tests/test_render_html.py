@@ -380,7 +380,8 @@ def test_diff_page_marks_changed_cells_on_both_sides(tmp_path: Path) -> None:
 
 
 class _Work:
-    """What a render does, counted: map cells written (and the records each shows), name indexes built, lookups in them."""
+    """What a render of a one-checkpoint report does, counted: map cells written (and the records each shows), name
+    indexes built, lookups in them."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.cells = self.cell_records = self.indexes = self.lookups = 0
@@ -400,6 +401,9 @@ class _Work:
 
         def names_index(tensors: Any) -> dict[str, list[int]]:
             self.indexes += 1
+            # one report of one checkpoint here: a second index is the regression itself (an index per finding, 10,000
+            # of 10,000 names each), so it fails at once rather than after the minutes that would take
+            assert self.indexes == 1, "the names were indexed again"
             return CountedIndex(real_index(tensors))
 
         monkeypatch.setattr(html_render._MapWriter, "_cell", cell)
