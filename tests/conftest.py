@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import types
 from pathlib import Path
@@ -11,52 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from .oracle import SAVABLE_DTYPES
-
-
-class TinyCNN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.bn = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.bn(self.conv(x)).mean((2, 3)))
-
-
-class TinyLM(nn.Module):
-    """Transformer-shaped: embeddings tied to the output head, layer norms, repeated blocks."""
-
-    def __init__(self, vocab: int = 32, dim: int = 8, layers: int = 2) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(
-            nn.ModuleDict({"norm": nn.LayerNorm(dim), "attn": nn.Linear(dim, 3 * dim), "mlp": nn.Linear(dim, dim)}) for _ in range(layers)
-        )
-        self.norm = nn.LayerNorm(dim)
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
-        self.lm_head.weight = self.embed.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = x + layer["mlp"](layer["norm"](x))
-        return self.lm_head(self.norm(x))
-
-
-def all_dtypes_state() -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    state: dict[str, torch.Tensor] = {f"t_{name}": torch.zeros(2, 3, dtype=getattr(torch, name)) for name in SAVABLE_DTYPES}
-    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    state["base"] = base
-    state["row_view"] = base[2]
-    state["col_view"] = base[:, 1]
-    state["transposed"] = base.t()
-    state["scalar"] = torch.tensor(3.5)
-    state["empty"] = torch.empty(0, 5)
-    state["param"] = nn.Parameter(torch.ones(3))
-    return state
+from .helpers import all_dtypes_state, write_sharded
+from .models import LitModule, TinyCNN, TinyLM
 
 
 @pytest.fixture(scope="session")
@@ -116,12 +71,6 @@ def _attribute_dict_class() -> type:
         AttributeDict.__qualname__ = "AttributeDict"
         mod.AttributeDict = AttributeDict  # type: ignore[attr-defined]
     return mod.AttributeDict  # type: ignore[attr-defined,no-any-return]
-
-
-class LitModule(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = TinyCNN()
 
 
 @pytest.fixture(scope="session")
@@ -191,32 +140,6 @@ def safetensors_file(ckpt_dir: Path) -> Path:
     }
     save_file(state, str(path), metadata={"format": "pt"})
     return path
-
-
-def write_sharded(directory: Path, state: dict[str, torch.Tensor], shards: int, *, kind: str = "safetensors") -> Path:
-    """Write ``state`` the way transformers' save_pretrained shards it: numbered shards and an index."""
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    names = list(state)
-    per = -(-len(names) // shards)
-    weight_map: dict[str, str] = {}
-    total = 0
-    for i in range(shards):
-        chunk = {n: state[n].contiguous() for n in names[i * per : (i + 1) * per]}
-        if kind == "safetensors":
-            fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-            save_file(chunk, str(directory / fname), metadata={"format": "pt"})
-        else:
-            fname = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
-            torch.save(chunk, directory / fname)
-        for n, t in chunk.items():
-            weight_map[n] = fname
-            total += t.numel() * t.element_size()
-    index_name = "model.safetensors.index.json" if kind == "safetensors" else "pytorch_model.bin.index.json"
-    (directory / index_name).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (directory / "config.json").write_text(json.dumps({"architectures": ["TinyLM"], "torch_dtype": "float32"}))
-    return directory
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,10 @@ SECRET_KEY = "dtypeaudit-secret-key-that-must-never-be-printed"
 def moto_s3(bucket: str, files: Path, keep: Callable[[Path], bool] = lambda p: True) -> Iterator[tuple[dict[str, str], Any]]:
     """A bucket on a fresh moto server holding ``files`` (those ``keep`` accepts), with the environment
     (AWS_* variables, AWS_ENDPOINT_URL) set; yields that environment and a boto3 client. Empties and
-    deletes the bucket afterwards: moto's server keeps its buckets in the process, for the next server too."""
+    deletes the bucket afterwards: moto's server keeps its buckets in the process, for the next server too.
+    Skips the test that asked for it where s3fs or moto (the test extra) is not installed."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
     import boto3
     import s3fs
     from moto import server as moto_server

@@ -92,7 +92,7 @@ def test_the_action_installs_its_own_checkout_and_scans(runner_python: Path, tmp
     assert scan.returncode == 0, scan.stdout + scan.stderr
     assert scan.stdout.strip().splitlines()[-1] == "dtypeaudit: 2 checkpoint(s), 2 readable, 0 finding(s)"
     assert '"version": "2.1.0"' in sarif.read_text()
-    assert "**passed**" in (tmp_path / "summary.md").read_text() or "passed" in (tmp_path / "summary.md").read_text()
+    assert "**✅ passed**: 2 checkpoint(s), 0 finding(s)" in (tmp_path / "summary.md").read_text()
 
 
 def test_the_action_fails_the_step_on_findings(runner_python: Path, tmp_path: Path) -> None:
@@ -104,7 +104,7 @@ def test_the_action_fails_the_step_on_findings(runner_python: Path, tmp_path: Pa
     assert any(
         line.startswith("::error file=sample_models/cnn_fp32.pt,title=dtypeaudit dtype-mismatch (") for line in scan.stdout.splitlines()
     )
-    assert "failed" in (tmp_path / "summary.md").read_text()
+    assert "**❌ failed**" in (tmp_path / "summary.md").read_text()
 
 
 # A stand-in for ``python -m pip``: prints what the step would install, one word a line, installs nothing.

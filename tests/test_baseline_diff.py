@@ -13,8 +13,8 @@ from dtypeaudit.diff import diff
 from dtypeaudit.formats import read_checkpoint
 from dtypeaudit.policy import load_policy
 
-from .conftest import TinyLM
 from .helpers import json_report, run_cli
+from .models import TinyLM
 
 
 def _mixed_lm(layers: int = 24) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from dtypeaudit.inventory import Inventory, TensorRecord
 from dtypeaudit.policy import load_policy
 from dtypeaudit.rules import RULES
 
-from .conftest import TinyCNN
+from .models import TinyCNN
 
 
 def _forward_fails(model: TinyCNN) -> bool:

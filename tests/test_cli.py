@@ -142,7 +142,7 @@ def test_factory_target(tmp_path: Path) -> None:
 
 
 def test_model_option_attaches_kinds(lightning_ckpt: Path) -> None:
-    code, doc, _ = json_report("scan", str(lightning_ckpt), "--model", "tests.conftest:LitModule", env={"PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    code, doc, _ = json_report("scan", str(lightning_ckpt), "--model", "tests.models:LitModule", env={"PYTHONPATH": str(ROOT)}, cwd=ROOT)
     assert code == 0
     by = {t["name"]: t for t in doc["checkpoints"][0]["tensors"]}
     assert (by["state_dict.net.bn.running_mean"]["kind"], by["state_dict.net.bn.running_mean"]["module"]) == ("buffer", "BatchNorm2d")

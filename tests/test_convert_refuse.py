@@ -17,8 +17,7 @@ import torch
 
 import dtypeaudit
 
-from .conftest import write_sharded
-from .helpers import run_cli
+from .helpers import run_cli, write_sharded
 from .hostile import call, global_op, reduce_pickle, rewrite_zip, text, torch_zip_bytes, with_data_pkl
 
 

@@ -73,7 +73,7 @@ def test_factory_builds_on_meta(script: Path) -> None:
 
 
 def test_package_module_factory() -> None:
-    inv = factory.inventory("tests.conftest:TinyLM")
+    inv = factory.inventory("tests.models:TinyLM")
     by = inv.by_name()
     assert by["lm_head.weight"].shares_with == ("embed.weight",)
     assert by["norm.weight"].module == "LayerNorm"
@@ -94,7 +94,7 @@ def test_factory_errors_are_one_line(script: Path, attr: str, message: str) -> N
 
 def test_attach_kinds_through_wrapper_prefix(lightning_ckpt: Path) -> None:
     ckpt = read_checkpoint(lightning_ckpt)
-    model = factory.inventory("tests.conftest:LitModule")
+    model = factory.inventory("tests.models:LitModule")
     by = factory.attach(ckpt, model).by_name()
     assert (by["state_dict.net.bn.running_var"].kind, by["state_dict.net.bn.running_var"].module) == ("buffer", "BatchNorm2d")
     assert (by["state_dict.net.fc.weight"].kind, by["state_dict.net.fc.weight"].module) == ("parameter", "Linear")

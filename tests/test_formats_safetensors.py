@@ -14,8 +14,7 @@ from dtypeaudit.errors import CheckpointError
 from dtypeaudit.formats import read_checkpoint
 
 from . import oracle
-from .conftest import write_sharded
-from .helpers import facts
+from .helpers import facts, write_sharded
 
 
 def _package_facts(path: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:

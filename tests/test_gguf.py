@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,26 +14,34 @@ from dtypeaudit.formats.gguf import GGML_TYPES, PLAIN_DTYPES
 from dtypeaudit.quant.group import view
 from tests.helpers import json_report, run_cli
 
-gguf = pytest.importorskip("gguf")
-np = pytest.importorskip("numpy")
-Q = gguf.GGMLQuantizationType
 
-# name -> (ggml type, numpy shape: rows x row length, as GGUFWriter takes it)
+def _gguf() -> Any:
+    """The gguf package (and numpy, which it needs): only the tests that write or read GGUF with it skip without it;
+    the malformed-file tests build their bytes by hand."""
+    pytest.importorskip("numpy")
+    return pytest.importorskip("gguf")
+
+
+# name -> (ggml type name, numpy shape: rows x row length, as GGUFWriter takes it)
 TENSORS = {
-    "token_embd.weight": (Q.Q4_K, (64, 256)),
-    "blk.0.attn_q.weight": (Q.Q8_0, (32, 256)),
-    "blk.0.attn_k.weight": (Q.Q4_0, (32, 256)),
-    "blk.0.ffn_up.weight": (Q.Q6_K, (48, 512)),
-    "blk.0.ffn_down.weight": (Q.Q5_K, (256, 256)),
-    "blk.0.attn_norm.weight": (Q.F32, (256,)),
-    "blk.0.attn_v.weight": (Q.F16, (32, 256)),
-    "output.weight": (Q.BF16, (64, 256)),
+    "token_embd.weight": ("Q4_K", (64, 256)),
+    "blk.0.attn_q.weight": ("Q8_0", (32, 256)),
+    "blk.0.attn_k.weight": ("Q4_0", (32, 256)),
+    "blk.0.ffn_up.weight": ("Q6_K", (48, 512)),
+    "blk.0.ffn_down.weight": ("Q5_K", (256, 256)),
+    "blk.0.attn_norm.weight": ("F32", (256,)),
+    "blk.0.attn_v.weight": ("F16", (32, 256)),
+    "output.weight": ("BF16", (64, 256)),
 }
+PLAIN = ("F32", "F16", "BF16")
 
 
 def quantized(data: object, qtype: object, rng: object) -> object:
     """``gguf.quants.quantize``; for the types whose quantizer the gguf package leaves to llama.cpp (the K-quants),
     random blocks of the type's size, which its dequantizer reads like any others."""
+    gguf = _gguf()
+    import numpy as np
+
     try:
         return gguf.quants.quantize(data, qtype)
     except NotImplementedError:
@@ -41,18 +50,22 @@ def quantized(data: object, qtype: object, rng: object) -> object:
         return rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)  # type: ignore[attr-defined]
 
 
-def write_gguf(path: Path, tensors: dict[str, tuple[object, tuple[int, ...]]] = TENSORS) -> Path:
+def write_gguf(path: Path, tensors: dict[str, tuple[str, tuple[int, ...]]] = TENSORS) -> Path:
+    gguf = _gguf()
+    import numpy as np
+
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny")
     writer.add_file_type(15)
     writer.add_token_list([f"tok{i}" for i in range(300)])  # an array of strings to walk past
     writer.add_token_scores([float(i) for i in range(300)])
-    for name, (qtype, shape) in tensors.items():
+    for name, (type_name, shape) in tensors.items():
+        qtype = gguf.GGMLQuantizationType[type_name]
         data = rng.standard_normal(shape).astype(np.float32)
-        if qtype == Q.F32:
+        if type_name == "F32":
             writer.add_tensor(name, data)
-        elif qtype == Q.F16:
+        elif type_name == "F16":
             writer.add_tensor(name, data.astype(np.float16))
         else:
             writer.add_tensor(name, quantized(data, qtype, rng), raw_dtype=qtype)
@@ -64,11 +77,13 @@ def write_gguf(path: Path, tensors: dict[str, tuple[object, tuple[int, ...]]] = 
 
 
 def test_ggml_type_table_matches_the_gguf_package() -> None:
-    theirs = {int(t): (t.name, *gguf.GGML_QUANT_SIZES[t]) for t in Q}
+    gguf = _gguf()
+    theirs = {int(t): (t.name, *gguf.GGML_QUANT_SIZES[t]) for t in gguf.GGMLQuantizationType}
     assert GGML_TYPES == theirs
 
 
 def test_reader_matches_ggufreader(tmp_path: Path) -> None:
+    gguf = _gguf()
     path = write_gguf(tmp_path / "tiny.gguf")
     inv = read_checkpoint(str(path))
     reader = gguf.GGUFReader(str(path))
@@ -94,12 +109,16 @@ def test_reader_matches_ggufreader(tmp_path: Path) -> None:
 
 
 def test_each_quantized_tensor_is_a_logical_weight(tmp_path: Path) -> None:
+    gguf = _gguf()
+    import numpy as np
+
+    Q = gguf.GGMLQuantizationType
     path = write_gguf(tmp_path / "tiny.gguf")
     inv = read_checkpoint(str(path))
     quant = view(inv)
     got = {w.name: (w.scheme.name, w.shape, w.dequantizes_to, w.scheme.params["ggml_type"], dict(w.storage)) for w in quant.weights}
-    quantized = {n: (q, s) for n, (q, s) in TENSORS.items() if q not in (Q.F32, Q.F16, Q.BF16)}
-    assert got == {n: (q.name, s, "float32", int(q), {"weight": n}) for n, (q, s) in quantized.items()}
+    quantized = {n: (q, s) for n, (q, s) in TENSORS.items() if q not in PLAIN}
+    assert got == {n: (q, s, "float32", int(Q[q]), {"weight": n}) for n, (q, s) in quantized.items()}
     q8 = next(w for w in quant.weights if w.scheme.name == "Q8_0")
     assert q8.bits_per_weight == 8.5  # 34 bytes per 32 values
     q4k = next(w for w in quant.weights if w.scheme.name == "Q4_K")

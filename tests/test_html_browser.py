@@ -23,7 +23,8 @@ from dtypeaudit.formats import read_checkpoint
 from dtypeaudit.inventory import Report
 from dtypeaudit.render.html import dtype_colours, render, render_diff
 
-from .test_render_html import SmallCNN, many_tensors_report, scan_report, write_cnn, write_gpt2, write_llama_7b_header
+from .models import TwoConvNet
+from .test_render_html import many_tensors_report, scan_report, write_cnn, write_gpt2, write_llama_7b_header
 
 CHROMIUM = os.environ.get("DTYPEAUDIT_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("DTYPEAUDIT_CHROMEDRIVER", "/usr/bin/chromedriver")
@@ -247,7 +248,7 @@ def test_two_checkpoints_and_a_diff(browser: Any, tmp_path: Path) -> None:
 
     write_cnn(tmp_path / "a.pt")
     torch.manual_seed(1)
-    torch.save(SmallCNN().state_dict(), tmp_path / "b.pt")
+    torch.save(TwoConvNet().state_dict(), tmp_path / "b.pt")
     report = scan_report(tmp_path)
     console = load(browser, render(report), tmp_path / "two.html")
     check_report_page(browser, report, console)

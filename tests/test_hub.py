@@ -20,10 +20,8 @@ from safetensors.torch import save_file
 from dtypeaudit.pipeline import expand, scan
 from dtypeaudit.render.json import report_dict
 
-from .conftest import TinyLM, write_sharded
-from .helpers import run_cli
-
-huggingface_hub = pytest.importorskip("huggingface_hub")
+from .helpers import run_cli, write_sharded
+from .models import TinyLM
 
 MAIN = "a" * 8 + "1" * 32
 V1 = "b" * 8 + "2" * 32
@@ -94,6 +92,7 @@ def offline(cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_the_fixture_is_a_cache_huggingface_hub_reads(offline: Path) -> None:
+    huggingface_hub = pytest.importorskip("huggingface_hub")  # the cache is read without it: only this check needs it
     info = huggingface_hub.scan_cache_dir(offline)
     assert not info.warnings
     repos = {r.repo_id: r for r in info.repos}
@@ -180,6 +179,7 @@ def test_expand_keeps_a_hub_id_that_names_a_model(offline: Path) -> None:
 def test_not_cached_and_online_asks_the_hub(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the cache lacks a repository and offline mode is off, the hub is read through HfFileSystem (here an
     in-memory stand-in: the tests have no network), by range, the same way."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
     from fsspec.implementations.memory import MemoryFileSystem
 
     class FakeHub(MemoryFileSystem):  # type: ignore[misc]

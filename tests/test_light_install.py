@@ -24,8 +24,12 @@ from torch import nn
 
 from .helpers import ROOT, json_report
 
-tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-packaging_requirements = pytest.importorskip("packaging.requirements")
+
+def _pyproject() -> dict:
+    """pyproject.toml, parsed by tomllib (Python 3.11+): only the tests that read it skip on 3.10."""
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
 
 EXTRA_LINE = re.compile(r"^dtypeaudit: error: dtypeaudit (\S+).* needs torch: pip install 'dtypeaudit\[torch\]'$")
 
@@ -34,8 +38,8 @@ def _light_distributions() -> dict[str, object]:
     """The distributions `pip install dtypeaudit` installs: the core dependencies and theirs, no extras."""
     from importlib import metadata
 
-    Requirement = packaging_requirements.Requirement
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    Requirement = pytest.importorskip("packaging.requirements").Requirement
+    pyproject = _pyproject()
     todo = [Requirement(r) for r in pyproject["project"]["dependencies"]]
     found: dict[str, object] = {}
     while todo:
@@ -414,7 +418,7 @@ def test_full_install_command_is_unchanged() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "pip install torch==2.13.0 -e . && .venv/bin/dtypeaudit scan sample_models/" in readme
     assert "pip install torch==2.13.0 -e '.[test]' && .venv/bin/python -m pytest -q" in readme
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = _pyproject()["project"]["optional-dependencies"]
     assert any(r.startswith("torch>=2.10,<3") for r in extras["torch"])
     assert any(r.startswith("dtypeaudit[") and "torch" in r and "dask" in r for r in extras["test"])
     assert sys.modules.get("torch") is torch

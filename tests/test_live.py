@@ -18,24 +18,7 @@ from dtypeaudit import live
 from dtypeaudit.checks import check
 from dtypeaudit.formats import factory
 
-from .conftest import TinyCNN, TinyLM
-
-
-class BasicBlock(nn.Module):
-    """torchvision's ResNet BasicBlock, as its code writes it."""
-
-    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)) if stride != 1 else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = self.downsample(x) if self.downsample is not None else x
-        return self.relu(self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))) + identity)
+from .models import BasicBlock, TinyCNN, TinyLM
 
 
 class ResNetish(nn.Module):

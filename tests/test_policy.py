@@ -204,7 +204,7 @@ def _rules(findings: list) -> set[tuple[str, str | None]]:  # type: ignore[type-
 def test_fp16_mixed_on_a_cnn_with_batchnorm(tmp_path: Path) -> None:
     import torch
 
-    from .conftest import TinyCNN
+    from .models import TinyCNN
 
     pol = load_policy("fp16-mixed")
     good = TinyCNN().half()
@@ -226,14 +226,14 @@ def test_fp16_mixed_on_a_cnn_with_batchnorm(tmp_path: Path) -> None:
 def test_fp16_mixed_on_a_transformer_with_model_types(tmp_path: Path) -> None:
     import torch
 
-    from .conftest import TinyLM
+    from .models import TinyLM
 
     model = TinyLM().half()
     for layer in model.layers:
         layer["norm"].float()
     path = tmp_path / "lm.pt"
     torch.save(model.state_dict(), path)
-    inv = factory.attach(read_checkpoint(path), factory.inventory("tests.conftest:TinyLM"))
+    inv = factory.attach(read_checkpoint(path), factory.inventory("tests.models:TinyLM"))
     # The final norm was left in fp16: found by module type, name aside.
     assert _rules(policy_findings(inv, load_policy("fp16-mixed"))) == {("dtype-mismatch", "norm.weight"), ("dtype-mismatch", "norm.bias")}
     assert policy_findings(inv, load_policy("fp16")) != []
@@ -242,7 +242,7 @@ def test_fp16_mixed_on_a_transformer_with_model_types(tmp_path: Path) -> None:
 def test_bf16_preset_on_bf16_model(tmp_path: Path) -> None:
     import torch
 
-    from .conftest import TinyLM
+    from .models import TinyLM
 
     path = tmp_path / "lm.pt"
     torch.save(TinyLM().to(torch.bfloat16).state_dict(), path)

@@ -27,7 +27,8 @@ from dtypeaudit.formats import locate, read_checkpoint, ziparchive
 from dtypeaudit.formats.picklevm import PickleVM
 from dtypeaudit.formats.source import LocalSource
 
-from .conftest import TinyLM, write_sharded
+from .helpers import write_sharded
+from .models import TinyLM
 
 
 def _file(name: object) -> str:
@@ -143,14 +144,33 @@ def _samples(path: Path) -> int:
     return total
 
 
-def test_two_shard_bin_directory(tmp_path: Path, counts: Counts) -> None:
-    src = write_sharded(tmp_path / "bin", _bf16_state(), 2, kind="bin")
+def _fp32_state() -> dict[str, torch.Tensor]:
+    """float32, with records of up to 1 MiB: well over verification's three samples of each (3 x SAMPLE_BYTES),
+    so a second read of the source bytes shows in the counts (in TinyLM's default size the samples are everything)."""
+    torch.manual_seed(0)
+    return {k: v.clone() for k, v in TinyLM(vocab=1024, dim=256).state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    ("state", "to", "dtype"),
+    [
+        # float32 to float16: a narrowing cast, whose value checks (overflow, underflow) fold into the one read of
+        # the source bytes that the writer casts from
+        (_fp32_state, "fp16", torch.float16),
+        # bfloat16 to float32: an exact widening, no value checks at all
+        (_bf16_state, "fp32", torch.float32),
+    ],
+    ids=["fp32-to-fp16", "bf16-to-fp32"],
+)
+def test_two_shard_bin_directory(tmp_path: Path, counts: Counts, state: Any, to: str, dtype: torch.dtype) -> None:
+    source_state = state()
+    src = write_sharded(tmp_path / "bin", source_state, 2, kind="bin")
     shards = sorted(p.name for p in src.glob("*.bin"))
     want = {shard: _expected(src / shard) for shard in shards}
     reader = _one_read(src, counts)
     _reset(counts)
     out = tmp_path / "out"
-    convert(src, "fp32", output=out)
+    convert(src, to, output=out)
     for shard in shards:
         path, (nbytes, samples, pickles) = str(src / shard), want[shard]
         # The source's headers and pickle are read once (by the reader), its tensor bytes once by the writer
@@ -165,8 +185,33 @@ def test_two_shard_bin_directory(tmp_path: Path, counts: Counts) -> None:
         assert counts.pickle_runs[path] == pickles
         assert counts.faithful_pickles[path] == 0
         assert _outside(counts.pickle_runs, src)[shard] == pickles
-    got = torch.load(out / shards[0], weights_only=True)
-    assert got and all(v.dtype == torch.float32 for v in got.values())
+    got: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        got.update(torch.load(out / shard, weights_only=True))
+    assert set(got) == set(source_state)
+    for name, value in source_state.items():  # the values torch's own cast gives, bit for bit
+        assert got[name].dtype == dtype and torch.equal(got[name], value.to(dtype)), name
+
+
+def test_a_value_float16_cannot_hold_is_found_in_the_same_single_read(tmp_path: Path, counts: Counts) -> None:
+    """The value checks of a float32 to float16 cast run on the bytes the writer reads: an overflow is found
+    (and nothing published) without a second read of the source."""
+    state = _fp32_state()
+    state["embed.weight"][0, 0] = 1e6  # over float16's largest finite value, 65504
+    src = write_sharded(tmp_path / "bin", state, 2, kind="bin")
+    shards = sorted(p.name for p in src.glob("*.bin"))
+    want = {shard: _expected(src / shard) for shard in shards}
+    reader = _one_read(src, counts)
+    _reset(counts)
+    out = tmp_path / "out"
+    result = convert(src, "fp16", output=out)
+    assert [(v.name, v.overflow) for v in result.unsafe] == [("embed.weight", 1)]
+    assert result.output is None and not out.exists()
+    for shard in shards:
+        path, (nbytes, samples, pickles) = str(src / shard), want[shard]
+        assert counts.header_bytes[path] == reader[path]
+        assert nbytes <= counts.tensor_bytes[path] <= nbytes + samples
+        assert counts.pickle_runs[path] == pickles
 
 
 def _expected(path: Path) -> tuple[int, int, int]:

@@ -32,12 +32,9 @@ from dtypeaudit.formats import read_checkpoint
 from dtypeaudit.pipeline import expand, scan
 from dtypeaudit.render.json import report_dict
 
-from .conftest import TinyCNN, TinyLM, write_sharded
-from .helpers import run_cli
+from .helpers import run_cli, write_sharded
+from .models import TinyCNN, TinyLM
 from .s3server import ACCESS_KEY, SECRET_KEY, moto_s3
-
-pytest.importorskip("s3fs")
-pytest.importorskip("moto.server")
 
 URL_TOKEN = "tok-3a9f1c77e2b54d0c"
 URL_PASSWORD = "pw-never-shown-8d1e"
@@ -224,6 +221,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def web(files: Path) -> Iterator[tuple[str, type[_Handler]]]:
+    pytest.importorskip("fsspec")  # http(s):// targets go through fsspec's HTTP filesystem, on aiohttp
+    pytest.importorskip("aiohttp")
     handler = type("Handler", (_Handler,), {"root": files, "served": collections.Counter(), "requests": collections.Counter()})
     server_class = type("Server", (http.server.ThreadingHTTPServer,), {"request_queue_size": 128, "daemon_threads": True})
     server = server_class(("127.0.0.1", 0), handler)

@@ -25,13 +25,10 @@ from safetensors.torch import load_file
 from dtypeaudit.conversion import convert, remote
 from dtypeaudit.errors import ConversionError, UsageError
 
-from .conftest import TinyLM, write_sharded
-from .helpers import run_cli
+from .helpers import run_cli, write_sharded
 from .hostile import reduce_pickle, with_data_pkl
+from .models import TinyLM
 from .s3server import ACCESS_KEY, SECRET_KEY, moto_s3
-
-pytest.importorskip("s3fs")
-pytest.importorskip("moto.server")
 
 
 @pytest.fixture(scope="module")

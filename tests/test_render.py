@@ -56,8 +56,9 @@ def sample_report() -> Report:
 def test_golden(fmt: OutputFormat, sample_report: Report) -> None:
     text = renderer_for(fmt, width=120)(sample_report).replace(__version__, "VERSION")
     golden = GOLDEN / f"report.{fmt.value}.{SUFFIX[fmt.value]}"
-    if os.environ.get("UPDATE_GOLDEN") or not golden.exists():
+    if os.environ.get("UPDATE_GOLDEN") == "1":
         golden.write_text(text)
+    assert golden.exists(), f"{golden} is missing: run with UPDATE_GOLDEN=1 to write it, and review what it holds"
     assert text == golden.read_text()
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import math
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -28,7 +27,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -36,32 +34,16 @@ from torch import nn
 from dtypeaudit import check, kernels, read
 from dtypeaudit.checks import certain, forward_dtype, module_dtype_mix, semantics, table_verdict
 from dtypeaudit.formats import factory
-from dtypeaudit.inventory import Finding, Inventory, TensorRecord
+from dtypeaudit.inventory import Finding, Inventory
 from dtypeaudit.kernel_table import BACKENDS, OUTCOMES
 from dtypeaudit.structure import infer_modules
 
-from . import kernel_cases
-from .kernel_cases import TORCH_DTYPES, Kernel, dtype_name, run_forward, set_dtype
+from . import kernel_cases, models
+from .helpers import inventory_of
+from .kernel_cases import TORCH_DTYPES, Kernel, run_forward, set_dtype
+from .models import MODELS
 
 CONSISTENCY = ("module-dtype-mix", "dtype-outlier")
-
-
-def inventory_of(model: nn.Module, *, facts: bool, prefix: str = "") -> Inventory:
-    """The records a reader makes of ``model.state_dict()``, with module types and the norms' measured forwards
-    when ``facts`` (as --model gives)."""
-    owners = {name: type(m).__name__ for name, m in model.named_modules()}
-    records = tuple(
-        TensorRecord(
-            prefix + name,
-            dtype_name(t.dtype),
-            tuple(t.shape),
-            t.numel() * t.element_size(),
-            module=owners.get(name.rpartition(".")[0]) if facts else None,
-        )
-        for name, t in model.state_dict().items()
-    )
-    probes = factory.probe_norms(model) if facts else {}
-    return Inventory("<memory>", "test", records, metadata={"module_forward": probes} if probes else {})
 
 
 def consistency(findings: list[Finding], severities: tuple[str, ...] = ("error", "warning")) -> list[Finding]:
@@ -232,108 +214,9 @@ def test_factory_measures_a_norms_forward_as_the_cpu_runs_it(name: str) -> None:
             assert measured[f"{p}/{x}"] == outcome.output, (name, p, x, outcome)
 
 
-# 2. The corpus -------------------------------------------------------------------------------------------
+# 2. The corpus (its models, MODELS, live in tests/models.py: tests/test_structure.py builds them too) ---------
 
 
-class BasicBlock(nn.Module):
-    """torchvision's ResNet BasicBlock: BatchNorm after each conv, a downsample Sequential(conv, bn)."""
-
-    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.downsample = (
-            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)) if stride != 1 or cin != cout else None
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
-        out = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(out)) + identity)
-
-
-class TinyResNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
-        self.layer1 = nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 8))
-        self.layer2 = nn.Sequential(BasicBlock(8, 16, 2), BasicBlock(16, 16))
-        self.fc = nn.Linear(16, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.layer2(self.layer1(self.stem(x)))
-        return self.fc(x.mean((2, 3)))
-
-
-class TinyTransformer(nn.Module):
-    """One pre-norm transformer block: token and position embeddings, LayerNorms, attention and an MLP."""
-
-    def __init__(self, vocab: int = 64, dim: int = 16, positions: int = 16) -> None:
-        super().__init__()
-        self.tok_embed = nn.Embedding(vocab, dim)
-        self.pos_embed = nn.Embedding(positions, dim)
-        self.ln1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.ln2 = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-        self.ln_f = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embed(ids) + self.pos_embed(torch.arange(ids.shape[1]))
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
-        attn = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1) @ v
-        x = x + self.proj(attn)
-        x = x + self.down(F.gelu(self.up(self.ln2(x))))
-        return self.head(self.ln_f(x))
-
-
-def make_resnet() -> nn.Module:
-    return TinyResNet()
-
-
-def make_mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-
-
-def make_transformer() -> nn.Module:
-    return TinyTransformer()
-
-
-def _quiet_transformers() -> None:
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-
-
-def make_gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    _quiet_transformers()
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0))
-
-
-def make_llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    _quiet_transformers()
-    config = LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, vocab_size=64
-    )
-    return LlamaForCausalLM(config)
-
-
-MODELS: dict[str, Callable[[], nn.Module]] = {
-    "resnet": make_resnet,
-    "mlp": make_mlp,
-    "transformer": make_transformer,
-    "gpt2": make_gpt2,
-    "llama": make_llama,
-}
 TOKEN_MODELS = frozenset({"transformer", "gpt2", "llama"})
 
 
@@ -438,8 +321,8 @@ def _input(name: str, model: nn.Module) -> torch.Tensor:
 
 @cache
 def model_inventory(name: str) -> Inventory:
-    """What ``--model tests.test_runtime_truth:make_NAME`` gives."""
-    return factory.inventory(f"{__name__}:{MODELS[name].__name__}")
+    """What ``--model tests.models:make_NAME`` gives."""
+    return factory.inventory(f"{models.__name__}:{MODELS[name].__name__}")
 
 
 def _save(name: str, model: nn.Module, directory: Path) -> list[Path]:

@@ -13,8 +13,8 @@ from dtypeaudit.formats import read_checkpoint
 from dtypeaudit.inventory import Inventory, TensorRecord
 from dtypeaudit.structure import Module, annotate, by_tensor, dominant_dtype, infer_modules, strip_wrappers
 
-from .conftest import TinyCNN, TinyLM
-from .test_runtime_truth import MODELS, inventory_of
+from .helpers import inventory_of
+from .models import MODELS, TinyCNN, TinyLM
 
 
 def rec(name: str, shape: tuple[int, ...], dtype: str = "float32", **kw: object) -> TensorRecord:
