@@ -229,14 +229,17 @@ def test_quantized_scans_need_neither_torch_nor_numpy(tmp_path: Path) -> None:
 # An all-float GGUF (F32, F16 and BF16 tensors, nothing quantized): no writer of ours writes GGUF, so convert takes
 # the dequantizing path, whose plan and output agree, for --dry-run and the real run alike.
 FLOAT_TENSORS = {
-    "blk.0.attn_norm.weight": (Q.F32, (256,)),
-    "blk.0.attn_q.weight": (Q.F32, (32, 256)),
-    "blk.0.attn_v.weight": (Q.F16, (32, 256)),
+    "blk.0.attn_norm.weight": ("F32", (256,)),
+    "blk.0.attn_q.weight": ("F32", (32, 256)),
+    "blk.0.attn_v.weight": ("F16", (32, 256)),
 }
 
 
 def test_an_unquantized_gguf_converts_by_the_dequantizing_writer(tmp_path: Path) -> None:
     from safetensors.numpy import load_file
+
+    gguf = _gguf()
+    import numpy as np
 
     from dtypeaudit.inventory import Format
 
