@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from pathlib import Path
 
 from common import Run, make_transformer_checkpoint, python, run_once
@@ -59,7 +60,12 @@ def compare(src: Path, work: Path, repeat: int, *, convert_only: bool = False, b
         commands = {k: v for k, v in commands.items() if v[1] is not None}
     if before is not None:  # another tree's dtypeaudit (an export of an earlier commit), interleaved with this one
         before_out = work / "convspeed_before.pt"
-        cmd = ["env", f"PYTHONPATH={before}", *dtypeaudit, "convert", str(src), "--to", "fp16", "-o", str(before_out)]
+        # -P (3.11+): without it, ``python -m`` puts the working directory first on sys.path, and run from a checkout
+        # it imports that checkout's dtypeaudit instead of PYTHONPATH's (this run compared main with itself until it
+        # had -P; on 3.10, run the benchmark from outside the checkout)
+        isolated = ["-P"] if sys.version_info >= (3, 11) else []
+        before_cli = ["env", f"PYTHONPATH={before}", python(), *isolated, "-m", "dtypeaudit"]
+        cmd = [*before_cli, "convert", str(src), "--to", "fp16", "-o", str(before_out)]
         commands["convert (--before tree)"] = (cmd, before_out)
     outputs = [o for _, o in commands.values() if o is not None]
     runs: dict[str, list[Run]] = {label: [] for label in commands}
