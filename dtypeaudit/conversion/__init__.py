@@ -46,7 +46,6 @@ from .write import (
     strip_keys,
     strip_notes,
     torch_needed_for,
-    torch_pays,
     write_directory,
     write_file,
 )
@@ -204,7 +203,7 @@ def convert(
         needed = torch_needed_for(plan, sources)
         if needed is not None and not dry_run:
             require_torch(needed)  # the light install converts what numpy casts; this, before anything is read
-        with_torch = plan.casts_with_torch = needed is not None or torch_pays(plan)
+        with_torch = plan.casts_with_torch = needed is not None
 
         records: dict[str, Written] = {}
 

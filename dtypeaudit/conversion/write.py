@@ -121,12 +121,6 @@ def casts_with_numpy(dtype: str, target: str, *, errors_wanted: bool) -> bool:
     return not errors_wanted or measures_errors(dtype, target)
 
 
-# CPU seconds per GB of source that npcast's casts take here (no AVX-512: numpy has no vector float16 cast), and
-# what importing torch takes; torch then casts float32 to float16 at ~0.08 s/GB (F16C). benchmarks/CONVERT.md.
-NUMPY_CAST_S_PER_GB = {"float16": 1.0, "bfloat16": 0.4, "float32": 0.3}
-TORCH_IMPORT_S = 2.3
-
-
 def torch_needed_for(plan: Plan, sources: dict[str, MappedCheckpoint]) -> str | None:
     """Why writing ``plan`` needs torch, or None when numpy makes every byte: a view that must be gathered
     (``materialize``), or a cast whose errors the value checks do not measure (the writer measures them on
@@ -145,21 +139,11 @@ def torch_needed_for(plan: Plan, sources: dict[str, MappedCheckpoint]) -> str | 
 
 
 def casts_need_torch(plan: Plan, sources: dict[str, MappedCheckpoint]) -> bool:
-    """Whether torch makes the casts: where it must (``torch_needed_for``), or where its import pays."""
-    return torch_needed_for(plan, sources) is not None or torch_pays(plan)
-
-
-def torch_pays(plan: Plan) -> bool:
-    """Whether, torch being installed, numpy's casts of ``plan`` would cost more CPU than importing it (past ~2.5 GB
-    of float32 to float16)."""
-    from ..extras import installed
-
-    numpy_seconds = sum(
-        p.tensor.nbytes / 1e9 * NUMPY_CAST_S_PER_GB.get(p.target, 1.0)
-        for p in plan.tensors
-        if p.action != "drop" and p.tensor.dtype != p.target
-    )
-    return numpy_seconds > TORCH_IMPORT_S and installed("torch")
+    """Whether torch makes the casts: only where it must (``torch_needed_for``). numpy's pass runs on both cores
+    while torch's cast would follow the checks on one thread, so numpy is sooner at every size, though it costs
+    more CPU past about 2.5 GB (3 GB: 5.4 s of wall and 8.5 s of CPU against torch's 7.0 s and 7.1 s; the naive
+    load/half/save script takes 10.3 s and 12.1 s; benchmarks/CONVERT.md)."""
+    return torch_needed_for(plan, sources) is not None
 
 
 def require_torch(reason: str) -> None:
