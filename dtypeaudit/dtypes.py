@@ -6,6 +6,7 @@ No torch import here: scans must stay metadata-only. A test checks every entry a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,12 @@ def short_name(target: str) -> str:
 def get(name: str) -> DType:
     """The DType for a torch name; KeyError for anything else."""
     return DTYPES[name]
+
+
+def name_of(dtype: Any) -> str:
+    """The name of a torch dtype (or layout) as the reports give it: ``torch.float16`` -> ``float16``. Takes the
+    object itself, so that no torch is imported here."""
+    return str(dtype).removeprefix("torch.")
 
 
 def canonical(spelling: str) -> str | None:

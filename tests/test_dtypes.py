@@ -87,3 +87,16 @@ def test_is_floating_agrees_with_torch() -> None:
             assert dtypes.is_floating(name) == dt.is_floating_point, name
     assert not dtypes.is_floating("no-such-dtype")
     assert dtypes.CASTABLE == {n for n in dtypes.DTYPES if dtypes.is_floating(n) and dtypes.get(n).itemsize >= 2}
+
+
+def test_a_torch_dtype_is_named_as_reports_name_it() -> None:
+    """dtypes.name_of is the one spelling of torch's dtypes (and layouts) in reports: every dtype the package knows
+    comes back under its own name from the torch object, and a layout too."""
+    import torch
+
+    from dtypeaudit import dtypes
+
+    known = [name for name in dtypes.DTYPES if isinstance(getattr(torch, name, None), torch.dtype)]
+    assert "float16" in known and "bfloat16" in known and "float8_e4m3fn" in known
+    assert [dtypes.name_of(getattr(torch, name)) for name in known] == known
+    assert dtypes.name_of(torch.strided) == "strided" and dtypes.name_of(torch.sparse_coo) == "sparse_coo"

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import dtypes
 from ..errors import FactoryError, UsageError
 from ..inventory import Finding, Inventory, TensorRecord, link_shared_storage
 from ..structure import MEASURED_DTYPES, is_torch_type, type_name
@@ -232,10 +233,6 @@ def _last_frame(exc: BaseException) -> str:
     return traceback.format_exception_only(type(exc), exc)[-1].strip()
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def inventory(target: str) -> Inventory:
     """The parameters and buffers of the model ``target`` names, with kind and owning module type known exactly."""
     return inventory_of_model(build(target), target)
@@ -255,7 +252,7 @@ def inventory_of_model(model: Any, path: str = "<model>") -> Inventory:
             records.append(
                 TensorRecord(
                     name=name,
-                    dtype=_dtype_name(t.dtype),
+                    dtype=dtypes.name_of(t.dtype),
                     shape=tuple(t.shape),
                     nbytes=t.numel() * t.element_size(),
                     kind=kind,  # type: ignore[arg-type]
@@ -376,7 +373,7 @@ def _probe(m: Any, width: int) -> dict[str, str] | None:
                     y = probe(torch.empty(2, width, dtype=getattr(torch, x), device="meta"))
                 if not isinstance(y, torch.Tensor):
                     return None
-                table[f"{p}/{x}"] = _dtype_name(y.dtype)
+                table[f"{p}/{x}"] = dtypes.name_of(y.dtype)
     except Exception:  # the user's forward: whatever it raises, it measured nothing
         return None
     return table

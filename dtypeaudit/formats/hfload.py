@@ -304,7 +304,7 @@ def _view(model: Any, dtype: str, names: Sequence[str]) -> ModelView:
             converted[name] = WeightConversion(new, tuple(type(op).__name__ for op in conv.operations))
         elif new != name:
             renamed[name] = new
-    pinned = {k: str(v.dtype).removeprefix("torch.") for k, v in state.items() if str(v.dtype) != f"torch.{dtype}"}
+    pinned = {k: dtypes.name_of(v.dtype) for k, v in state.items() if str(v.dtype) != f"torch.{dtype}"}
     return ModelView(
         tuple(sorted(model._keep_in_fp32_modules or ())),
         tuple(sorted(model._keep_in_fp32_modules_strict or ())),

@@ -8,15 +8,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .. import dtypes
 from ..inventory import Inventory, TensorRecord, link_shared_storage
 
 LIVE_FORMAT = "live"
 # Lightning wraps optimizers in LightningOptimizer (``_optimizer``), Accelerate in AcceleratedOptimizer (``optimizer``).
 _OPTIMIZER_WRAPPERS = ("_optimizer", "optimizer")
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,7 @@ class _Collector:
     def add(self, name: str, t: Any, *, kind: str = "unknown", region: str = "model", module: str | None = None) -> None:
         """One tensor, from its metadata: no element is read or copied, whatever its device."""
         device = t.device.type
-        layout = str(t.layout).removeprefix("torch.")
+        layout = dtypes.name_of(t.layout)
         try:
             stride: tuple[int, ...] | None = tuple(t.stride())
         except (RuntimeError, NotImplementedError):  # sparse layouts have no strides
@@ -77,7 +74,7 @@ class _Collector:
         self.records.append(
             TensorRecord(
                 name=name,
-                dtype=_dtype_name(t.dtype),
+                dtype=dtypes.name_of(t.dtype),
                 shape=tuple(t.shape),
                 nbytes=t.numel() * t.element_size(),
                 kind=kind,  # type: ignore[arg-type]
@@ -123,7 +120,7 @@ def first_layer(m: Any, prefix: str = "") -> FirstLayer | None:
         own = [(n, p) for n, p in sub.named_parameters(recurse=False) if p.dtype.is_floating_point]
         if own:
             weight = next((p for n, p in own if n == "weight"), own[0][1])
-            return FirstLayer(_join(prefix, name) or type(sub).__name__, type(sub).__name__, _dtype_name(weight.dtype))
+            return FirstLayer(_join(prefix, name) or type(sub).__name__, type(sub).__name__, dtypes.name_of(weight.dtype))
     return None
 
 
@@ -225,7 +222,7 @@ def collect(obj: Any, *, label: str | None = None, parts: Iterable[tuple[str, An
         else:
             _batch(c, prefix, o)
     metadata: dict[str, object] = {
-        "default_dtype": _dtype_name(torch.get_default_dtype()),
+        "default_dtype": dtypes.name_of(torch.get_default_dtype()),
         "devices": dict(c.devices),
         "objects": {p or "": k for k, p, _ in kinds},
     }

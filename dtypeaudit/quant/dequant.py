@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
+from .. import dtypes
 from ..errors import ConversionError
 from . import model as qm
 
@@ -210,7 +211,7 @@ def fp8_block_cast(weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequenc
 
     codes = weight.contiguous().view(torch.uint8).numpy()
     scale = scale_inv.to(torch.float32).contiguous().numpy()
-    out, _ = fp8_block_cast_np(codes, scale, str(weight.dtype).removeprefix("torch."), block, target)
+    out, _ = fp8_block_cast_np(codes, scale, dtypes.name_of(weight.dtype), block, target)
     return torch.from_numpy(out).view(getattr(torch, target))
 
 

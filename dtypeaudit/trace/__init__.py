@@ -22,6 +22,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .. import dtypes
 from ..errors import UsageError
 from ..inventory import Finding, Report, Severity
 from ..options import effective
@@ -152,7 +153,7 @@ def trace_module(
             args, kwargs, records = inputs_mod.from_factory(input_factory)
         else:
             specs = [inputs_mod.parse(s) for s in inputs] or inputs_mod.default_specs(model, source)
-            args, kwargs, records = inputs_mod.make(specs, str(torch.get_default_dtype()).removeprefix("torch."))
+            args, kwargs, records = inputs_mod.make(specs, dtypes.name_of(torch.get_default_dtype()))
         if backward and loss == "auto" and source == "transformers":
             inputs_mod.add_labels(model, kwargs)
         grad = contextlib.nullcontext() if backward else torch.no_grad()
@@ -162,9 +163,9 @@ def trace_module(
     summary = TraceSummary(
         model=type(model).__name__,
         device=device,
-        autocast=str(ac).removeprefix("torch.") if ac is not None else None,
+        autocast=dtypes.name_of(ac) if ac is not None else None,
         backward=backward,
-        default_dtype=str(torch.get_default_dtype()).removeprefix("torch."),
+        default_dtype=dtypes.name_of(torch.get_default_dtype()),
         checkpoint=checkpoint,
         inputs=records,
         output=rec.output,

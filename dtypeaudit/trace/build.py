@@ -77,7 +77,7 @@ def model_inventory(model: Any, path: str) -> Inventory:
             records.append(
                 TensorRecord(
                     name=name,
-                    dtype=str(t.dtype).removeprefix("torch."),
+                    dtype=dtypes.name_of(t.dtype),
                     shape=tuple(t.shape),
                     nbytes=t.numel() * t.element_size(),
                     kind=kind,  # type: ignore[arg-type]

@@ -105,7 +105,7 @@ def from_factory(target: str) -> tuple[tuple[Any, ...], dict[str, Any], tuple[In
     else:
         raise FactoryError(f"'{attr}()' returned a {type(value).__name__}; return a tensor, a tuple, a dict or (args, kwargs)", path=target)
     records = tuple(
-        InputRecord(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        InputRecord(name, tuple(t.shape), dtypes.name_of(t.dtype))
         for name, t in [*((None, a) for a in args), *kwargs.items()]
         if isinstance(t, torch.Tensor)
     )

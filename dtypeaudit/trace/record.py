@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from .. import dtypes
 from ..errors import DtypeAuditError
 from .result import LOSS, NOT_PROMOTION, OUTSIDE, ROOT, GradRecord, ModuleCall, OpRecord, Phase
 
@@ -53,10 +54,6 @@ class TraceStopped(DtypeAuditError):
         self.module = module
         self.op = op
         self.reason = message
-
-
-def dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def first_line(exc: BaseException) -> str:
@@ -203,7 +200,7 @@ class Recorder:
 
     def _pre_hook(self, module: Any, args: Any, kwargs: Any) -> None:
         path = self.paths[id(module)]  # hooks are only on the model's own modules
-        self.stack.append((path, tuple(dtype_name(t.dtype) for t in _tensors((args, kwargs)))))
+        self.stack.append((path, tuple(dtypes.name_of(t.dtype) for t in _tensors((args, kwargs)))))
 
     def _post_hook(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
         if not self.stack:
@@ -212,7 +209,7 @@ class Recorder:
         failed = output is None and sys.exc_info()[1] is not None
         if failed and self.failed_in is None:
             self.failed_in = path
-        outputs = () if failed else tuple(dtype_name(t.dtype) for t in _results(output))
+        outputs = () if failed else tuple(dtypes.name_of(t.dtype) for t in _results(output))
         self.recording.calls.append(ModuleCall(path, self.types.get(path, type(module).__name__), inputs, outputs))
 
     @contextlib.contextmanager
@@ -272,15 +269,15 @@ class Recorder:
         if self.probe and _worth_probing(func, inputs, error is not None):
             verdict = self._probe(func, args, kwargs)
             if verdict is not None:
-                ok, message, dtypes = verdict
+                ok, message, verdict_dtypes = verdict
                 if not ok:
                     error = message
                 elif error is not None:
-                    fixed = self._run_as(func, args, kwargs, dtypes)
+                    fixed = self._run_as(func, args, kwargs, verdict_dtypes)
                     if fixed is not None:
                         out, error = fixed, None
                 else:
-                    out = _recast(func, out, dtypes)
+                    out = _recast(func, out, verdict_dtypes)
         continued = None
         if error is not None:
             out, continued = self._continue(func, args, kwargs, module, error, failure)
@@ -298,7 +295,7 @@ class Recorder:
             and error is None
         )
         if autocast_cast:
-            self._pending_casts.append((dtype_name(inputs[0].dtype), dtype_name(outputs[0].dtype)))
+            self._pending_casts.append((dtypes.name_of(inputs[0].dtype), dtypes.name_of(outputs[0].dtype)))
         elif self._pending_casts and not _returns_alias(func):
             casts = tuple(self._pending_casts)
             self._pending_casts.clear()
@@ -312,13 +309,13 @@ class Recorder:
                 phase=self.phase,
                 module=module,
                 op=str(func),
-                inputs=tuple(dtype_name(t.dtype) for t in inputs),
-                outputs=tuple(dtype_name(t.dtype) for t in outputs),
+                inputs=tuple(dtypes.name_of(t.dtype) for t in inputs),
+                outputs=tuple(dtypes.name_of(t.dtype) for t in outputs),
                 nbytes=nbytes,
                 autocast_cast=autocast_cast,
                 autocast_casts=casts,
                 error=error,
-                continued_as=dtype_name(continued) if continued is not None else None,
+                continued_as=dtypes.name_of(continued) if continued is not None else None,
                 promotion=None if error is not None else _promotion(func, inputs, outputs, args, kwargs),
                 view=bool(func.is_view),
             )
@@ -340,7 +337,7 @@ class Recorder:
         module = self.module()
         at = len(self.recording.ops)
         name = _function_name(func)
-        self.recording.ops.append(OpRecord(at, self.phase, module, name, tuple(dtype_name(t.dtype) for t in inputs), (), error=message))
+        self.recording.ops.append(OpRecord(at, self.phase, module, name, tuple(dtypes.name_of(t.dtype) for t in inputs), (), error=message))
         intended = self._intended(None, args, kwargs, module)
         for dtype in dict.fromkeys(d for d in (intended, torch.float32) if d is not None):
 
@@ -360,8 +357,8 @@ class Recorder:
                 raise
             except Exception:
                 continue
-            outputs = tuple(dtype_name(t.dtype) for t in _tensors(out))
-            self.recording.ops[at] = replace(self.recording.ops[at], outputs=outputs, continued_as=dtype_name(dtype))
+            outputs = tuple(dtypes.name_of(t.dtype) for t in _tensors(out))
+            self.recording.ops[at] = replace(self.recording.ops[at], outputs=outputs, continued_as=dtypes.name_of(dtype))
             return out
         raise exc
 
@@ -395,7 +392,7 @@ class Recorder:
 
         intended = self._intended(func, args, kwargs, module)
         for dtype in dict.fromkeys(d for d in (intended, torch.float32) if d is not None):
-            out = self._run_as(func, args, kwargs, (dtype_name(dtype),), exact=False)
+            out = self._run_as(func, args, kwargs, (dtypes.name_of(dtype),), exact=False)
             if out is not None:
                 return out, dtype
         raise TraceStopped(error, module=module, op=_op_name(func)) from failure
@@ -457,7 +454,7 @@ class Recorder:
             try:
                 a, k = tree_unflatten([real(x) for x in flat], spec)
                 out = func(*a, **k)
-                verdict = (True, None, tuple(dtype_name(t.dtype) for t in _tensors(out)))
+                verdict = (True, None, tuple(dtypes.name_of(t.dtype) for t in _tensors(out)))
             except Exception as exc:
                 message = first_line(exc)
                 try:
@@ -661,7 +658,7 @@ def _promotion(func: Any, inputs: list[Any], outputs: list[Any], args: tuple[Any
     narrow = [t.dtype for t in inputs if t.is_floating_point() and t.dim() > 0 and t.dtype.itemsize < wide.itemsize]
     if not narrow or any(isinstance(x, torch.dtype) for x in tree_leaves((args, kwargs))):
         return None
-    return dtype_name(narrow[0]), dtype_name(wide)
+    return dtypes.name_of(narrow[0]), dtypes.name_of(wide)
 
 
 def _stop_if_fake_limit(exc: BaseException, module: str, func: Any) -> None:
@@ -713,11 +710,11 @@ def run(
         try:
             with cast_ctx():
                 output = model(*args, **kwargs)
-                rec.output = tuple(dtype_name(t.dtype) for t in _tensors(_main_output(output)))
+                rec.output = tuple(dtypes.name_of(t.dtype) for t in _tensors(_main_output(output)))
                 if backward:
                     with recorder.pseudo_module(LOSS):
                         loss_tensor, rec.loss = _loss(output, loss)
-                    rec.loss_dtype = dtype_name(loss_tensor.dtype)
+                    rec.loss_dtype = dtypes.name_of(loss_tensor.dtype)
         except TraceStopped:
             raise
         except Exception as exc:
@@ -736,7 +733,8 @@ def run(
                 return rec
             for name, p in model.named_parameters():
                 if p.requires_grad:
-                    rec.grads.append(GradRecord(name, dtype_name(p.dtype), dtype_name(p.grad.dtype) if p.grad is not None else None))
+                    grad = dtypes.name_of(p.grad.dtype) if p.grad is not None else None
+                    rec.grads.append(GradRecord(name, dtypes.name_of(p.dtype), grad))
     return rec
 
 
