@@ -131,13 +131,18 @@ def run_guarded(fn: Callable[[], None], debug: bool) -> None:
 
 
 def _debug_traceback(exc: BaseException) -> None:
-    """--debug: the whole traceback, causes included, on stderr before the usual line and exit code. A backend's
-    own messages in it may quote a URL with its credentials: shown without them, as every line we print."""
+    """--debug: the whole traceback, causes included (and the backend's error a remote error keeps out of tracebacks),
+    on stderr before the usual line and exit code. A backend's own messages quote a URL with its credentials: shown
+    without them, as every line we print."""
     import traceback
 
     from .redact import redact
 
-    say(redact("".join(traceback.format_exception(exc))).rstrip())
+    parts = traceback.format_exception(exc)
+    hidden = exc.__context__ if exc.__suppress_context__ else None  # a remote backend's error, kept out of tracebacks
+    if hidden is not None:
+        parts = [*traceback.format_exception(hidden), "\nThat error became this one:\n\n", *parts]
+    say(redact("".join(parts)).rstrip())
 
 
 def leave_fast_after_torch(run: Callable[[], None]) -> None:
@@ -578,19 +583,19 @@ def _convert_many(
         unique.setdefault(ref.identity, ref)  # one source under two spellings (a path and its file:// URL) converts once
     refs = list(unique.values())
     several = len(refs) > 1
-    outputs: dict[TargetRef, str] = {}  # by the TargetRef each conversion is handed (``convert_one`` looks it up)
+    outputs: dict[str, str] = {}  # by identity, absolute: a worker elsewhere has another working directory
     if output is not None and not several:
-        outputs[refs[0]] = str(output)
+        outputs[refs[0].identity] = os.path.abspath(output)
     elif output is not None:
         out_dir = Path(output)
         if not out_dir.is_dir():
             raise UsageError("with several SOURCEs, -o names an existing directory to write each output into", path=str(output))
         target = dtypes.conversion_target(to)
         for ref in refs:
-            dest = str(out_dir / _output_name(ref, target))
+            dest = os.path.abspath(out_dir / _output_name(ref, target))
             if dest in outputs.values():
                 raise UsageError(f"two sources would be written to {dest}; convert them into different directories")
-            outputs[ref] = dest
+            outputs[ref.identity] = dest
     work = ConvertWork(to, options, outputs, raise_errors=debug)
     done = fleet.run(
         convert_one,

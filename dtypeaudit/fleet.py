@@ -224,8 +224,11 @@ def name_of(x: Input) -> str:
 
 
 def _absolute(x: Input) -> Input:
-    """A local target named by a relative path, made absolute: the workers' working directory is not ours."""
-    if not isinstance(x, TargetRef) or not x.is_local or not isinstance(x.where, Path) or x.where.is_absolute():
+    """A local target named by a relative path, made absolute: the workers' working directory is not ours. A plain
+    string (a caller of ``run`` that parsed nothing) is taken as a path when it names a file here."""
+    if not isinstance(x, TargetRef):
+        return os.path.abspath(x) if not os.path.isabs(x) and os.path.exists(x) else x
+    if not x.is_local or not isinstance(x.where, Path) or x.where.is_absolute():
         return x
     whole = os.path.abspath(x.where)
     return replace(x, text=whole, where=Path(whole))

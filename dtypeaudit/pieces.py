@@ -425,7 +425,6 @@ class Writeback:
         from concurrent.futures import ThreadPoolExecutor
 
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtypeaudit-writeback")
-        self._fds: dict[str, int] = {}
         self._unsynced: dict[str, int] = {}
         self._syncing: set[str] = set()
         self._lock = threading.Lock()
@@ -447,10 +446,13 @@ class Writeback:
         self._pool.submit(self._sync, path)
 
     def _sync(self, path: str) -> None:
+        # Opened for each sync, not kept: a directory written in thousands of shards would hold as many descriptors.
         try:
-            if path not in self._fds:
-                self._fds[path] = os.open(path, os.O_RDONLY)
-            _datasync(self._fds[path])
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                _datasync(fd)
+            finally:
+                os.close(fd)
         except OSError:  # only a head start: the fsync before the rename reports what matters
             pass
         finally:
@@ -459,9 +461,6 @@ class Writeback:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
 
 
 _datasync = getattr(os, "fdatasync", os.fsync)  # macOS and Windows have no fdatasync

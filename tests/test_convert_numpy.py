@@ -244,10 +244,16 @@ def test_writeback_makes_the_bytes_durable_as_they_land(tmp_path: Path, monkeypa
     assert out.stat().st_size == 4 << 20
 
 
-@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
-def test_verification_fails_on_a_changed_byte_and_a_short_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str) -> None:
+# Unmappable: only a safetensors output, whose reader reads its header without a map (a zip's reader maps the file).
+@pytest.mark.parametrize(("suffix", "mappable"), [(".pt", True), (".safetensors", True), (".safetensors", False)])
+def test_verification_fails_on_a_changed_byte_and_a_short_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str, mappable: bool
+) -> None:
     """What convert's writer recorded (``Written``) holds against its own output, and not against a copy with one
-    byte of a record flipped, or one cut short (checked while the conversion's sources are open)."""
+    byte of a record flipped, or one cut short (checked while the conversion's sources are open); also where the
+    output's file system cannot map it (``mmap`` refused, as on some FUSE mounts: read with ``pread``)."""
+    import mmap
+
     import dtypeaudit.conversion as conversion
     from dtypeaudit.conversion.verify import verify_written
     from dtypeaudit.formats import read_checkpoint
@@ -258,6 +264,12 @@ def test_verification_fails_on_a_changed_byte_and_a_short_file(tmp_path: Path, m
     failures: list[str] = []
 
     def verify_and_corrupt(out: Path, written: Any) -> None:
+        if not mappable:  # the sources are mapped already: only verification's maps are refused
+
+            def refused(*args: Any, **kwargs: Any) -> Any:
+                raise OSError(19, "No such device")
+
+            monkeypatch.setattr(mmap, "mmap", refused)
         verify_written(out, written)
         data = bytearray(out.read_bytes())
         copy.write_bytes(bytes(data))

@@ -322,3 +322,18 @@ def test_convert_many_takes_a_url_source(tree: Path, tmp_path: Path, served: tup
         alone = tmp_path / f"alone-{written}"
         assert run_cli("convert", str(source), "--to", "fp16", "-o", str(alone)).returncode == 0
         assert (out / written).read_bytes() == alone.read_bytes()
+
+
+def test_an_output_named_for_a_relative_source_is_found_where_a_remote_worker_looks(tmp_path, monkeypatch):
+    """-o's outputs are keyed by the source's identity and absolute: a worker elsewhere gets the source made absolute
+    (fleet._absolute) and has its own working directory, and must still find the output the user named."""
+    from dtypeaudit.formats.locate import parse_target
+
+    monkeypatch.chdir(tmp_path)
+    torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
+    ref = parse_target("a.pt", models=False)
+    outputs = {ref.identity: os.path.abspath("out/a.fp16.pt")}
+    sent = fleet._absolute(ref)
+    assert sent.text == str(tmp_path / "a.pt") and sent != ref
+    assert outputs.get(sent.identity) == str(tmp_path / "out" / "a.fp16.pt")
+    assert fleet._absolute("a.pt") == str(tmp_path / "a.pt") and fleet._absolute("missing.pt") == "missing.pt"

@@ -395,9 +395,10 @@ class ConvertWork:
     """The target dtype, as ``--to`` gives it."""
     options: Mapping[str, Any]
     """Keyword arguments of ``convert`` shared by every source (policy, keep, clamp, dry_run ...)."""
-    outputs: Mapping[TargetRef, str] = field(default_factory=dict)
-    """Source (as parsed, and handed to ``convert_one``) -> where its output goes, where ``-o`` names a directory or
-    the one source's output; a source not here is written beside itself."""
+    outputs: Mapping[str, str] = field(default_factory=dict)
+    """Source (by its ``TargetRef.identity``, which survives the trip to a remote worker, where a relative path is
+    sent whole) -> where its output goes (an absolute path), where ``-o`` names a directory or the one source's
+    output; a source not here is written beside itself."""
     raise_errors: bool = False
     """Raise a source's error instead of reporting it (``--debug``)."""
 
@@ -418,7 +419,7 @@ def convert_one(source: TargetRef, work: ConvertWork) -> Converted:
     """Convert one source, parsed once (plan, check, write, verify): the unit of ``convert SOURCE...``, wherever
     ``fleet`` runs it."""
     try:
-        return Converted(source.text, convert(source, work.to, output=work.outputs.get(source), **work.options))
+        return Converted(source.text, convert(source, work.to, output=work.outputs.get(source.identity), **work.options))
     except DtypeAuditError as exc:
         if work.raise_errors:
             raise

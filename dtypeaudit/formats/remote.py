@@ -228,8 +228,9 @@ def remote_call(fn: Callable[[], T], name: str) -> T:
             problem = _problem(exc)
             if not problem.transient or attempt == attempts:
                 tries = f" after {attempt} tries" if attempt > 1 else ""
-                # The line names the object without credentials; --debug shows the backend's error as the cause.
-                raise RemoteError(problem.what + tries, path=name) from exc
+                # The line names the object without credentials. The backend's error quotes the URL with them: kept
+                # as the context, out of any traceback (from None), for --debug to show redacted.
+                raise RemoteError(problem.what + tries, path=name) from None
             time.sleep(0.2 * 2 ** (attempt - 1) * (0.5 + random.random()))
     raise AssertionError("unreachable")
 
