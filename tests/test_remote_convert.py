@@ -306,13 +306,14 @@ def test_written_records_are_what_the_files_hold(s3: dict[str, Any], local: Path
     assert pickle.loads(pickle.dumps(single)).written["x.fp16.pt"].tensors == single.written["x.fp16.pt"].tensors
 
 
-def _bad_upload(damage: Any) -> Any:
-    """``_Dest.put`` uploading a damaged copy of the verified file: what a broken transfer would leave."""
+def _bad_upload(damage: Any, suffixes: tuple[str, ...] = (".pt", ".safetensors")) -> Any:
+    """``_Dest.put`` uploading a damaged copy of the verified file (those with ``suffixes``): what a broken transfer
+    would leave."""
     real = remote._Dest.put
 
     def put(self: Any, local_file: Path, path: str) -> None:
         damaged = local_file.with_name(local_file.name + ".damaged")
-        damaged.write_bytes(damage(local_file.read_bytes()) if local_file.suffix in (".pt", ".safetensors") else local_file.read_bytes())
+        damaged.write_bytes(damage(local_file.read_bytes()) if local_file.suffix in suffixes else local_file.read_bytes())
         try:
             real(self, damaged, path)
         finally:
@@ -334,6 +335,17 @@ def test_an_upload_that_differs_from_the_verified_file_publishes_nothing(
     client = s3["client"]
     monkeypatch.setattr(remote._Dest, "put", _bad_upload(damage))
     with pytest.raises(ConversionError, match="verification failed"):
+        convert("s3://convert-test/ft-001/", "bf16", output="s3://convert-test/ft-001-damaged/")
+    assert not _objects(client, "ft-001-damaged/")
+    _no_temporaries(client)
+
+
+def test_an_upload_of_config_json_with_a_changed_byte_publishes_nothing(s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The size alone would pass it: a small file beside the weights is read back whole after its upload."""
+    client = s3["client"]
+    same_size = lambda data: data.replace(b"bfloat16", b"bfloat61", 1)  # noqa: E731
+    monkeypatch.setattr(remote._Dest, "put", _bad_upload(same_size, (".json",)))
+    with pytest.raises(ConversionError, match="verification failed: the upload's bytes differ"):
         convert("s3://convert-test/ft-001/", "bf16", output="s3://convert-test/ft-001-damaged/")
     assert not _objects(client, "ft-001-damaged/")
     _no_temporaries(client)

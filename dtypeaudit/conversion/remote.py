@@ -111,14 +111,19 @@ class _Dest:
         return read_checkpoint(RemotePath(rfs, path))  # where it was written: not a URL to locate again
 
     def uploaded(self, local: Path, path: str, written: Written | None, shown: str) -> None:
-        """Check the upload of ``local`` (verified before it was uploaded) at ``path``, without a second transfer:
-        the same size, and, for a weight file, a header that holds what its writer's ``written`` says (each name,
-        dtype and shape, as ``verify_written`` compares them; a tie kept as an alias is under its target's name)."""
+        """Check the upload of ``local`` (verified before it was uploaded) at ``path``, without a second transfer of
+        the weights: the same size, and, for a weight file, a header that holds what its writer's ``written`` says
+        (each name, dtype and shape, as ``verify_written`` compares them; a tie kept as an alias is under its
+        target's name); a small file beside them (config.json, the index) is read back whole and compared."""
         size, made = remote_call(lambda: self.fs.size(path), shown), local.stat().st_size
         if size != made:
             why = f"the upload is {size} bytes, the verified file {made}"
             raise ConversionError(f"verification failed: {why}; nothing was published", path=shown)
-        if written is None:
+        if written is None:  # config.json, the index, a file copied as it is
+            if made <= SMALL_UPLOAD_BYTES and remote_call(lambda: self.fs.cat_file(path), shown) != local.read_bytes():
+                raise ConversionError(
+                    "verification failed: the upload's bytes differ from the file written; nothing was published", path=shown
+                )
             return
         have = {t.name: (t.dtype, tuple(t.shape)) for t in self.reread(path).tensors}
         want = {written.aliases.get(n, n): (dtype, tuple(shape)) for n, (dtype, shape) in written.tensors.items()}
@@ -129,6 +134,11 @@ class _Dest:
                 "nothing was published",
                 path=shown,
             )
+
+
+SMALL_UPLOAD_BYTES = 1 << 20
+"""A file beside the weights up to this size is read back whole after its upload (config.json, the index, a tokenizer's
+files); a larger one, like the weights, is checked by its size."""
 
 
 def _download(src: RemotePath, local: Path) -> None:
