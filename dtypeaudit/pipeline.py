@@ -257,7 +257,7 @@ def scan(
     *,
     checks: Sequence[Check] = (),
     model: str | None = None,
-    fail_on: Severity = "error",
+    fail_on: Severity | None = None,
     policy_name: str | None = None,
     jobs: int | None = None,
     cluster: str | None = None,
@@ -276,7 +276,8 @@ def scan(
     ``jobs`` and ``cluster`` say where each checkpoint's reading and checking runs (see ``fleet.run``):
     local worker processes, or tasks on a Dask cluster; the report is the same, in input order.
     ``exclude``: globs of files that walks and directory safety scans leave out; what a walk leaves out is
-    listed in a ``left-out`` note on the first checkpoint.
+    listed in a ``left-out`` note on the first checkpoint. ``fail_on``: the severity at or above which the report
+    fails; None takes ``policy``'s own ``fail_on``, else ``error`` (``options.fail_on_for``, as the command line).
     """
     left_out: list[tuple[str, str]] = []
     found = expand_targets(targets, exclude=exclude, left_out=left_out)
@@ -292,7 +293,10 @@ def scan(
         from .formats import directory
 
         reports[0] = replace(reports[0], findings=reports[0].findings + (directory.left_out_finding(left_out),))
-    return Report(tuple(reports), fail_on=fail_on, policy=policy_name or (policy.source if policy else None), strict=strict)
+    from .options import fail_on_for
+
+    failing_at = fail_on_for(policy, fail_on)  # as the command line resolves it: the policy's own, else error
+    return Report(tuple(reports), fail_on=failing_at, policy=policy_name or (policy.source if policy else None), strict=strict)
 
 
 def _lost(path: str, reason: str) -> CheckpointReport:

@@ -27,3 +27,17 @@ def test_importing_the_package_loads_neither_torch_nor_yaml() -> None:
     code = "import sys, dtypeaudit; print(sorted(m for m in ('torch', 'yaml', 'rich', 'dtypeaudit.conversion') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_library_scan_fails_at_the_policys_own_fail_on(tmp_path: Path) -> None:
+    """dtypeaudit.scan without fail_on takes the policy's fail_on, as `dtypeaudit scan --policy` does; a fail_on given
+    wins; no policy: error."""
+    from tests.helpers import ROOT
+
+    sample = str(ROOT / "sample_models" / "cnn_fp32.pt")
+    policy_file = tmp_path / "p.yaml"
+    policy_file.write_text("version: 1\nfail_on: warning\ndefault: float32\n")
+    policy = dtypeaudit.load_policy(str(policy_file))
+    assert dtypeaudit.scan([sample], policy=policy).fail_on == "warning"
+    assert dtypeaudit.scan([sample], policy=policy, fail_on="error").fail_on == "error"
+    assert dtypeaudit.scan([sample]).fail_on == "error"
