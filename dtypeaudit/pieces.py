@@ -325,7 +325,7 @@ class Workers:
             with lock:
                 made[piece.id] = result
             if self._disk is not None and piece.out is not None:
-                self._disk.landed(piece.out, piece.out_offset, result.length)
+                self._disk.landed(piece.out, result.length)
             if progress is not None:
                 progress(piece.length)
                 for n in feeder.take_progress() if feeder is not None else ():
@@ -399,7 +399,7 @@ class _Feeder(threading.Thread):
                     self._made[piece_id] = result
                     self._progress.append(piece.length)
                 if self._disk is not None and piece.out is not None:
-                    self._disk.landed(piece.out, piece.out_offset, length)
+                    self._disk.landed(piece.out, length)
                 self._send()
         except (OSError, ValueError, KeyError, TypeError):
             self.failed = True
@@ -413,11 +413,10 @@ class Writeback:
     """Makes a file's bytes durable as they land, so that the fsync before the rename finds little left.
 
     Every ``STEP`` bytes reported for a file, a thread of its own calls ``fdatasync`` on it, while the writers go
-    on. Starting writeback alone (``posix_fadvise``, ``sync_file_range``) was not enough: a virtual disk with a
-    write cache on its host empties that cache only on a flush, so the final fsync still waited for every byte
-    (0.9 s for 0.74 GB measured here whether writeback had been started or not; with these syncs, under 0.1 s).
-    On a disk without such a cache the syncs are the writeback itself. Any thread may report a range; the
-    written pages stay cached for verification to read back."""
+    on. Starting writeback alone (``posix_fadvise``, ``sync_file_range``) is not enough: a virtual disk with a
+    write cache on its host empties that cache only on a flush, so the final fsync still waits for every byte
+    (benchmarks/CONVERT.md, round 4). On a disk without such a cache the syncs are the writeback itself. Any
+    thread may report bytes; the written pages stay cached for verification to read back."""
 
     STEP = 64 << 20
 
@@ -435,8 +434,8 @@ class Writeback:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def landed(self, path: str, offset: int, length: int) -> None:
-        """``length`` bytes at ``offset`` of ``path`` are written."""
+    def landed(self, path: str, length: int) -> None:
+        """``length`` more bytes of ``path`` are written (where in the file does not matter: a sync takes them all)."""
         with self._lock:
             self._unsynced[path] = self._unsynced.get(path, 0) + length
             if self._unsynced[path] < self.STEP or path in self._syncing:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import collections
+import http.server
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -138,3 +145,87 @@ def write_sharded(directory: Path, state: dict[str, torch.Tensor], shards: int, 
     (directory / index_name).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (directory / "config.json").write_text(json.dumps({"architectures": ["TinyLM"], "torch_dtype": "float32"}))
     return directory
+
+
+# -- a Range-honouring HTTP server, for remote reads and conversions -------------------------------------------------
+
+
+class RangeHandler(http.server.BaseHTTPRequestHandler):
+    """``/files/<name>`` as a static server with ranges; ``/error500/``, ``/flaky/`` (503 once per path),
+    ``/slow/`` (answers after 2 s) and ``/norange/`` (ignores Range) for the failures. Query strings are ignored."""
+
+    root: Path
+    served: collections.Counter[str]
+    requests: collections.Counter[str]
+    lock = threading.Lock()
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out in separate writes: no 40 ms wait for the ACK
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _answer(self, body: bool) -> None:
+        mode, _, name = self.path.split("?", 1)[0].lstrip("/").partition("/")
+        with self.lock:
+            self.requests[self.path.split("?", 1)[0]] += 1
+            first = self.requests[self.path.split("?", 1)[0]] == 1
+        if mode == "error500" or (mode == "flaky" and first):
+            self.send_response(500 if mode == "error500" else 503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if mode == "slow":
+            time.sleep(2)
+        path = self.root / name
+        if not path.is_file():
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        size = path.stat().st_size
+        start, end = 0, size - 1
+        m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        if m and mode != "norange":
+            start, end = int(m.group(1)), min(int(m.group(2)) if m.group(2) else size - 1, size - 1)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(end - start + 1))
+        self.send_header("Accept-Ranges", "bytes")
+        self.end_headers()
+        if body:
+            with path.open("rb") as f:
+                f.seek(start)
+                left = end - start + 1
+                while left > 0:
+                    chunk = f.read(min(left, 1 << 20))
+                    with self.lock:  # counted before it is sent, so a client that has it sees it counted
+                        self.served[name] += len(chunk)
+                    try:
+                        self.wfile.write(chunk)
+                    except (BrokenPipeError, ConnectionResetError):
+                        return
+                    left -= len(chunk)
+
+    def do_HEAD(self) -> None:
+        self._answer(False)
+
+    def do_GET(self) -> None:
+        self._answer(True)
+
+
+@contextmanager
+def serve_folder(root: Path) -> Iterator[tuple[str, type[RangeHandler]]]:
+    """``root`` served over HTTP on a free local port while the block runs: the server's base URL (files under
+    ``/files/``) and its handler class, whose ``served`` and ``requests`` count what was asked of it."""
+    handler = type("Handler", (RangeHandler,), {"root": root, "served": collections.Counter(), "requests": collections.Counter()})
+    server_class = type("Server", (http.server.ThreadingHTTPServer,), {"request_queue_size": 128, "daemon_threads": True})
+    server = server_class(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        server.shutdown()
+        server.server_close()

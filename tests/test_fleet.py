@@ -283,24 +283,13 @@ def test_one_source_with_jobs_writes_what_a_plain_convert_writes(tree: Path, tmp
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """A folder served over HTTP with ranges (test_remote's server): its URL and the folder."""
-    import collections
-    import http.server
-    import threading
-
-    from .test_remote import _Handler
+    """A folder served over HTTP with ranges (the remote tests' server): its URL and the folder."""
+    from .helpers import serve_folder
 
     root = tmp_path / "served"
     root.mkdir()
-    handler = type("Handler", (_Handler,), {"root": root, "served": collections.Counter(), "requests": collections.Counter()})
-    server = type("Server", (http.server.ThreadingHTTPServer,), {"daemon_threads": True})(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/files", root
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_folder(root) as (base, _):
+        yield f"{base}/files", root
 
 
 def test_convert_many_takes_a_url_source(tree: Path, tmp_path: Path, served: tuple[str, Path]) -> None:

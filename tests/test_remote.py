@@ -9,15 +9,12 @@ still reported; and no credential (an AWS secret key, a token or password in a U
 from __future__ import annotations
 
 import collections
-import http.server
 import io
 import json
 import pickle
 import re
 import shutil
 import struct
-import threading
-import time
 import traceback
 import zlib
 from collections.abc import Iterator
@@ -33,7 +30,7 @@ from dtypeaudit.formats import read_checkpoint
 from dtypeaudit.pipeline import expand, scan
 from dtypeaudit.render.json import report_dict
 
-from .helpers import run_cli, write_sharded
+from .helpers import RangeHandler, run_cli, serve_folder, write_sharded
 from .models import TinyCNN, TinyLM
 from .s3server import ACCESS_KEY, SECRET_KEY, moto_s3
 
@@ -152,88 +149,15 @@ def files(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
     return root
 
 
-# -- a Range-honouring HTTP server ----------------------------------------------------------------
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    """``/files/<name>`` as a static server with ranges; ``/error500/``, ``/flaky/`` (503 once per path),
-    ``/slow/`` (answers after 2 s) and ``/norange/`` (ignores Range) for the failures. Query strings are ignored."""
-
-    root: Path
-    served: collections.Counter[str]
-    requests: collections.Counter[str]
-    lock = threading.Lock()
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True  # headers and body go out in separate writes: no 40 ms wait for the ACK
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def _answer(self, body: bool) -> None:
-        mode, _, name = self.path.split("?", 1)[0].lstrip("/").partition("/")
-        with self.lock:
-            self.requests[self.path.split("?", 1)[0]] += 1
-            first = self.requests[self.path.split("?", 1)[0]] == 1
-        if mode == "error500" or (mode == "flaky" and first):
-            self.send_response(500 if mode == "error500" else 503)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        if mode == "slow":
-            time.sleep(2)
-        path = self.root / name
-        if not path.is_file():
-            self.send_response(404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        size = path.stat().st_size
-        start, end = 0, size - 1
-        m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-        if m and mode != "norange":
-            start, end = int(m.group(1)), min(int(m.group(2)) if m.group(2) else size - 1, size - 1)
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
-        else:
-            self.send_response(200)
-        self.send_header("Content-Length", str(end - start + 1))
-        self.send_header("Accept-Ranges", "bytes")
-        self.end_headers()
-        if body:
-            with path.open("rb") as f:
-                f.seek(start)
-                left = end - start + 1
-                while left > 0:
-                    chunk = f.read(min(left, 1 << 20))
-                    with self.lock:  # counted before it is sent, so a client that has it sees it counted
-                        self.served[name] += len(chunk)
-                    try:
-                        self.wfile.write(chunk)
-                    except (BrokenPipeError, ConnectionResetError):
-                        return
-                    left -= len(chunk)
-
-    def do_HEAD(self) -> None:
-        self._answer(False)
-
-    def do_GET(self) -> None:
-        self._answer(True)
+# -- a Range-honouring HTTP server (tests/helpers.py) ----------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def web(files: Path) -> Iterator[tuple[str, type[_Handler]]]:
+def web(files: Path) -> Iterator[tuple[str, type[RangeHandler]]]:
     pytest.importorskip("fsspec")  # http(s):// targets go through fsspec's HTTP filesystem, on aiohttp
     pytest.importorskip("aiohttp")
-    handler = type("Handler", (_Handler,), {"root": files, "served": collections.Counter(), "requests": collections.Counter()})
-    server_class = type("Server", (http.server.ThreadingHTTPServer,), {"request_queue_size": 128, "daemon_threads": True})
-    server = server_class(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", handler
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_folder(files) as served:
+        yield served
 
 
 # -- moto's S3 server ----------------------------------------------------------------------------
@@ -327,7 +251,7 @@ def test_s3_glob(s3: dict[str, str]) -> None:
 # -- HTTP ----------------------------------------------------------------------------------------
 
 
-def test_http_inventories_equal_the_local_scan(web: tuple[str, type[_Handler]], files: Path) -> None:
+def test_http_inventories_equal_the_local_scan(web: tuple[str, type[RangeHandler]], files: Path) -> None:
     base, _ = web
     names = ["cnn.pt", "legacy.pt", "cnn.safetensors"]
     remote = _doc([f"{base}/files/{n}" for n in names])["checkpoints"]
@@ -338,7 +262,7 @@ def test_http_inventories_equal_the_local_scan(web: tuple[str, type[_Handler]], 
 
 
 @pytest.mark.parametrize("name", ["big.safetensors", "big.pt"])
-def test_a_10_gb_remote_file_reads_under_a_megabyte(web: tuple[str, type[_Handler]], files: Path, name: str) -> None:
+def test_a_10_gb_remote_file_reads_under_a_megabyte(web: tuple[str, type[RangeHandler]], files: Path, name: str) -> None:
     base, handler = web
     assert (files / name).stat().st_size > TEN_GB
     handler.served.clear()
@@ -351,7 +275,7 @@ def test_a_10_gb_remote_file_reads_under_a_megabyte(web: tuple[str, type[_Handle
     assert local.bytes_read is not None and local.bytes_read < 1 << 20
 
 
-def test_http_failures_are_one_line_each(web: tuple[str, type[_Handler]], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_http_failures_are_one_line_each(web: tuple[str, type[RangeHandler]], monkeypatch: pytest.MonkeyPatch) -> None:
     base, _ = web
     monkeypatch.setenv("DTYPEAUDIT_REMOTE_RETRIES", "2")
     doc = _doc([f"{base}/files/cnn.pt", f"{base}/files/missing.pt", f"{base}/error500/cnn.pt", f"{base}/files/cnn.safetensors"])
@@ -361,13 +285,13 @@ def test_http_failures_are_one_line_each(web: tuple[str, type[_Handler]], monkey
     assert errors[2] == f"{base}/error500/cnn.pt: server error (HTTP 500) after 2 tries"
 
 
-def test_http_transient_errors_are_retried(web: tuple[str, type[_Handler]]) -> None:
+def test_http_transient_errors_are_retried(web: tuple[str, type[RangeHandler]]) -> None:
     base, handler = web
     inv = read_checkpoint(f"{base}/flaky/cnn.safetensors")
     assert inv.format == "safetensors" and handler.requests["/flaky/cnn.safetensors"] >= 2
 
 
-def test_http_timeout(web: tuple[str, type[_Handler]], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_http_timeout(web: tuple[str, type[RangeHandler]], monkeypatch: pytest.MonkeyPatch) -> None:
     base, _ = web
     monkeypatch.setenv("DTYPEAUDIT_REMOTE_TIMEOUT", "0.3")
     monkeypatch.setenv("DTYPEAUDIT_REMOTE_RETRIES", "1")
@@ -376,7 +300,7 @@ def test_http_timeout(web: tuple[str, type[_Handler]], monkeypatch: pytest.Monke
     assert err.value.one_line() == f"{base}/slow/cnn.pt?attempt=REDACTED: timed out (no answer within 0.3 s)"
 
 
-def test_a_server_that_ignores_ranges_is_refused_not_downloaded(web: tuple[str, type[_Handler]]) -> None:
+def test_a_server_that_ignores_ranges_is_refused_not_downloaded(web: tuple[str, type[RangeHandler]]) -> None:
     base, handler = web
     handler.served.clear()
     # reads from the start take what they asked for from the full answer and stop
@@ -388,7 +312,7 @@ def test_a_server_that_ignores_ranges_is_refused_not_downloaded(web: tuple[str, 
     assert handler.served["big.safetensors"] + handler.served["big.pt"] < 64 << 20
 
 
-def test_no_credential_reaches_any_output(web: tuple[str, type[_Handler]], s3: dict[str, str]) -> None:
+def test_no_credential_reaches_any_output(web: tuple[str, type[RangeHandler]], s3: dict[str, str]) -> None:
     base, _ = web
     host = base.removeprefix("http://")
     targets = [
@@ -415,7 +339,7 @@ def test_no_credential_reaches_any_output(web: tuple[str, type[_Handler]], s3: d
             assert secret not in out and secret not in err
 
 
-def test_worker_processes_read_remote_targets(web: tuple[str, type[_Handler]], files: Path) -> None:
+def test_worker_processes_read_remote_targets(web: tuple[str, type[RangeHandler]], files: Path) -> None:
     base, _ = web
     targets = [f"{base}/files/cnn.safetensors?copy={i}" for i in range(17)]  # past fleet.SERIAL_BELOW: worker processes
     proc = run_cli("scan", *targets, "--jobs", "2", "--format", "json")
@@ -427,7 +351,7 @@ def test_worker_processes_read_remote_targets(web: tuple[str, type[_Handler]], f
         _same(c, local)
 
 
-def test_bytes_read_is_shown_with_verbose_only(web: tuple[str, type[_Handler]]) -> None:
+def test_bytes_read_is_shown_with_verbose_only(web: tuple[str, type[RangeHandler]]) -> None:
     base, _ = web
     quiet = run_cli("scan", f"{base}/files/cnn.safetensors", "--format", "plain")
     loud = run_cli("scan", f"{base}/files/cnn.safetensors", "--format", "plain", "--verbose")
@@ -493,7 +417,7 @@ def test_credential_values_of_the_environment_are_masked(monkeypatch: pytest.Mon
 # -- remote_call: a backend's failure is one line and exit 2; a bug of ours propagates, exit 3 -----------------------
 
 
-def test_a_bug_of_ours_in_a_remote_read_exits_3_not_2(web: tuple[str, type[_Handler]], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bug_of_ours_in_a_remote_read_exits_3_not_2(web: tuple[str, type[RangeHandler]], monkeypatch: pytest.MonkeyPatch) -> None:
     HTTPFile = pytest.importorskip("fsspec.implementations.http").HTTPFile
 
     base, _ = web
@@ -513,7 +437,7 @@ def test_a_bug_of_ours_in_a_remote_read_exits_3_not_2(web: tuple[str, type[_Hand
 
 
 def test_network_failures_are_still_remote_errors_exit_2_with_their_cause(
-    web: tuple[str, type[_Handler]], monkeypatch: pytest.MonkeyPatch
+    web: tuple[str, type[RangeHandler]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import socket
 
@@ -582,7 +506,7 @@ def test_remote_call_takes_only_a_backends_errors_for_the_networks() -> None:
         assert raised.value is bug and calls == [type(bug).__name__]
 
 
-def test_debug_tracebacks_show_no_credential(web: tuple[str, type[_Handler]]) -> None:
+def test_debug_tracebacks_show_no_credential(web: tuple[str, type[RangeHandler]]) -> None:
     """--debug prints the whole traceback, causes included (a backend's own messages quote the URL): redacted too."""
     base, _ = web
     proc = run_cli("scan", f"{base}/error500/cnn.pt?token={URL_TOKEN}", "--debug", env={"DTYPEAUDIT_REMOTE_RETRIES": "1"})

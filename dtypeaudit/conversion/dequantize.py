@@ -238,14 +238,14 @@ def _write_pieces(shard: _Shard, inv: Inventory, sources: dict[str, MappedCheckp
         fh = stack.enter_context(out.open("wb"))
         writeback = stack.enter_context(Writeback())
         fh.write(safetensors_header([(e.name, e.target, e.shape) for e in shard.entries], {"format": "pt"}))
-        crc, landed = 0, fh.tell()
+        crc, landed = 0, fh.tell()  # what the writeback has been told of
         for data in ordered(tasks(), workers(), budget=PIPELINE_BYTES):
             if isinstance(data, _Entry):
                 crcs[data.name] = crc
                 crc = 0
                 _release(inv, sources, data)
                 fh.flush()
-                writeback.landed(str(out), landed, fh.tell() - landed)
+                writeback.landed(str(out), fh.tell() - landed)
                 landed = fh.tell()
                 continue
             n = memoryview(data).nbytes

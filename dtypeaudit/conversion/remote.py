@@ -125,7 +125,7 @@ class _Dest:
                     "verification failed: the upload's bytes differ from the file written; nothing was published", path=shown
                 )
             return
-        have = {t.name: (t.dtype, tuple(t.shape)) for t in self.reread(path).tensors}
+        have = _shape_map(self.reread(path))
         want = {written.aliases.get(n, n): (dtype, tuple(shape)) for n, (dtype, shape) in written.tensors.items()}
         if have != want:
             diff = sorted(set(have.items()) ^ set(want.items()))

@@ -141,8 +141,7 @@ def torch_needed_for(plan: Plan, sources: dict[str, MappedCheckpoint]) -> str | 
 def casts_need_torch(plan: Plan, sources: dict[str, MappedCheckpoint]) -> bool:
     """Whether torch makes the casts: only where it must (``torch_needed_for``). numpy's pass runs on both cores
     while torch's cast would follow the checks on one thread, so numpy is sooner at every size, though it costs
-    more CPU past about 2.5 GB (3 GB: 5.4 s of wall and 8.5 s of CPU against torch's 7.0 s and 7.1 s; the naive
-    load/half/save script takes 10.3 s and 12.1 s; benchmarks/CONVERT.md)."""
+    more CPU past about 2.5 GB (benchmarks/CONVERT.md, round 4)."""
     return torch_needed_for(plan, sources) is not None
 
 
