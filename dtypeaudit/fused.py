@@ -1,0 +1,73 @@
+"""The float32 -> float16 / bfloat16 conversion pass in one compiled loop, where it was built.
+
+A conversion's value checks (``values.ValueCheck``) and its cast (``npcast``) are about sixteen numpy passes over
+each chunk, 1.5 to 2 s of CPU per GB. ``fused_kernel.c`` makes the same bytes and the same figures in one pass, several
+times faster, for the cast almost every conversion makes: float32 to float16 or bfloat16, unclamped. Every other
+cast, and an install without a C compiler, take the numpy path; ``DTYPEAUDIT_NO_FUSED=1`` forces it (the
+benchmarks compare the two). tests/test_fused.py holds the two paths to the same bits and figures.
+
+It needs no numpy: a conversion's first bytes go to the disk before numpy (a tenth of a second) is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import struct
+from typing import Any
+
+from .values import ValueStats
+
+kernel: Any
+"""The compiled module (``fused_kernel.c``), or None where the install had no C compiler."""
+try:
+    kernel = importlib.import_module(f"{__package__}.fused_kernel")
+except ImportError:  # built without a C compiler: numpy makes the same bytes
+    kernel = None
+
+TARGETS = ("float16", "bfloat16")
+
+
+def available() -> bool:
+    """Whether the compiled pass was built (and not turned off with ``DTYPEAUDIT_NO_FUSED``)."""
+    return kernel is not None and not os.environ.get("DTYPEAUDIT_NO_FUSED")
+
+
+def applies(source: str, target: str, *, clamp: bool) -> bool:
+    """Whether the compiled pass makes this cast: float32 to float16 or bfloat16, unclamped."""
+    return source == "float32" and target in TARGETS and not clamp and available()
+
+
+class FusedCast:
+    """Casts float32 chunks to ``target``'s stored bits, folding their checks into a ``ValueStats`` on the way
+    (the figures ``values.ValueCheck.fold`` gives). The returned array is valid until the next call."""
+
+    def __init__(self, target: str, *, capacity: int) -> None:
+        if target not in TARGETS or kernel is None:
+            raise ValueError(f"no compiled cast to {target}")
+        self.target = target
+        self._out = memoryview(bytearray(2 * capacity))
+
+    def __call__(self, chunk: Any, stats: ValueStats | None = None) -> memoryview:
+        """``chunk``: float32 values (any buffer); ``stats``: where their checks fold (None: cast only)."""
+        view = memoryview(chunk).cast("B")
+        n = len(view) // 4
+        out = self._out[: 2 * n]
+        nonzero, nonfinite, overflow, underflow, subnormal, top, error, relative = kernel.fold_cast(view, out, self.target == "bfloat16")
+        if stats is not None and n:  # an empty chunk leaves the figures as they were, as ValueCheck.fold does
+            stats.numel += n
+            stats.nonzero += nonzero
+            stats.nonfinite += nonfinite
+            stats.overflow += overflow
+            stats.underflow += underflow
+            stats.subnormal += subnormal
+            stats.max_abs = max(stats.max_abs, _float32(top))
+            stats.max_abs_error = max(stats.max_abs_error, error)
+            stats.max_rel_error = max(stats.max_rel_error, relative)
+            stats.errors_measured = True
+        return out
+
+
+def _float32(bits: int) -> float:
+    """The float32 whose bit pattern is ``bits``."""
+    return float(struct.unpack("<f", struct.pack("<I", bits))[0])
