@@ -18,6 +18,7 @@ Also timed: ``convert --dry-run`` (the metadata-only plan), ``convert --dry-run 
     python benchmarks/bench_convert.py --sizes 1.5 --repeat 3
     python benchmarks/bench_convert.py --clean             # delete the checkpoints at the end
     python benchmarks/bench_convert.py --before /tmp/old   # also convert with an export of an earlier commit
+    python benchmarks/bench_convert.py --numpy-path        # also convert without the compiled pass
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def compare(src: Path, work: Path, repeat: int, *, convert_only: bool = False, before: Path | None = None) -> None:
+def compare(
+    src: Path, work: Path, repeat: int, *, convert_only: bool = False, before: Path | None = None, numpy_path: bool = False
+) -> None:
     out, naive_out, copy_out = work / "convspeed_ours.pt", work / "convspeed_naive.pt", work / "convspeed_copy.pt"
     dtypeaudit = [python(), "-m", "dtypeaudit"]
     commands: dict[str, tuple[list[str], Path | None]] = {
@@ -67,6 +70,10 @@ def compare(src: Path, work: Path, repeat: int, *, convert_only: bool = False, b
         before_cli = ["env", f"PYTHONPATH={before}", python(), *isolated, "-m", "dtypeaudit"]
         cmd = [*before_cli, "convert", str(src), "--to", "fp16", "-o", str(before_out)]
         commands["convert (--before tree)"] = (cmd, before_out)
+    if numpy_path:  # the same tree without the compiled pass (dtypeaudit/fused.py): what an install without a C compiler gets
+        numpy_out = work / "convspeed_numpy.pt"
+        cmd = ["env", "DTYPEAUDIT_NO_FUSED=1", *dtypeaudit, "convert", str(src), "--to", "fp16", "-o", str(numpy_out)]
+        commands["convert (numpy path)"] = (cmd, numpy_out)
     outputs = [o for _, o in commands.values() if o is not None]
     runs: dict[str, list[Run]] = {label: [] for label in commands}
     for _ in range(repeat):
@@ -97,6 +104,11 @@ def compare(src: Path, work: Path, repeat: int, *, convert_only: bool = False, b
         print(f"before: cpu  / naive       {ratio('naive load + half + save', 'cpu_s', earlier)}")
         print(f"before: wall / cp + sync   {ratio('cp + sync', 'wall_s', earlier)}")
         print(f"after / before: wall {ratio(earlier, 'wall_s')}, cpu {ratio(earlier, 'cpu_s')}")
+    if numpy_path:
+        numpy_row = "convert (numpy path)"
+        print(f"numpy path: wall / naive   {ratio('naive load + half + save', 'wall_s', numpy_row)}")
+        print(f"numpy path: cpu  / naive   {ratio('naive load + half + save', 'cpu_s', numpy_row)}")
+        print(f"compiled / numpy path: wall {ratio(numpy_row, 'wall_s')}, cpu {ratio(numpy_row, 'cpu_s')}")
     if not convert_only:
         print(f"dry-run / scan             {ratio_of(runs, 'convert --dry-run', 'scan')}   (metadata-only plan: scan speed)")
     print()
@@ -115,12 +127,13 @@ def main() -> None:
     parser.add_argument("--convert-only", action="store_true", help="leave out the dry runs and scan")
     parser.add_argument("--clean", action="store_true", help="delete the checkpoints at the end")
     parser.add_argument("--before", type=Path, help="also time convert from this tree (e.g. `git archive` of an earlier commit)")
+    parser.add_argument("--numpy-path", action="store_true", help="also time convert without the compiled pass (DTYPEAUDIT_NO_FUSED=1)")
     args = parser.parse_args()
     for size in args.sizes:
         hidden, layers = SHAPES[size]
         src = make_transformer_checkpoint(args.dir / f"convspeed_{size.replace('.', 'p')}gb.pt", hidden=hidden, layers=layers)
         try:
-            compare(src, args.dir, args.repeat, convert_only=args.convert_only, before=args.before)
+            compare(src, args.dir, args.repeat, convert_only=args.convert_only, before=args.before, numpy_path=args.numpy_path)
         finally:
             if args.clean:
                 src.unlink(missing_ok=True)
