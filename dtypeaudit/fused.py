@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import os
 import struct
+import sys
 from typing import Any
 
 from .values import ValueStats
@@ -30,7 +31,8 @@ TARGETS = ("float16", "bfloat16")
 
 def available() -> bool:
     """Whether the compiled pass was built (and not turned off with ``DTYPEAUDIT_NO_FUSED``)."""
-    return kernel is not None and not os.environ.get("DTYPEAUDIT_NO_FUSED")
+    # The loop reads the stored little-endian float32 as native words: on a big-endian machine numpy's path runs.
+    return kernel is not None and sys.byteorder == "little" and not os.environ.get("DTYPEAUDIT_NO_FUSED")
 
 
 def applies(source: str, target: str, *, clamp: bool) -> bool:

@@ -21,6 +21,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(_MSC_VER)
+#define restrict __restrict
+#endif
+
 #define F32_INF 0x7F800000u
 #define F32_TINY 0x00800000u       /* 2^-126, float32's smallest normal */
 #define F16_NORMAL 0x38800000u     /* 2^-14, float16's smallest normal */
@@ -30,6 +34,7 @@
 #define F16_SPECIAL 0x47800000u    /* 2^16: the rebiased rounding no longer applies */
 #define BF16_INF_FROM 0x7F7F8000u
 
+#define TWO_TO_MINUS_24 5.9604644775390625e-08f /* exact: float16's subnormal step */
 #define BLOCK 65536 /* values per block of 32-bit counts */
 #define COPIED 2048 /* values per block copied from an unaligned source */
 
@@ -90,7 +95,7 @@ VECTOR_CLONES static void float16_block(const uint32_t *restrict x, uint16_t *re
         /* the cast's value back in float32, exactly: a normal half by its bits, a subnormal as a multiple of 2^-24;
            both are computed and one is chosen on the bits (no float operation is conditional: the loop vectorises) */
         uint32_t as_normal = (h << 13) + (112u << 23);
-        uint32_t as_subnormal = bits_of((float)(int32_t)h * 0x1p-24f);
+        uint32_t as_subnormal = bits_of((float)(int32_t)h * TWO_TO_MINUS_24);
         float back = float_of(chosen((int32_t)h >= 0x400, as_normal, as_subnormal));
         int32_t error = (int32_t)kept_if(a < (int32_t)F16_INF_FROM, bits_of(back - af) & 0x7FFFFFFFu);
         int32_t scale = imin(imax(a, (int32_t)F32_TINY), (int32_t)F32_INF);

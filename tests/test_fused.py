@@ -4,6 +4,7 @@ the same bytes and the same figures, value for value."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -164,6 +165,26 @@ def test_a_conversion_gives_the_same_output_and_report_either_way(tmp_path: Path
     assert all(torch.equal(fast[k], v.half()) for k, v in state.items())
     assert fast_values == slow_values
     assert any(v["underflow"] for v in fast_values)  # the moments: the range counts were exercised
+
+
+@needs_fused
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="builds the baseline loop with this Python's own compiler command")
+def test_the_baseline_loop_gives_the_same_bytes_and_figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU has AVX2 the installed module runs its AVX2 clone; the baseline loop (SSE2 on x86-64, what
+    other CPUs run) is built here on its own and held to the numpy path as well."""
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()
+    source = Path(fused.__file__).with_name("fused_kernel.c")
+    built = tmp_path / f"fused_kernel{sysconfig.get_config_var('EXT_SUFFIX')}"
+    include = f"-I{sysconfig.get_paths()['include']}"
+    subprocess.run([*compiler, "-O3", "-shared", "-fPIC", "-DFUSED_BASELINE_ONLY", include, str(source), "-o", str(built)], check=True)
+    spec = importlib.util.spec_from_file_location("fused_kernel", built)
+    assert spec is not None and spec.loader is not None
+    baseline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(baseline)
+    monkeypatch.setattr(fused, "kernel", baseline)
+    for target in TARGETS:
+        for name, x in value_sets().items():
+            assert fused_path(x, len(x), target) == numpy_path(x, target), (target, name)
 
 
 def test_the_compiled_pass_needs_no_numpy() -> None:
