@@ -11,6 +11,7 @@ It needs no numpy: a conversion's first bytes go to the disk before numpy (a ten
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import struct
@@ -30,9 +31,42 @@ TARGETS = ("float16", "bfloat16")
 
 
 def available() -> bool:
-    """Whether the compiled pass was built (and not turned off with ``DTYPEAUDIT_NO_FUSED``)."""
+    """Whether the compiled pass was built, passes its probe, and is not turned off (``DTYPEAUDIT_NO_FUSED`` set to
+    anything but ``0``)."""
+    if os.environ.get("DTYPEAUDIT_NO_FUSED", "0") not in ("", "0"):
+        return False
     # The loop reads the stored little-endian float32 as native words: on a big-endian machine numpy's path runs.
-    return kernel is not None and sys.byteorder == "little" and not os.environ.get("DTYPEAUDIT_NO_FUSED")
+    return kernel is not None and sys.byteorder == "little" and _sound()
+
+
+# Sixteen float32 values with every kind of outcome (exact, rounded, the largest half, 65520's tie to inf, the
+# smallest normal, a subnormal, one that becomes zero, float32 subnormals, signed zeros, float32's top, inf, NaN),
+# and what torch's own cast (bytes) and the numpy path (figures: ValueStats.to_fields) give for them. A build that
+# rounds otherwise (fast-math from the environment's CFLAGS, a miscompile) fails this and is not used.
+_PROBE = bytes.fromhex(
+    "0000803fcdccccbd00e07f47ffef7f4700f07f47000080380000403300008032c21601000100008000000000000000809ec97f7f0000807f0000c07ff7cc92b8"
+)
+_EXPECTED = {
+    "float16": (
+        "003c66aeff7bff7b007c0004010000000000008000000080007c007c007e9684",
+        [16, 14, 2, 2, 3, 1, 3.3999999521443642e38, 15.99609375, 1.0, True],
+    ),
+    "bfloat16": (
+        "803fcdbd8047804780478038403380320100008000000080807f807fffff93b8",
+        [16, 0, 2, 1, 0, 0, 3.3999999521443642e38, 32.0, 0.0013580054510384798, True],
+    ),
+}
+
+
+@functools.cache
+def _sound() -> bool:
+    """Whether the built loop gives the probe's bytes and figures, for both targets (once per process)."""
+    for target, (bits, figures) in _EXPECTED.items():
+        stats = ValueStats("", "float32", target)
+        out = FusedCast(target, capacity=len(_PROBE) // 4)(_PROBE, stats)
+        if bytes(out).hex() != bits or stats.to_fields() != figures:
+            return False
+    return True
 
 
 def applies(source: str, target: str, *, clamp: bool) -> bool:

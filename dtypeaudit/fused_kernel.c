@@ -3,7 +3,9 @@
  * Optional: dtypeaudit/fused.py uses it when it was built and falls back to numpy (values.ValueCheck and
  * npcast, which compute the same figures in about sixteen passes) when it was not. Both give the same bits and the
  * same figures: tests/test_fused.py compares them on every float16 value, every float32 exponent's rounding
- * boundaries, NaN payloads and random bit patterns, and tests/test_values.py holds both against torch's own cast.
+ * boundaries, NaN payloads and random bit patterns, and holds this loop's bytes and errors against torch's own
+ * cast (tests/test_values.py and tests/test_npcast.py hold the numpy path against torch). A review compared the two
+ * paths on all 2^32 float32 bit patterns, for both targets and both builds (AVX2 clone and baseline): no difference.
  *
  * Per value, from |x|'s bit pattern a (IEEE binary32, round to nearest even; no fast-math: every float
  * operation here must round exactly as one float32 operation):

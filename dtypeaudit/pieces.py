@@ -1,15 +1,17 @@
 """A conversion's bytes made on both cores: every record cut into pieces that this process and one child make.
 
 A piece is up to ``PIECE_ELEMENTS`` values of one source record. Making it is one pass over its chunks, each
-chunk read once while it is in cache: its value checks folded (``values.ValueCheck``, the same fold as the
-checks alone make), then cast by npcast (or copied), CRC'd, and written at the piece's place in the output
-with ``pwrite``; a piece with no output only checks. Pieces start on chunk boundaries, so a record's checks
+chunk read once while it is in cache: cast and its value checks folded, by one compiled loop for float32 to
+float16/bfloat16 (``fused.FusedCast``) or else by numpy (``values.ValueCheck``, the same fold as the checks
+alone make, then npcast's cast, or a copy), then CRC'd and written at the piece's place in the output with
+``pwrite``; a piece with no output only checks. Pieces start on chunk boundaries, so a record's checks
 are folded over exactly the chunks one pass would fold, whichever process made each piece: counts add, maxima
 combine (``ValueStats.merge``), and CRCs combine (``crc32_combine``) in record order.
 
-The child (``serve``) imports numpy and this module's few neighbours only, so it starts in about a tenth of
-a second; records go to it one piece at a time, two pieces ahead, from the same queue this process takes its
-own from, so neither waits for the other at the end by more than a piece. Work under ``CHILD_MIN_BYTES`` is
+The child (``serve``) imports this module's few neighbours only (numpy only for a piece the compiled loop does
+not make), so it starts in under a tenth of a second; records go to it one piece at a time, two pieces ahead,
+from the same queue this process takes its own from, so neither waits for the other at the end by more than a
+piece. Work under ``CHILD_MIN_BYTES`` is
 made here alone. A child that fails (it cannot start, a file it cannot open) only means this process makes
 the pieces it had: the result is the same.
 """
@@ -275,7 +277,7 @@ class Workers:
             except OSError:
                 pass
             if exc[0] is None:  # it has answered every piece: it exits by itself, reaped off this thread
-                threading.Thread(target=proc.wait, name="dtypeaudit-reap", daemon=True).start()
+                threading.Thread(target=_reap, args=(proc,), name="dtypeaudit-reap", daemon=True).start()
             else:
                 proc.kill()
                 proc.wait()
@@ -480,6 +482,15 @@ class Writeback:
 
 
 _datasync = getattr(os, "fdatasync", os.fsync)  # macOS and Windows have no fdatasync
+
+
+def _reap(proc: Any) -> None:
+    """Wait for a child that has answered every piece; one that has not exited in 30 s is killed."""
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _start_child(clamp: bool) -> Any:

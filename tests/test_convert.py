@@ -317,15 +317,24 @@ def test_interrupt_leaves_source_and_no_partial_output(tmp_path: Path, monkeypat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
 
 
-def test_verification_catches_a_wrong_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("path", ["compiled", "numpy"])
+def test_verification_catches_a_wrong_write(path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer's casts made wrong (verification recasts its samples with ``npcast.cast``, which neither patch
+    touches): on either path, the output is refused."""
+    from dtypeaudit import fused
     from dtypeaudit.npcast import NumpyCaster
 
     src = tmp_path / "m.pt"
     torch.save({"w": torch.randn(8)}, src)
-    real = NumpyCaster.__call__
-    monkeypatch.setattr(
-        NumpyCaster, "__call__", lambda self, x, looked=None: real(self, x, looked) + 1
-    )  # the writer's casts, not verification's
+    if path == "compiled":
+        if not fused.available():
+            pytest.skip("the compiled loop is not built here")
+        real_fused = fused.FusedCast.__call__
+        monkeypatch.setattr(fused.FusedCast, "__call__", lambda self, x, stats=None: bytes(b ^ 1 for b in real_fused(self, x, stats)))
+    else:
+        monkeypatch.setenv("DTYPEAUDIT_NO_FUSED", "1")
+        real = NumpyCaster.__call__
+        monkeypatch.setattr(NumpyCaster, "__call__", lambda self, x, looked=None: real(self, x, looked) + 1)
     with pytest.raises(ConversionError, match="differs from torch's cast of the source"):
         convert(src, "fp16")
     assert not (tmp_path / "m.fp16.pt").exists()

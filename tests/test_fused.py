@@ -187,6 +187,30 @@ def test_the_baseline_loop_gives_the_same_bytes_and_figures(tmp_path: Path, monk
             assert fused_path(x, len(x), target) == numpy_path(x, target), (target, name)
 
 
+@needs_fused
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="builds a loop with this Python's own compiler command")
+def test_a_build_that_rounds_otherwise_is_not_used(tmp_path: Path) -> None:
+    """-ffast-math from a user's CFLAGS (setup.py's flags now override it) turns the relative error's division into
+    a multiplication by a reciprocal: the probe catches that build and numpy's path runs instead. In a child process:
+    such a library also turns on flush-to-zero for every process that loads it."""
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()
+    source = Path(fused.__file__).with_name("fused_kernel.c")
+    built = tmp_path / f"fused_kernel{sysconfig.get_config_var('EXT_SUFFIX')}"
+    include = f"-I{sysconfig.get_paths()['include']}"
+    subprocess.run([*compiler, "-O3", "-ffast-math", "-shared", "-fPIC", include, str(source), "-o", str(built)], check=True)
+    code = (
+        "import importlib.util, sys\n"
+        "from dtypeaudit import fused\n"
+        "assert fused.available()\n"  # the installed build passes
+        f"spec = importlib.util.spec_from_file_location('fused_kernel', {str(built)!r})\n"
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+        "fused.kernel = module; fused._sound.cache_clear()\n"
+        "print(fused.available())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
+
+
 def test_the_compiled_pass_needs_no_numpy() -> None:
     """A conversion's first bytes go out before numpy is imported (a tenth of a second of every run)."""
     code = (
@@ -207,3 +231,4 @@ def test_it_is_built_wherever_a_c_compiler_is() -> None:
     if shutil.which(compiler) is None or os.name == "nt":
         pytest.skip(f"no C compiler ({compiler}) here: the numpy path is the one in use")
     assert fused.kernel is not None, "dtypeaudit/fused_kernel.c was not built: reinstall (pip install -e .) and read the build log"
+    assert fused.available(), "the built loop fails its probe (fused._EXPECTED): it rounds otherwise than torch"
