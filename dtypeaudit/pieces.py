@@ -270,17 +270,26 @@ class Workers:
             self._maker.close()
         if self._disk is not None:
             self._disk.close()
+        if exc[0] is None:
+            self.retire_child()
+            return
         proc, self._proc = self._proc, None
         if proc is not None:
-            try:
-                proc.stdin.close()
-            except OSError:
-                pass
-            if exc[0] is None:  # it has answered every piece: it exits by itself, reaped off this thread
-                threading.Thread(target=_reap, args=(proc,), name="dtypeaudit-reap", daemon=True).start()
-            else:
-                proc.kill()
-                proc.wait()
+            proc.kill()
+            proc.wait()
+
+    def retire_child(self) -> None:
+        """Let the child go now, when no more pieces are in sight (a file is written, verification comes next): it
+        exits while this process goes on, and is waited for on a thread that the interpreter joins at its exit, so
+        its CPU time is this process's and none is left running. A later run starts another if it needs one."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+        threading.Thread(target=_reap, args=(proc,), name="dtypeaudit-reap").start()
 
     def run(
         self, jobs: list[Job], *, progress: Callable[[int], None] | None = None, meanwhile: Callable[[], object] | None = None
@@ -296,7 +305,7 @@ class Workers:
         made: dict[int, Made] = {}
         lock = threading.Lock()
         feeder = None
-        if self._proc is None and self.child and sum(job.length for job in jobs) >= CHILD_MIN_BYTES:
+        if self._proc is None and self.child and queue and sum(job.length for job in jobs) >= CHILD_MIN_BYTES:
             self._proc = _start_child(self.clamp)
             self.child = self._proc is not None  # one that cannot start is not tried again
         if self._proc is not None:

@@ -8,7 +8,6 @@ Memory stays bounded by a chunk (a tensor, for non-contiguous views into safeten
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -278,7 +277,6 @@ def _written_while_checking(
     notes = list(plan.notes)  # a writer's notes (ties kept as aliases) belong to an output that is kept
     checks = ValueChecks(plan, sources)
     plan.values = checks.results
-    _import_numpy_meanwhile()
     try:
         with workers_for(plan, sources, checks, child=True) as workers:
             try:
@@ -302,20 +300,6 @@ def _written_while_checking(
         raise deferred[0]
     pending.close()  # fsync and rename into place
     return True
-
-
-def _import_numpy_meanwhile() -> None:
-    """Import numpy on a thread of its own while the output is made: the compiled pass needs none, and the disk
-    takes the bytes more slowly than both cores make them, but verification's recast samples do (a tenth of a
-    second after the last byte, otherwise)."""
-
-    def load() -> None:
-        try:
-            import numpy  # noqa: F401
-        except ImportError:  # a dependency; should it be missing, verification says so itself
-            pass
-
-    threading.Thread(target=load, name="dtypeaudit-numpy", daemon=True).start()
 
 
 @contextmanager
@@ -353,6 +337,8 @@ def _written_and_verified(
                     workers=workers,
                 )
             )
+            if workers is not None:
+                workers.retire_child()
             yield
     else:
         ((label, src),) = sources.items()
@@ -367,6 +353,8 @@ def _written_and_verified(
                 materialize_ties=materialize_ties,
                 workers=workers,
             )
+            if workers is not None:  # every piece is made: the child exits while this process verifies
+                workers.retire_child()
             with flushing(tmp):
                 verify_written(tmp, record)
             records[dest.name] = record
