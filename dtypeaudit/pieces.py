@@ -289,7 +289,9 @@ class Workers:
             proc.stdin.close()
         except OSError:
             pass
-        threading.Thread(target=_reap, args=(proc,), name="dtypeaudit-reap").start()
+        reaper = threading.Thread(target=_reap, args=(proc,), name="dtypeaudit-reap")
+        reaper.start()
+        _REAPERS[:] = [t for t in _REAPERS if t.is_alive()] + [reaper]
 
     def run(
         self, jobs: list[Job], *, progress: Callable[[int], None] | None = None, meanwhile: Callable[[], object] | None = None
@@ -493,6 +495,17 @@ class Writeback:
 _datasync = getattr(os, "fdatasync", os.fsync)  # macOS and Windows have no fdatasync
 
 
+_REAPERS: list[threading.Thread] = []
+"""The threads waiting for children let go (``Workers.retire_child``), while they wait."""
+
+
+def wait_for_children() -> None:
+    """Wait until every child let go is reaped: for a process about to leave with ``os._exit``, which waits for no
+    thread (the CLI after torch was loaded, ``cli_commands.leave_fast_after_torch``)."""
+    for reaper in list(_REAPERS):
+        reaper.join()
+
+
 def _reap(proc: Any) -> None:
     """Wait for a child that has answered every piece; one that has not exited in 30 s is killed."""
     try:
@@ -500,6 +513,8 @@ def _reap(proc: Any) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def _start_child(clamp: bool) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -377,3 +378,30 @@ def test_a_child_reply_that_cannot_be_read_leaves_its_piece_to_this_process(tmp_
     result = convert(src, "fp16", dry_run=True)
     assert {s.name: s for s in result.plan.values.values()}["w"].numel == 5 << 20
     assert [vars(s) for s in result.plan.values.values()] == [vars(s) for s in alone.plan.values.values()]
+
+
+def test_a_child_let_go_is_reaped_and_another_starts_when_needed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``retire_child`` lets the child exit while this process goes on (verification); ``wait_for_children`` (what the
+    CLI calls before ``os._exit``) returns once it is reaped, its pipes closed. A later run starts a new child."""
+    src = tmp_path / "x.bin"
+    src.write_bytes(np.random.default_rng(1).standard_normal(1 << 20).astype(np.float32).tobytes())
+    started: list[Any] = []
+    real_start = pieces._start_child
+    monkeypatch.setattr(pieces, "_start_child", lambda clamp: started.append(real_start(clamp)) or started[-1])
+    monkeypatch.setattr(pieces, "CHILD_MIN_BYTES", 0)
+    monkeypatch.setattr(pieces, "PIECE_ELEMENTS", pieces.CHUNK_ELEMENTS)
+    stats = {"x": values.ValueStats("x", "float32", "float16")}
+    job = pieces.Job(str(src), 0, 4 << 20, "float32", "float16", unit="x")
+    view, unmap = pieces.mapped_view()
+    try:
+        with pieces.Workers(clamp=False, view=view, checks=stats, child=True) as workers:
+            workers.run([job])
+            workers.retire_child()
+            pieces.wait_for_children()
+            assert len(started) == 1 and started[0].returncode == 0 and started[0].stdout.closed
+            workers.run([job])
+        pieces.wait_for_children()
+    finally:
+        unmap()
+    assert len(started) == 2 and started[1].returncode == 0
+    assert stats["x"].numel == 2 << 20  # both runs folded

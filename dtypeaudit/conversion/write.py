@@ -76,7 +76,10 @@ def make_records(records: list[Record], out: Path, plan: Plan, workers: Workers 
             source = str(r.src.path)
             unit = workers.unit_of(source, r.span.offset, r.span.length)
             jobs.append(Job(source, r.span.offset, r.span.length, r.dtype, r.target, str(out), r.out_offset, unit))
-        for i, crc in zip(numpy_made, workers.run(jobs, progress=progress, meanwhile=_import_numpy_meanwhile), strict=True):
+        # verification's recast samples need numpy for every cast record (not for copies): it is imported meanwhile
+        casts = any(records[i].dtype != records[i].target for i in numpy_made)
+        meanwhile = _import_numpy_meanwhile if casts else None
+        for i, crc in zip(numpy_made, workers.run(jobs, progress=progress, meanwhile=meanwhile), strict=True):
             crcs[i] = crc
     return crcs
 
@@ -85,14 +88,15 @@ def _import_numpy_meanwhile() -> None:
     """Import numpy on a thread of its own once the pieces are being made: the compiled pass needs none, and the
     disk takes the bytes more slowly than both cores make them, but verification's recast samples do (otherwise a
     tenth of a second after the last byte). Not sooner: while this process lays the output out, the import would
-    take the interpreter from it (70 ms later to the first byte, measured)."""
+    take the interpreter from it (70 ms later to the first byte, measured). Only when some record is cast, so that
+    verification itself waits for this import before the conversion returns (a fork meanwhile would copy its lock)."""
     if "numpy" in sys.modules:
         return
 
     def load() -> None:
         try:
             import numpy  # noqa: F401
-        except ImportError:  # a dependency; should it be missing, verification says so itself
+        except Exception:  # a dependency; should it fail to import, verification says so itself, on its own thread
             pass
 
     threading.Thread(target=load, name="dtypeaudit-numpy", daemon=True).start()
