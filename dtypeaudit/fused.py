@@ -91,16 +91,13 @@ class FusedCast:
         out = self._out[: 2 * n]
         nonzero, nonfinite, overflow, underflow, subnormal, top, error, relative = kernel.fold_cast(view, out, self.target == "bfloat16")
         if stats is not None and n:  # an empty chunk leaves the figures as they were, as ValueCheck.fold does
-            stats.numel += n
-            stats.nonzero += nonzero
-            stats.nonfinite += nonfinite
-            stats.overflow += overflow
-            stats.underflow += underflow
-            stats.subnormal += subnormal
-            stats.max_abs = max(stats.max_abs, _float32(top))
-            stats.max_abs_error = max(stats.max_abs_error, error)
-            stats.max_rel_error = max(stats.max_rel_error, relative)
-            stats.errors_measured = True
+            # this chunk's figures, combined as any two parts of the same values are (ValueStats.merge)
+            part = ValueStats(
+                "", "float32", self.target, numel=n, nonzero=nonzero, nonfinite=nonfinite, overflow=overflow,
+                underflow=underflow, subnormal=subnormal, max_abs=_float32(top), max_abs_error=error,
+                max_rel_error=relative, errors_measured=True,
+            )  # fmt: skip
+            stats.merge(part)
         return out
 
 

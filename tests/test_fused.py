@@ -167,16 +167,22 @@ def test_a_conversion_gives_the_same_output_and_report_either_way(tmp_path: Path
     assert any(v["underflow"] for v in fast_values)  # the moments: the range counts were exercised
 
 
+def build_loop(where: Path, *flags: str) -> Path:
+    """fused_kernel.c built into ``where`` with this Python's own compiler command and ``flags``."""
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()
+    source = Path(fused.__file__).with_name("fused_kernel.c")
+    built = where / f"fused_kernel{sysconfig.get_config_var('EXT_SUFFIX')}"
+    include = f"-I{sysconfig.get_paths()['include']}"
+    subprocess.run([*compiler, "-O3", *flags, "-shared", "-fPIC", include, str(source), "-o", str(built)], check=True)
+    return built
+
+
 @needs_fused
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="builds the baseline loop with this Python's own compiler command")
 def test_the_baseline_loop_gives_the_same_bytes_and_figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the CPU has AVX2 the installed module runs its AVX2 clone; the baseline loop (SSE2 on x86-64, what
     other CPUs run) is built here on its own and held to the numpy path as well."""
-    compiler = (sysconfig.get_config_var("CC") or "cc").split()
-    source = Path(fused.__file__).with_name("fused_kernel.c")
-    built = tmp_path / f"fused_kernel{sysconfig.get_config_var('EXT_SUFFIX')}"
-    include = f"-I{sysconfig.get_paths()['include']}"
-    subprocess.run([*compiler, "-O3", "-shared", "-fPIC", "-DFUSED_BASELINE_ONLY", include, str(source), "-o", str(built)], check=True)
+    built = build_loop(tmp_path, "-DFUSED_BASELINE_ONLY")
     spec = importlib.util.spec_from_file_location("fused_kernel", built)
     assert spec is not None and spec.loader is not None
     baseline = importlib.util.module_from_spec(spec)
@@ -193,11 +199,7 @@ def test_a_build_that_rounds_otherwise_is_not_used(tmp_path: Path) -> None:
     """-ffast-math from a user's CFLAGS (setup.py's flags now override it) turns the relative error's division into
     a multiplication by a reciprocal: the probe catches that build and numpy's path runs instead. In a child process:
     such a library also turns on flush-to-zero for every process that loads it."""
-    compiler = (sysconfig.get_config_var("CC") or "cc").split()
-    source = Path(fused.__file__).with_name("fused_kernel.c")
-    built = tmp_path / f"fused_kernel{sysconfig.get_config_var('EXT_SUFFIX')}"
-    include = f"-I{sysconfig.get_paths()['include']}"
-    subprocess.run([*compiler, "-O3", "-ffast-math", "-shared", "-fPIC", include, str(source), "-o", str(built)], check=True)
+    built = build_loop(tmp_path, "-ffast-math")
     code = (
         "import importlib.util, sys\n"
         "from dtypeaudit import fused\n"

@@ -723,6 +723,15 @@ def test_malformed_pickles_and_zips_raise_only_checkpoint_errors(tmp_path: Path)
     assert refused > 100
 
 
+def scanned_as_our_bug(target: Path, bug: type) -> Any:
+    """``scan TARGET`` run as a user runs it, when a bug of ours (``bug("a bug of ours")``) was raised inside:
+    exit 3, an internal error naming it. Returns the finished process."""
+    proc = run_cli("scan", str(target), "--format", "json")
+    assert proc.returncode == 3, proc.stderr
+    assert f"internal error: {bug.__name__}: a bug of ours" in proc.stderr
+    return proc
+
+
 @pytest.mark.parametrize("bug", [TypeError, ValueError])
 def test_a_bug_in_reading_a_first_pickle_is_not_a_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bug: type) -> None:
     from dtypeaudit.formats import picklevm
@@ -741,9 +750,7 @@ def test_a_bug_in_reading_a_first_pickle_is_not_a_verdict(tmp_path: Path, monkey
     monkeypatch.setattr(picklevm.PickleVM, "load", load)
     with pytest.raises(bug, match="a bug of ours"):
         sniff_kind(path)
-    proc = run_cli("scan", str(path), "--format", "json")
-    assert proc.returncode == 3, proc.stderr
-    assert f"internal error: {bug.__name__}: a bug of ours" in proc.stderr and proc.stdout == ""
+    assert scanned_as_our_bug(path, bug).stdout == ""
 
 
 @pytest.mark.parametrize("bug", [TypeError, AttributeError])
@@ -765,9 +772,7 @@ def test_a_bug_in_looking_into_a_walked_zip_is_not_a_verdict(tmp_path: Path, mon
     monkeypatch.setattr(ZipArchive, "pickle_entries", pickle_entries)
     with pytest.raises(bug, match="a bug of ours"):
         leave_out_reason(folder / "weights.bin")
-    proc = run_cli("scan", str(folder), "--format", "json")
-    assert proc.returncode == 3, proc.stderr
-    assert f"internal error: {bug.__name__}: a bug of ours" in proc.stderr and proc.stdout == ""
+    assert scanned_as_our_bug(folder, bug).stdout == ""
 
 
 @pytest.mark.parametrize("bug", [TypeError, ValueError])
@@ -788,6 +793,4 @@ def test_a_bug_under_tarfile_is_not_a_verdict(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(source.SourceFile, "read", read)
     with pytest.raises(bug, match="a bug of ours"):
         sniff_kind(path)
-    proc = run_cli("scan", str(path), "--format", "json")
-    assert proc.returncode == 3, proc.stderr
-    assert f"internal error: {bug.__name__}: a bug of ours" in proc.stderr
+    scanned_as_our_bug(path, bug)
