@@ -1,9 +1,10 @@
 """The temporaries ``convert`` writes beside its output, named so that a later run can tell a dead one.
 
 ``atomic_output`` writes ``.NAME.dtypeaudit-HOST-PID.tmp`` beside ``NAME`` (and ``.old`` while a directory is
-swapped). A run killed with SIGKILL cannot remove its own; the next run in that directory removes those of
-processes that no longer exist on this host, and scans pass every one of them over with a note. A temporary
-of another host (a shared filesystem) or of a live process is left alone.
+swapped where the kernel cannot exchange two names in one step). A run killed with SIGKILL cannot remove its
+own; the next run in that directory removes those of processes that no longer exist on this host (or renames
+back a ``.old`` that is the only copy), and scans pass every one of them over with a note. A temporary of
+another host (a shared filesystem) or of a live process is left alone.
 """
 
 from __future__ import annotations
@@ -70,15 +71,33 @@ def is_stale(t: Temporary) -> bool:
 
 
 def remove_stale(directory: Path) -> list[Path]:
-    """Remove the temporaries that dead runs left in ``directory``; the paths removed, each logged on stderr."""
+    """Tidy what dead runs left in ``directory``; the paths removed, each logged on stderr.
+
+    A ``.old`` is the previous output that a directory swap moved aside (``atomic.swap_into_place``). Where its
+    destination is missing, the run died between its two renames and the ``.old`` is the only copy, perhaps of
+    an ``--in-place`` source: it is renamed back, never removed. Everything else a dead run left is removed.
+    """
     removed = []
     try:
         entries = list(directory.iterdir())
     except OSError:
         return []
-    for entry in entries:
+    for entry in sorted(entries, key=lambda e: not e.name.endswith(".old")):  # restore before removing
         t = parse(entry.name)
         if t is None or not is_stale(t):
+            continue
+        dest = directory / t.dest
+        if entry.name.endswith(".old") and not (dest.exists() or dest.is_symlink()):
+            try:
+                os.rename(entry, dest)
+            except OSError:
+                continue
+            log.warning(
+                "dtypeaudit: restored %s from %s: a conversion ended between the two renames of its swap (process %d)",
+                dest,
+                entry.name,
+                t.pid,
+            )
             continue
         try:
             if entry.is_dir() and not entry.is_symlink():

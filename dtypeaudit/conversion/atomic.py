@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -72,17 +74,52 @@ def atomic_output(dest: Path, *, mode_from: Path | None, is_dir: bool = False) -
 
 
 def swap_into_place(tmp: Path, dest: Path) -> None:
-    """Rename the finished ``tmp`` (a file or a directory) to ``dest``, replacing what is there: a directory is
-    moved aside first and removed after (a rename cannot replace a non-empty directory), so that ``dest`` is
-    either the old output or the new one, never a mix. The one swap every conversion ends with."""
+    """Rename the finished ``tmp`` (a file or a directory) to ``dest``, replacing what is there, so that ``dest``
+    is either the old output or the new one, never a mix, and at no moment is the only copy of either under a
+    name that a cleanup removes. The one swap every conversion ends with.
+
+    A rename cannot replace a non-empty directory. Where the kernel can (Linux ``renameat2(RENAME_EXCHANGE)``),
+    the two directories trade names in one step and the old one, now at ``tmp``, is removed. Elsewhere the old
+    one is renamed aside to a ``.old`` temporary first; a run killed before the second rename leaves ``dest``
+    missing and the ``.old`` holding it, and ``temporaries.remove_stale`` then renames it back, never removes it.
+    """
     if tmp.is_dir() and dest.exists():
-        backup = temporary_path(dest, "old")
-        os.replace(dest, backup)
-        os.replace(tmp, dest)
-        shutil.rmtree(backup, ignore_errors=True)
+        if _exchange(tmp, dest):
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            backup = temporary_path(dest, "old")
+            os.replace(dest, backup)
+            os.replace(tmp, dest)
+            shutil.rmtree(backup, ignore_errors=True)
     else:
         os.replace(tmp, dest)
     _fsync_dir(dest.parent)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names of ``a`` and ``b`` atomically; False where this system or filesystem cannot (then nothing
+    moved). Linux 3.15+ with glibc 2.28+; ext4, xfs, btrfs and tmpfs support it, some network filesystems do not."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False  # not supported here: the two-rename fallback, which a later run can recover from
+    raise OSError(err, os.strerror(err), str(b))
 
 
 @contextmanager

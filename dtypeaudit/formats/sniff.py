@@ -317,6 +317,8 @@ def leave_out_reason(path: AnyPath) -> str | None:
     temp = temporaries.parse(path.name)
     if temp is not None:
         state = "left by a run that has ended" if temporaries.is_stale(temp) else "being written by a conversion"
+        if path.name.endswith(".old") and not (path.parent / temp.dest).exists():
+            state = f"that is the only copy of {temp.dest} (a conversion stopped during its swap; `mv` it back)"
         temporaries.log.warning("dtypeaudit: skipping %s: a temporary %s (process %d)", path, state, temp.pid)
         return f"a temporary {state} (process {temp.pid})"
     if path.suffix.lower() in _CHECKPOINT_SUFFIXES:

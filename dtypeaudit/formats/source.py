@@ -222,6 +222,15 @@ def missing_local_path(path: str) -> str:
             names = sorted(os.listdir(parent))
         except OSError:
             break
+        if depth == len(parts) - 1:
+            from ..temporaries import parse
+
+            moved = [n for n in names if n.endswith(".old") and (t := parse(n)) is not None and t.dest == wanted]
+            if moved:
+                return (
+                    f"no such file or directory: a conversion was stopped while it swapped this folder in, and the folder is "
+                    f"at {str(parent / moved[0])!r}: `mv` it back (a convert that writes into {str(parent)!r} does so too)"
+                )
         close = difflib.get_close_matches(wanted, names, n=1, cutoff=0.6)
         if close:
             return f"no such file or directory (did you mean {str(Path(*parts[:depth], close[0]))!r}?)"
