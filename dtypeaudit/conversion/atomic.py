@@ -31,6 +31,18 @@ def check_destination(source: Path, dest: Path, *, force: bool, in_place: bool) 
         raise ConversionError("output directory does not exist", path=str(dest.parent))
     if not os.access(dest.parent, os.W_OK):
         raise ConversionError("output directory is not writable", path=str(dest.parent))
+    real_source, real_dest = source.resolve(), dest.resolve()
+    if source.is_dir() and real_dest.is_relative_to(real_source) and real_dest != real_source:
+        raise ConversionError(
+            f"output is inside the source folder {str(source)!r}: the next scan or convert of the source would read it as "
+            "part of the model; choose an output outside it (-o)",
+            path=str(dest),
+        )
+    if real_source.is_relative_to(real_dest) and real_dest != real_source:
+        raise ConversionError(
+            "output would replace a folder that holds the source; choose another output (-o)",
+            path=str(dest),
+        )
     if dest.exists() or dest.is_symlink():
         same = dest.exists() and os.path.samefile(source, dest)
         if same and not in_place:
