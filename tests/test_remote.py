@@ -512,3 +512,52 @@ def test_debug_tracebacks_show_no_credential(web: tuple[str, type[RangeHandler]]
     proc = run_cli("scan", f"{base}/error500/cnn.pt?token={URL_TOKEN}", "--debug", env={"DTYPEAUDIT_REMOTE_RETRIES": "1"})
     assert proc.returncode == 2 and "Traceback" in proc.stderr and "HTTP 500" in proc.stderr
     assert URL_TOKEN not in proc.stderr and URL_TOKEN not in proc.stdout
+
+
+def test_a_dead_s3_endpoint_is_tried_only_by_our_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """botocore and s3fs each retry a failed connection themselves (5 attempts each, with backoff up to 20 s), under
+    remote_call's own tries: a server that closed every connection took 150 connections and 114 s to report. Now
+    only remote_call retries: the connections grow with DTYPEAUDIT_REMOTE_RETRIES alone."""
+    import socket
+    import threading
+
+    from s3fs import S3FileSystem
+
+    from dtypeaudit.formats.remote import RemoteError, forget
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    accepted = [0]
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            accepted[0] += 1
+            conn.close()  # a server that dies on every request
+
+    threading.Thread(target=serve, daemon=True).start()
+    port = server.getsockname()[1]
+    for name, value in {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    counts = []
+    try:
+        for tries in (1, 2):
+            monkeypatch.setenv("DTYPEAUDIT_REMOTE_RETRIES", str(tries))
+            forget()
+            S3FileSystem.clear_instance_cache()  # fsspec keeps one per set of arguments: an earlier test's, on moto
+            accepted[0] = 0
+            with pytest.raises(RemoteError) as err:
+                read_checkpoint(f"s3://bucket-{tries}/model.safetensors")
+            assert "cannot connect" in err.value.one_line() and SECRET_KEY not in err.value.one_line()
+            counts.append(accepted[0])
+    finally:
+        server.close()
+        forget()
+        S3FileSystem.clear_instance_cache()
+    assert 1 <= counts[0] <= 4  # the few requests one look-up of a missing object makes, each once
+    assert counts[1] == 2 * counts[0]

@@ -865,16 +865,25 @@ def forget() -> None:
         _REMOTE_FS.clear()
 
 
-def _defaults(protocol: str) -> dict[str, Any]:
-    """Timeouts for the backends that wait minutes by default, unless fsspec's own config sets them."""
+def fsspec_config(protocol: str) -> dict[str, Any]:
+    """What fsspec's own config (``FSSPEC_S3_*`` variables, ``~/.config/fsspec``) sets for ``protocol``."""
     try:
         import fsspec.config  # type: ignore[import-untyped]
     except ImportError:
         return {}
-    configured = fsspec.config.conf.get(protocol, {})
+    return dict(fsspec.config.conf.get(protocol, {}))
+
+
+def _defaults(protocol: str) -> dict[str, Any]:
+    """Timeouts for the backends that wait minutes by default, unless fsspec's own config sets them."""
+    configured = fsspec_config(protocol)
     t = timeout()
-    if protocol == "s3" and "config_kwargs" not in configured:
-        return {"config_kwargs": {"connect_timeout": t, "read_timeout": t}}
+    if protocol in ("s3", "s3a") and "config_kwargs" not in configured:
+        # botocore retries a failed connection itself (legacy mode: 5 attempts, backoff up to 20 s), and s3fs retries
+        # botocore (5 more, `S3FileSystem.retries`), all under remote_call's 3 tries: a server that closed every
+        # connection took 150 connections and 114 s to report. One attempt each (s3fs's: `filesystem`), so
+        # remote_call's retries are the only ones.
+        return {"config_kwargs": {"connect_timeout": t, "read_timeout": t, "retries": {"mode": "standard", "max_attempts": 1}}}
     if protocol in ("http", "https") and "client_kwargs" not in configured:
         import aiohttp
 
@@ -900,4 +909,6 @@ def filesystem(url: str) -> tuple[Any, str]:
         if "Protocol not known" in str(exc) or "not known" in str(exc):
             raise UsageError(f"{shown}: no fsspec filesystem is registered for '{protocol}://'") from None
         raise CheckpointError(f"cannot open ({_short(exc)})", path=shown) from None
+    if protocol in ("s3", "s3a") and "retries" not in fsspec_config(protocol):
+        fs.retries = 1  # a class attribute of S3FileSystem, no argument: see _defaults
     return fs, path
