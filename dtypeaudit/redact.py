@@ -35,7 +35,8 @@ _MIN_SECRET = 8
 
 
 def redact_url(url: str) -> str:
-    """``url`` without userinfo, and with every query value but a version's masked."""
+    """``url`` without userinfo, and with every query value but a version's masked (and those noted: ``remember``)."""
+    remember(url)
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
@@ -64,6 +65,33 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{authority}{tail}"
 
 
+_GIVEN: set[str] = set()
+"""Credentials read from the URLs this process was given: a backend quotes them outside any URL too (botocore
+names the bucket of ``s3://KEY:SECRET@bucket`` as ``KEY:SECRET@bucket`` in its error), so they are masked as
+values, like the environment's."""
+_MIN_GIVEN = 4
+
+
+def remember(url: str) -> None:
+    """Note the userinfo and query values of ``url``, so that ``redact`` masks them wherever they appear."""
+    from urllib.parse import unquote
+
+    _scheme, sep, rest = url.partition("://")
+    if not sep:
+        return
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    parts = authority.rsplit("@", 1)[0].split(":", 1) if "@" in authority else []
+    query = rest.partition("?")[2].partition("#")[0]
+    for part in re.split(r"[&;]", query):
+        key, eq, value = part.partition("=")
+        if eq and key.lower() not in _HARMLESS:
+            parts.append(value)
+    for value in parts:
+        for form in (value, unquote(value)):
+            if len(form) >= _MIN_GIVEN:
+                _GIVEN.add(form)
+
+
 def _redact_match(m: re.Match[str]) -> str:
     url = m.group(0)
     core = url.rstrip(".,;:!?")  # the sentence's punctuation, not the URL's
@@ -72,11 +100,12 @@ def _redact_match(m: re.Match[str]) -> str:
 
 def _secrets() -> list[str]:
     values = [os.environ.get(name, "") for name in _SECRET_VARS]
-    return sorted({v for v in values if len(v) >= _MIN_SECRET}, key=len, reverse=True)
+    return sorted({v for v in values if len(v) >= _MIN_SECRET} | _GIVEN, key=len, reverse=True)
 
 
 def redact(text: str) -> str:
-    """``text`` with every URL in it redacted (``redact_url``) and every credential value of the environment masked."""
+    """``text`` with every URL in it redacted (``redact_url``), and every credential value of the environment and of
+    the URLs seen so far masked."""
     if "://" in text:
         text = _URL.sub(_redact_match, text)
     for secret in _secrets():

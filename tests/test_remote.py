@@ -561,3 +561,19 @@ def test_a_dead_s3_endpoint_is_tried_only_by_our_retries(monkeypatch: pytest.Mon
         S3FileSystem.clear_instance_cache()
     assert 1 <= counts[0] <= 4  # the few requests one look-up of a missing object makes, each once
     assert counts[1] == 2 * counts[0]
+
+
+def test_debug_output_masks_the_credentials_of_a_url_wherever_a_backend_quotes_them() -> None:
+    """botocore's error names the bucket of ``s3://KEY:SECRET@bucket`` as ``KEY:SECRET@bucket``, outside any URL:
+    --debug printed the secret in the traceback."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    key, secret = "AKIAEXAMPLEKEY01", "wJalrXUtnFEMI-never-printed"
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{closed}", "AWS_DEFAULT_REGION": "us-east-1", "DTYPEAUDIT_REMOTE_RETRIES": "1"}
+    proc = run_cli("scan", f"s3://{key}:{secret}@bucket/model.safetensors", "--debug", env=env, process=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" in proc.stderr and "REDACTED" in proc.stderr
+    assert secret not in proc.stdout + proc.stderr and key not in proc.stdout + proc.stderr

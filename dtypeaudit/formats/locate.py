@@ -127,6 +127,9 @@ def parse_target(text: str, *, models: bool = True) -> TargetRef:
         if looks_like_factory(text):
             return TargetRef(text, TargetKind.FACTORY)
     if is_url(text):
+        from ..redact import remember
+
+        remember(text)  # before any backend can quote its credentials
         if text.lower().startswith("file://"):
             return replace(path_target(Path(unquote(urlsplit(text).path)), text), file_url=True)
         if text.lower().startswith("hf://"):
