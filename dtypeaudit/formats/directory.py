@@ -400,6 +400,8 @@ def walk_files(
                     skip(p, "not a regular file (a FIFO, socket or device)")
             except OSError as exc:
                 skip(p, f"cannot be looked at ({exc.strerror or exc})")
+            except RuntimeError:  # pathlib's resolve() on Python < 3.13 raises this for a link loop, not an OSError
+                yield p  # bad input, not ours to pass over: reading it says so (source.missing_local_path), exit 2
         stack.extend(reversed(subdirs))
 
 
@@ -440,6 +442,15 @@ def _as_companion(finding: Finding, label: str) -> Finding:
     return replace(finding, file=f"{label}/{finding.file}" if finding.file else label, message=message)
 
 
+def _resolved(p: AnyPath) -> AnyPath:
+    """``p.resolve()``, or ``p`` itself for a link loop (pathlib raises RuntimeError before Python 3.13): reading
+    it then says what it is."""
+    try:
+        return p.resolve()
+    except RuntimeError:
+        return p
+
+
 def companions(
     path: AnyPath,
     used: set[Any],
@@ -460,7 +471,7 @@ def companions(
     walked = list(walk_files(path, on_skip=lambda p, why: left.append((_relative(p, path), why))))
     to_read: list[AnyPath] = []
     for p in walked:
-        if p.resolve() in used:  # a blob the loader reads through a link is read with the model
+        if _resolved(p) in used:  # a blob the loader reads through a link is read with the model
             continue
         label = _relative(p, path)
         pattern = excluded_by(label, exclude)

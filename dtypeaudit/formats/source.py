@@ -11,6 +11,7 @@ every source opened inside it.
 from __future__ import annotations
 
 import contextvars
+import errno
 import mmap
 import os
 import stat as stat_mod
@@ -212,6 +213,11 @@ def missing_local_path(path: str) -> str:
     import difflib
 
     p = Path(path)
+    try:
+        os.stat(p)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symbolic link loop (the link leads back to itself)"
     parts = p.parts
     for depth in range(len(parts) - 1, -1, -1):
         parent = Path(*parts[:depth]) if depth else Path(".")
