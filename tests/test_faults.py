@@ -46,3 +46,19 @@ def test_a_link_loop_beside_a_model_folders_weights(tmp_path: Path) -> None:
     ok = run_cli("scan", str(tmp_path), "-f", "json", "--exclude", "extra.bin", process=True)
     assert ok.returncode == 0, ok.stderr
     assert [t["name"] for t in json.loads(ok.stdout)["checkpoints"][0]["tensors"]] == ["w"]
+
+
+def test_one_json_cap_for_every_reader_of_config_json(tmp_path: Path) -> None:
+    """A config.json over the 64 MiB cap is refused before anything parses it: by the folder's reader (it was taken
+    for no config at all, so the verdict was not about the model from_pretrained builds) and before transformers
+    parses it for --model (a 200 MB one took 47 s and 2.8 GB)."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2, 2)}, str(tmp_path / "model.safetensors"))
+    config = {"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 10, "n_positions": 8}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "padding": "x" * (64 << 20)}))
+    why = f"{tmp_path / 'config.json'}: JSON file is over the 64 MiB cap"
+    for args in (("scan", str(tmp_path)), ("scan", str(tmp_path / "model.safetensors"), "--model", str(tmp_path))):
+        r = run_cli(*args, "-q", process=True)
+        assert r.returncode == 2, (args, r.stderr)
+        assert r.stderr.strip().splitlines() == [f"dtypeaudit: error: {why}"], args

@@ -98,6 +98,12 @@ def documents_under(folder: AnyPath, parsed: Mapping[str, _Document]) -> dict[st
     return {key[len(prefix) :]: doc for key, doc in parsed.items() if key.startswith(prefix)}
 
 
+def within_json_cap(path: AnyPath) -> None:
+    """Refuse a JSON file over the cap before anything parses it (ours, or transformers' for ``--model``)."""
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise LimitExceeded("JSON file is over the 64 MiB cap", path=str(path))
+
+
 def _parse(path: AnyPath) -> _Document:
     cache = _DOCUMENTS.get()
     known = cache.get(str(path)) if cache is not None else None
@@ -106,8 +112,7 @@ def _parse(path: AnyPath) -> _Document:
             source.count_read(source.current_meter(), known.size)
             cache[str(path)] = known = replace(known, carried=False)
         return known
-    if path.stat().st_size > MAX_JSON_BYTES:
-        raise LimitExceeded("JSON file is over the 64 MiB cap", path=str(path))
+    within_json_cap(path)
     repeated: list[str] = []
 
     def last_wins(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -212,14 +217,14 @@ class Resolution:
 
 def _config(path: AnyPath) -> dict[str, Any]:
     """config.json as from_pretrained reads it: ``json.loads``, so a key given twice keeps its last value;
-    {} where there is none or it does not parse."""
+    {} where there is none or it does not parse; refused over the JSON cap."""
     config = path / "config.json"
     if not config.is_file():
         return {}
     try:
         cfg = _parse(config).value
-    except RemoteError:
-        raise
+    except (RemoteError, LimitExceeded):
+        raise  # over the cap: from_pretrained would read it, so a verdict without it would not be about its model
     except (CheckpointError, OSError, UnicodeDecodeError, json.JSONDecodeError):
         return {}
     return cfg if isinstance(cfg, dict) else {}
