@@ -105,6 +105,7 @@ FailOn = Annotated[
     ),
 ]
 Debug = Annotated[bool, typer.Option("--debug", help="Show Python tracebacks for errors.")]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="List every tensor and every detail.")]
 Cluster = Annotated[
     Optional[str],
     typer.Option(
@@ -219,7 +220,7 @@ def scan(
             metavar="GLOB",
         ),
     ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every tensor and every detail.")] = False,
+    verbose: Verbose = False,
     quiet: Annotated[
         bool,
         typer.Option(
@@ -484,7 +485,7 @@ def convert(
     cluster: Cluster = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Replace the source itself (atomically).")] = False,
     fmt: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every tensor and every detail.")] = False,
+    verbose: Verbose = False,
     debug: Debug = False,
 ) -> int:
     """Rewrite a checkpoint in fp16, bf16 or fp32, keeping every non-tensor byte, ties and views.
