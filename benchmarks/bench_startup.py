@@ -5,12 +5,11 @@ light install (no torch), plus picklescan, which needs nothing else. A small ``t
 tensors) is written with this interpreter's torch. Then, as whole processes, interleaved over ``--repeat``
 rounds (each round in a rotated order, so that no command always runs first): ``python -c pass`` (the floor),
 ``picklescan -p small.pt``, ``python -c 'import typer'`` (Typer alone), ``dtypeaudit --version``,
-``dtypeaudit scan small.pt -f plain``, ``-f json`` (both run by the light interpreter, cli_parse.py, without Typer),
-the same scan through the Typer app (what a line the light interpreter declines costs), and the same scan and plain
-report run without any command line (``pipeline.scan`` and the plain renderer). Median wall and CPU (user +
-system) time, and each command's ratio to picklescan in the same round (median over rounds). The load average
-is printed next to the figures: on a loaded machine, trust the ratios and the CPU times over the wall times.
-Target (issue 18): ``scan -f plain`` at most 1.0x picklescan.
+``dtypeaudit scan small.pt -f plain`` and ``-f json`` (the Typer app, as every command line), and the same scan and
+plain report run without any command line (``pipeline.scan`` and the plain renderer: what the CLI framework costs).
+Median wall and CPU (user + system) time, and each command's ratio to picklescan in the same round (median over
+rounds). The load average is printed next to the figures: on a loaded machine, trust the ratios and the CPU times
+over the wall times. Target (issue 28): ``scan -f plain`` through Typer at most 1.5x picklescan.
 
     python benchmarks/bench_startup.py                    # 30 rounds
     python benchmarks/bench_startup.py --imports 15       # and where a scan's imports go (median -X importtime)
@@ -254,16 +253,14 @@ def dtypeaudit_commands(venv: Path, small: Path, suffix: str = "") -> dict[str, 
 STDLIB_OF_A_SCAN = "import re, enum, typing, pathlib, dataclasses, json, struct, pickle, contextvars, threading, mmap, glob, fnmatch"
 SPLIT = {
     "the standard library a scan uses": ["-c", STDLIB_OF_A_SCAN],
-    "import dtypeaudit.cli_parse, dtypeaudit.cli_commands (the light path)": ["-c", "import dtypeaudit.cli_parse, dtypeaudit.cli_commands"],
+    "import typer": ["-c", "import typer"],
     "import dtypeaudit.cli (Typer included)": ["-c", "import dtypeaudit.cli"],
     "+ build the scan command": [
         "-c",
         "import dtypeaudit.cli as c, typer.main; c.only_the_invoked_command(['scan']); typer.main.get_command(c.app)",
     ],
-    "import dtypeaudit.pipeline, dtypeaudit.render.plain": ["-c", "import dtypeaudit.pipeline, dtypeaudit.render.plain"],
+    "import dtypeaudit.pipeline, dtypeaudit.render.text": ["-c", "import dtypeaudit.pipeline, dtypeaudit.render.text"],
 }
-
-TYPER_SCAN = "import sys; from dtypeaudit.cli import main; sys.argv[0] = 'dtypeaudit'; main()"
 
 NO_CLI_SCAN = (
     "import sys; from dtypeaudit.pipeline import scan; from dtypeaudit.render import OutputFormat, renderer_for; "
@@ -291,8 +288,6 @@ def main() -> None:
         "python -c 'import typer'": [py, "-c", "import typer"],  # the part of the budget the CLI framework alone takes
         # the same scan and plain report without the command line (no Typer): what the CLI framework costs a scan
         "scan small.pt -f plain, no CLI": [py, "-c", NO_CLI_SCAN, str(small)],
-        # the Typer app, as a line the light interpreter leaves to it runs
-        "scan small.pt -f plain, through Typer": [py, "-c", TYPER_SCAN, "scan", str(small), "-f", "plain"],
         **dtypeaudit_commands(venv, small),
     }
     if args.split:
@@ -318,8 +313,8 @@ def main() -> None:
     pairs = list(zip(runs["dtypeaudit scan small.pt -f plain"], runs["picklescan -p small.pt"], strict=True))
     wall = statistics.median(r.wall_s / p.wall_s for r, p in pairs)
     cpu = statistics.median(r.cpu_s / p.cpu_s for r, p in pairs)
-    met = "met" if wall <= 1.0 and cpu <= 1.0 else "NOT met"
-    print(f"target: scan -f plain <= 1.00x picklescan's wall and CPU time: {wall:.2f}x wall, {cpu:.2f}x CPU, {met}")
+    met = "met" if wall <= 1.5 and cpu <= 1.5 else "NOT met"
+    print(f"target: scan -f plain <= 1.50x picklescan's wall and CPU time: {wall:.2f}x wall, {cpu:.2f}x CPU, {met}")
 
     if args.imports:
         exe = str(venv / "bin" / "dtypeaudit")

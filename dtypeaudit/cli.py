@@ -1,23 +1,37 @@
-"""The Typer app, built from the option tables (cli_options.py); each command calls its body (cli_commands.py).
-
-Help, completion and every usage error are Typer's. ``scan`` lines the light interpreter (cli_parse.py) fully
-understands never reach this module: the console script (entry.py) runs them without importing Typer.
+"""The command line: a Typer app, one annotated function per command, each calling the core and returning its exit
+code (``exitcodes``). Help, completion and every usage error are Typer's; what the commands share (where a report
+goes, one-line errors, progress bars, several conversions at once) is in ``cli_commands.py``.
 """
 
 from __future__ import annotations
 
-import inspect
+import functools
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
-from . import cli_commands, cli_options
+from . import exitcodes
 from ._version import __version__
+from .cli_commands import (
+    ByteProgress,
+    chosen_format,
+    convert_many,
+    emit,
+    explain,
+    leave_fast_after_torch,
+    log_unreadable,
+    require_torch_for_factories,
+    run_guarded,
+    say,
+    scan_progress,
+    terminal_width,
+)
 from .cli_commands import default_format as default_format  # where callers found it
-from .cli_commands import leave_fast_after_torch
-from .cli_options import REQUIRED, Command, Opt
+from .errors import UsageError
+from .render import OutputFormat, renderer_for
 
 app = typer.Typer(
     name="dtypeaudit",
@@ -34,6 +48,8 @@ app = typer.Typer(
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+policy_app = typer.Typer(help="Write, check and list dtype policies.", no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(policy_app, name="policy")
 
 
 def _help_keeps_hyphenated_words() -> None:
@@ -64,61 +80,694 @@ def _help_keeps_hyphenated_words() -> None:
 _help_keeps_hyphenated_words()
 
 
+def exits(command: Callable[..., int]) -> Callable[..., None]:
+    """A command that returns its exit code, run as Typer runs a command: an error of the input becomes one line and
+    exit 2, a bug of ours exit 3, Ctrl-C 130, tracebacks only under --debug (``cli_commands.run_guarded``)."""
+
+    @functools.wraps(command)  # Typer reads the command's own signature through __wrapped__
+    def run(**values: Any) -> None:
+        raise typer.Exit(run_guarded(lambda: command(**values), values.get("debug", False)))
+
+    return run
+
+
+# -- options more than one command takes ------------------------------------------------------------------------
+
+Format = Annotated[
+    Optional[OutputFormat], typer.Option("--format", "-f", help="Output format. Default: a table on a terminal, plain text when piped.")
+]
+ReportFile = Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to FILE instead of stdout.")]
+FailOn = Annotated[
+    Optional[str],
+    typer.Option(
+        "--fail-on",
+        help="Lowest finding severity that makes the run exit 1: error, warning or info. Default: the policy's, else error.",
+    ),
+]
+Debug = Annotated[bool, typer.Option("--debug", help="Show Python tracebacks for errors.")]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="List every tensor and every detail.")]
+Cluster = Annotated[
+    Optional[str],
+    typer.Option(
+        "--cluster",
+        help="Run the per-checkpoint work as tasks on a Dask distributed cluster: a scheduler address (tcp://host:8786) "
+        "or 'local' (a LocalCluster of --jobs worker processes). Inputs must be readable by the workers under the names given "
+        "(a shared filesystem, or URLs). Needs the dask extra: pip install 'dtypeaudit[dask]'.",
+    ),
+]
+PolicyFile = Annotated[Optional[str], typer.Option("--policy", "-p", help="A YAML policy file (the language: docs/policies.md).")]
+Preset = Annotated[
+    Optional[str],
+    typer.Option(
+        "--preset",
+        help="A shipped policy by name (`dtypeaudit policy presets` lists them): fp32, fp16, bf16, fp16-weights-fp32-norms, "
+        "bf16-weights-fp32-norms, amp-training. fp16-mixed and bf16-mixed are aliases of the *-weights-fp32-norms presets "
+        "(half-precision weights), not Lightning's 16-mixed/bf16-mixed, whose checkpoints keep fp32 weights: use amp-training.",
+    ),
+]
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"dtypeaudit {__version__}")
         raise typer.Exit()
 
 
-def typer_annotation(opt: Opt) -> Any:
-    """An option or argument of the table (cli_options.py) as Typer declares it: Annotated[type, typer.Option(...)]."""
-    kwargs: dict[str, Any] = {"help": opt.help}
-    if opt.metavar is not None:
-        kwargs["metavar"] = opt.metavar
-    if opt.show_default is not None:
-        kwargs["show_default"] = opt.show_default
-    if opt.callback is not None:
-        kwargs["callback"] = globals()[opt.callback]
-    if opt.is_eager:
-        kwargs["is_eager"] = True
-    info = typer.Option(*opt.flags, **kwargs) if opt.flags else typer.Argument(**kwargs)
-    kind: Any = list[opt.type] if opt.multiple else opt.type  # type: ignore[name-defined]
-    if opt.default is None:
-        kind = Optional[kind]
-    return Annotated[kind, info]
+@app.callback()
+def root(
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.", callback=_version, is_eager=True)] = False,
+) -> None:
+    """Audit and convert PyTorch checkpoint dtypes."""
 
 
-def _callback(spec: Command) -> Callable[..., None]:
-    """A command of the table as Typer takes it: a callback whose signature Typer reads (one parameter per option, in the
-    table's order, which is the help's) and which calls the command's body in cli_commands.py, looked up by name
-    at each call."""
+@app.command()
+@exits
+def scan(
+    targets: Annotated[
+        list[str],
+        typer.Argument(
+            help="Checkpoint files, model directories, globs, URLs (s3://, gs://, https://, hf://, any fsspec protocol), "
+            "Hugging Face hub ids (org/name, org/name@revision: the local cache first), "
+            "or a factory (path/to/file.py:func, package.module:func).",
+            metavar="TARGET...",
+            show_default=False,
+        ),
+    ],
+    policy: PolicyFile = None,
+    preset: Preset = None,
+    fmt: Format = None,
+    output: ReportFile = None,
+    model: Annotated[
+        Optional[str],
+        typer.Option(
+            "--model",
+            "-m",
+            help="The model: a factory (file.py:func or module:func, returning a module or a transformers config), "
+            "transformers:MODEL_TYPE, or a directory with config.json (as trace takes it); its parameters and buffers "
+            "give each tensor its kind and module type. "
+            "Without it, module types are guessed from names and shapes (BatchNorm, LayerNorm, RMSNorm, Linear, Conv2d, Embedding) "
+            "and shown as guesses.",
+        ),
+    ] = None,
+    fail_on: FailOn = None,
+    explain_name: Annotated[Optional[str], typer.Option("--explain", help="Show which policy rule decides tensor NAME, and why.")] = None,
+    values: Annotated[
+        bool,
+        typer.Option(
+            "--values",
+            help="Also read tensor values. NaN/Inf in any floating tensor is an error. float32/float64 tensors are held to "
+            "fp16's range (overflow, underflow, subnormals), unless the checkpoint holds more bf16 than fp16, which keeps "
+            "fp32's range; fp16 and bf16 tensors are checked for NaN/Inf only.",
+        ),
+    ] = False,
+    include_optimizer: Annotated[
+        bool,
+        typer.Option(
+            "--include-optimizer",
+            help="With --values: hold optimizer state (Adam moments) to the same severities as weights. By default its "
+            "value findings are info, since convert leaves optimizer state as it is.",
+        ),
+    ] = False,
+    jobs: Annotated[
+        Optional[int],
+        typer.Option("--jobs", "-j", help="Checkpoints read in parallel, in local processes (default: one per core; 1: no workers)."),
+    ] = None,
+    cluster: Cluster = None,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="Fail on anything a loader might read differently from dtypeaudit, for security-sensitive gates: "
+            "loader-divergence, foreign-global, trailing-data and unused-weights findings become errors. "
+            "Default: the policy's `strict`, else off.",
+        ),
+    ] = False,
+    target: Annotated[
+        Optional[str],
+        typer.Option(
+            "--target",
+            help="A hardware target (`dtypeaudit targets` lists them: cpu, cpu-amx, t4, v100, a100, l4, h100, mi300, mps, sm_XY ...): "
+            "floating dtypes it cannot compute are errors (unsupported-dtype), dtypes it only emulates warnings (emulated-dtype). "
+            "Default: the policy's `target`.",
+        ),
+    ] = None,
+    exclude: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--exclude",
+            help="Leave out files matching GLOB (their path inside the folder, or their name) when a folder is walked or "
+            "safety-scanned; repeatable. Every file left out is listed in a left-out note.",
+            metavar="GLOB",
+        ),
+    ] = None,
+    verbose: Verbose = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet",
+            "-q",
+            help="Findings only: no tensor or dtype tables, and no section for a checkpoint without findings (text and markdown; "
+            "the pre-commit hook's default). Findings that share a rule and a cause are one row either way.",
+        ),
+    ] = False,
+    debug: Debug = False,
+) -> int:
+    """List every tensor's dtype, shape and kind, reading only metadata, and check it against a policy.
 
-    def callback(**values: Any) -> None:
-        getattr(cli_commands, spec.body)(**values)
+    \b
+    Examples:
+      dtypeaudit scan model.pt
+      dtypeaudit scan ./Llama-3-8B/ --format json
+      dtypeaudit scan model.pt --preset fp16-mixed
+      dtypeaudit scan ckpts/ --policy policy.yaml --format sarif -o dtypeaudit.sarif
+      dtypeaudit scan model.pt --policy policy.yaml --explain lm_head.weight
+      dtypeaudit scan model.pt --values
+      dtypeaudit scan model.pt --strict
+      dtypeaudit scan model.safetensors --target v100
+      dtypeaudit scan mymodels/net.py:build_model
+      dtypeaudit scan s3://models/llama-3-8b/ --format json
+      dtypeaudit scan meta-llama/Llama-3.1-8B
+      dtypeaudit scan /shared/registry/ --cluster tcp://scheduler:8786 --format json -o audit.json
+    """
+    import gc
 
-    params = [
-        inspect.Parameter(
-            o.name,
-            inspect.Parameter.KEYWORD_ONLY,
-            annotation=typer_annotation(o),
-            default=inspect.Parameter.empty if o.default is REQUIRED else o.default,
-        )
-        for o in spec.params
-    ]
-    callback.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    callback.__annotations__ = {p.name: p.annotation for p in params}
-    callback.__doc__ = spec.help
-    callback.__name__ = callback.__qualname__ = spec.body
-    return callback
+    from .formats.locate import parse_target
+    from .options import effective
+    from .pipeline import scan as run_scan
+
+    named = [parse_target(t) for t in targets]
+    require_torch_for_factories(named, model, "scan")
+    chosen = effective(policy, preset=preset, target=target, fail_on=fail_on)
+    pol = chosen.policy
+    if explain_name is not None:
+        return explain(named, pol, explain_name, model)
+    checks = chosen.checks()
+    if include_optimizer and not values:
+        raise UsageError("--include-optimizer applies to --values")
+    if values:
+        from .conversion import value_findings
+
+        checks.append(functools.partial(value_findings, include_optimizer=include_optimizer))
+    report = run_scan(
+        named,
+        checks=checks,
+        model=model,
+        fail_on=chosen.fail_on,
+        policy_name=pol.source if pol else None,
+        policy=pol,
+        jobs=jobs,
+        cluster=cluster,
+        raise_errors=debug,
+        exclude=tuple(exclude or ()),
+        progress=scan_progress(),
+        strict=strict or (pol.strict if pol else False),
+    )
+    if quiet and verbose:
+        raise UsageError("give --quiet or --verbose, not both")
+    shown = chosen_format(fmt, output)
+    # The report lives until exit: the collector need not walk it again each time the renderer allocates
+    # (a tenth of a 10,000-checkpoint scan's time went to that).
+    gc.freeze()
+    emit(renderer_for(shown, width=terminal_width(), verbose=verbose, quiet=quiet)(report), output)
+    log_unreadable(report, shown, output)
+    return exitcodes.for_report(report)
 
 
-app.callback()(_callback(cli_options.ROOT))
-for command in (cli_options.SCAN, cli_options.TARGETS, cli_options.DIFF, cli_options.CONVERT, cli_options.TRACE):
-    app.command(command.name)(_callback(command))
-policy_app = typer.Typer(help=cli_options.POLICY_GROUP_HELP, no_args_is_help=True, rich_markup_mode=None)
-for command in (cli_options.POLICY_INIT, cli_options.POLICY_VALIDATE, cli_options.POLICY_PRESETS):
-    policy_app.command(command.name)(_callback(command))
-app.add_typer(policy_app, name="policy")
+@app.command()
+@exits
+def targets(
+    name: Annotated[
+        Optional[str],
+        typer.Argument(
+            help="One target (a name, an alias or sm_XY) to show in detail: why each dtype is or is not native, and the "
+            "vendor documentation the row follows.",
+            metavar="[NAME]",
+            show_default=False,
+        ),
+    ] = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="text, markdown or json.")] = "text",
+    debug: Debug = False,
+) -> int:
+    """List the hardware targets and which floating dtypes each computes natively, emulates, or cannot compute.
+
+    \b
+    Examples:
+      dtypeaudit targets
+      dtypeaudit targets v100
+      dtypeaudit scan model.safetensors --target v100
+    """
+    import json
+
+    from . import targets as table
+
+    if fmt not in ("text", "markdown", "json"):
+        raise UsageError(f"--format must be text, markdown or json, not '{fmt}'")
+    chosen = [table.resolve(name)] if name is not None else list(table.TARGETS)
+    if fmt == "json":
+        emit(json.dumps(table.as_json(chosen), indent=2) + "\n", None)
+    elif fmt == "markdown":
+        emit(table.render_markdown(chosen), None)
+    else:
+        emit(table.render_detail(chosen[0]) if name is not None else table.render_text(chosen), None)
+    return exitcodes.CLEAN
+
+
+@app.command()
+@exits
+def diff(
+    a: Annotated[str, typer.Argument(help="The checkpoint before.", metavar="A", show_default=False)],
+    b: Annotated[str, typer.Argument(help="The checkpoint after.", metavar="B", show_default=False)],
+    tolerance: Annotated[
+        Optional[float],
+        typer.Option(
+            "--tolerance",
+            help="Compare values as numbers: tensors whose largest absolute difference is at most this are equal, across "
+            "dtypes too (fp32 against its fp16 cast). Default: equal means the same bytes (CRC-32).",
+            show_default=False,
+        ),
+    ] = None,
+    no_values: Annotated[
+        bool, typer.Option("--no-values", help="Compare names, dtypes, shapes and ties only; read no tensor bytes.")
+    ] = False,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="text, json or html (both dtype maps side by side).")] = "text",
+    output: ReportFile = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every tensor; by default repeated layers are folded.")] = False,
+    debug: Debug = False,
+) -> int:
+    """Compare two checkpoints: tensors added or removed, dtype, shape and value changes, ties, size.
+
+    Names match after a wrapper prefix (module., _orig_mod., state_dict., model_state_dict., model.) is
+    taken off either side. Values compare by the CRC-32 of each tensor's elements, or as numbers with
+    --tolerance. Tensors sharing a storage are shown once (a = b); a tie broken or created is listed.
+    Exit codes: 0 identical, 1 they differ, 2 unreadable input or misuse.
+
+    \b
+    Examples:
+      dtypeaudit diff model.pt model.fp16.pt
+      dtypeaudit diff before.pt after.pt --tolerance 1e-3
+      dtypeaudit diff ddp_checkpoint.pt plain.pt --format json
+    """
+    import math
+
+    from .diff import diff as run_diff
+    from .formats.locate import parse_target
+    from .pipeline import read_target
+
+    before, after = parse_target(a), parse_target(b)
+    require_torch_for_factories([before, after], None, "diff")
+    if fmt not in ("text", "json", "html"):
+        raise UsageError(f"--format must be text, json or html, not '{fmt}'")
+    if tolerance is not None and not (tolerance >= 0 and math.isfinite(tolerance)):
+        raise UsageError(f"--tolerance must be a finite number >= 0, not {tolerance}")
+    if tolerance is not None and no_values:
+        raise UsageError("--tolerance compares values; --no-values reads none")
+    result = run_diff(read_target(before), read_target(after), tolerance=tolerance, values=not no_values)
+    if fmt == "html":
+        from .render.html import render_diff
+
+        emit(render_diff(result), output)
+    else:
+        from .render.diff import render_json, render_text
+
+        emit(render_json(result) if fmt == "json" else render_text(result, verbose=verbose), output)
+    return exitcodes.for_diff(result)
+
+
+@app.command()
+@exits
+def convert(
+    sources: Annotated[
+        list[str],
+        typer.Argument(
+            help="A torch.save file (.pt .pth .bin .ckpt), a safetensors file or a Hugging Face directory; several are each "
+            "converted, beside themselves or into the directory -o names, in --jobs processes or on --cluster.",
+            metavar="SOURCE...",
+            show_default=False,
+        ),
+    ],
+    to: Annotated[str, typer.Option("--to", "-t", help="Target dtype: fp16, bf16 or fp32.", show_default=False)],
+    output: Annotated[
+        Optional[str],
+        typer.Option(
+            "--output",
+            "-o",
+            help="Where to write (default: beside the source, e.g. model.fp16.pt; a URL for a remote source). A .safetensors "
+            "name changes the format. With several SOURCEs, an existing directory that receives each output under its "
+            "default name.",
+        ),
+    ] = None,
+    policy: PolicyFile = None,
+    preset: Preset = None,
+    keep: Annotated[
+        Optional[list[str]], typer.Option("--keep", "-k", help="Keep tensors matching this glob (or re:regex) as they are. Repeatable.")
+    ] = None,
+    include_optimizer: Annotated[
+        bool, typer.Option("--include-optimizer", help="Cast optimizer state too (it is left as is by default).")
+    ] = False,
+    strip_optimizer: Annotated[bool, typer.Option("--strip-optimizer", help="Drop optimizer state, for a release artefact.")] = False,
+    clamp: Annotated[bool, typer.Option("--clamp", help="Saturate values beyond the target's range instead of refusing.")] = False,
+    keep_unsafe: Annotated[
+        bool, typer.Option("--keep-unsafe", help="Keep tensors with unsafe values at their precision instead of refusing.")
+    ] = False,
+    max_shard_size: Annotated[
+        Optional[str],
+        typer.Option("--max-shard-size", help="Re-shard a safetensors directory into shards of at most this size (5GB, 500MB)."),
+    ] = None,
+    model: Annotated[
+        Optional[str],
+        typer.Option(
+            "--model",
+            "-m",
+            help="The model whose module types the plan and its checks use, in any form scan --model takes (file.py:func, "
+            "module:func, transformers:MODEL_TYPE, a directory with config.json).",
+        ),
+    ] = None,
+    materialize_ties: Annotated[
+        bool,
+        typer.Option(
+            "--materialize-ties",
+            help="With a .safetensors output: write a tied tensor (GPT-2's lm_head.weight and wte) under each of its names, "
+            "so that load_state_dict(load_file(PATH)) is complete. By default it is written once and the tie kept as a "
+            "metadata alias, which safetensors.torch.load_model (or strict=False plus tie_weights()) restores.",
+        ),
+    ] = False,
+    keep_quantized: Annotated[
+        bool,
+        typer.Option(
+            "--keep-quantized",
+            help="On a quantized checkpoint: keep its quantized weights (values, scales, quantization_config) byte for byte "
+            "and cast only the rest, instead of dequantizing them.",
+        ),
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", "-n", help="Show the plan (casts, sizes, refusals), from the headers alone; write nothing.")
+    ] = False,
+    check_values: Annotated[
+        bool,
+        typer.Option(
+            "--check-values",
+            help="With --dry-run: read every value too, as a conversion does (NaN/Inf, overflow, underflow, the cast's "
+            "errors), with a progress bar on a terminal.",
+        ),
+    ] = False,
+    target: Annotated[
+        Optional[str],
+        typer.Option(
+            "--target",
+            help="With --dry-run: check the planned output against a hardware target (`dtypeaudit targets`); a dtype the "
+            "target cannot compute fails the run (exit 1), one it emulates is a warning.",
+        ),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    jobs: Annotated[
+        Optional[int], typer.Option("--jobs", "-j", help="With several SOURCEs: conversions run at once, in local processes (default 1).")
+    ] = None,
+    cluster: Cluster = None,
+    in_place: Annotated[bool, typer.Option("--in-place", help="Replace the source itself (atomically).")] = False,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
+    verbose: Verbose = False,
+    debug: Debug = False,
+) -> int:
+    """Rewrite a checkpoint in fp16, bf16 or fp32, keeping every non-tensor byte, ties and views.
+
+    A checkpoint that scan flags as an error (a code-running global, a pickled whole model, an index
+    that disagrees with its shards) or that hides bytes after its pickle is refused (exit 2): a
+    rewrite must never launder a payload. The plan keeps each module's floating tensors in one dtype
+    (--keep fc.weight keeps fc.bias too) and tied tensors together, and the planned output must pass
+    scan with the same policy and every built-in check, or nothing is written (exit 1). Values are checked next: overflow, NaN/Inf or heavy
+    underflow refuse the conversion (exit 1) unless --clamp or --keep-unsafe. The output is written
+    to a temporary file, verified against torch's own cast of the source, then renamed into place.
+    The source is never touched. A quantized checkpoint (FP8, compressed-tensors, MXFP4, GPTQ, AWQ,
+    bitsandbytes, GGUF) is dequantized on the CPU, shard by shard: scales and zero points are dropped and
+    config.json loses its quantization_config; a scheme that cannot be dequantized exactly is refused (exit 2).
+
+    \b
+    Examples:
+      dtypeaudit convert model.pt --to fp16
+      dtypeaudit convert ./llama-dir --to bf16 -o ./llama-bf16
+      dtypeaudit convert ./qwen3-fp8 --to bf16 -o ./qwen3-bf16
+      dtypeaudit convert model.bin --to fp16 -o model.safetensors
+      dtypeaudit convert model.pt --to fp16 --preset fp16-mixed
+      dtypeaudit convert model.pt --to fp16 --dry-run
+      dtypeaudit convert model.pt --to fp16 --dry-run --check-values
+      dtypeaudit convert model.pt --to bf16 --dry-run --target t4
+      dtypeaudit convert runs/*/final.pt --to bf16 --jobs 4
+      dtypeaudit convert /shared/ft-*/ --to bf16 --cluster tcp://scheduler:8786
+    """
+    from .conversion import convert as run_convert
+    from .extras import require
+    from .options import effective
+    from .render.convert import refusal_lines, render_json, render_text
+
+    if fmt not in ("text", "json"):
+        raise UsageError(f"--format must be text or json, not '{fmt}'")
+    if in_place and output is not None:
+        raise UsageError("give --in-place or --output, not both")
+    if target is not None and not dry_run:
+        raise UsageError("--target checks a plan: give --dry-run too")
+    if check_values and not dry_run:
+        raise UsageError("--check-values reads the values for a plan: give --dry-run too (a conversion always checks them)")
+    if model:
+        require("torch", "dtypeaudit convert --model")
+    # One resolver for the policy, the target and the failing severity. --target replaces the policy's own
+    # `target:`, as for scan: its findings are the plan's hardware section (below), so the plan is checked
+    # against the policy without its target; otherwise the policy's target holds the plan, as it holds a scan.
+    chosen = effective(policy, preset=preset, target=target)
+    hardware = chosen.target if target is not None else None  # --target only: it checks the plan
+    options: dict[str, Any] = {
+        "policy": chosen.policy_alone if target is not None else chosen.policy,
+        "keep": tuple(keep or ()),
+        "include_optimizer": include_optimizer,
+        "strip_optimizer": strip_optimizer,
+        "clamp": clamp,
+        "keep_unsafe": keep_unsafe,
+        "dry_run": dry_run,
+        "read_values": check_values,
+        "force": force,
+        "in_place": in_place,
+        "max_shard_size": max_shard_size,
+        "model": model,
+        "materialize_ties": materialize_ties,
+        "keep_quantized": keep_quantized,
+    }
+    if len(sources) > 1 or jobs is not None or cluster is not None:
+        if target is not None:
+            raise UsageError("--target checks one plan: give one SOURCE")
+        return convert_many(sources, to, output, options, jobs=jobs, cluster=cluster, as_json=fmt == "json", verbose=verbose, debug=debug)
+    (source,) = sources
+    progress = ByteProgress() if sys.stderr.isatty() else None
+    try:
+        result = run_convert(source, to, output=output, progress_factory=progress, **options)
+    finally:
+        if progress is not None:
+            progress.close()
+    checked = hardware if not result.refused else None
+    unfit = False
+    if fmt == "json":
+        section = None
+        if checked is not None:
+            from .targets import plan_json
+
+            section, unfit = plan_json(result.plan.output_inventory(), checked, fail_on=chosen.fail_on)
+        emit(render_json(result, hardware_target=section), None)
+    else:
+        text = render_text(result, verbose=verbose)
+        if checked is not None:
+            from .targets import plan_report
+
+            text, unfit = plan_report(text, result.plan.output_inventory(), checked, fail_on=chosen.fail_on)
+        emit(text, None)
+    for line in refusal_lines(result):
+        say(f"dtypeaudit: {line}")
+    return exitcodes.for_result(result, unfit=unfit)
+
+
+@app.command()
+@exits
+def trace(
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="The model: a factory (path/to/file.py:func or package.module:func; it runs, it is your code), "
+            "transformers:MODEL_TYPE (e.g. transformers:gpt2, its default config), or a directory with config.json / a "
+            "config.json.",
+            metavar="MODEL",
+            show_default=False,
+        ),
+    ],
+    checkpoint: Annotated[
+        Optional[str],
+        typer.Option(
+            "--checkpoint",
+            "-c",
+            help="Give every parameter and buffer the dtype this checkpoint stores, as load_state_dict(assign=True) would. "
+            "Read by dtypeaudit's own readers: no tensor bytes, no checkpoint code. A model directory with weights is "
+            "its own checkpoint.",
+        ),
+    ] = None,
+    inputs: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--input",
+            "-i",
+            help="An input as [NAME=]SHAPE[:DTYPE]: 8x3x224x224:float16, input_ids=1x128:int64, scalar:float32. Repeatable; "
+            "unnamed ones are positional. Default dtype: int64 for *ids/labels/mask, else the default dtype. Hugging "
+            "Face models default to input_ids=1x128.",
+        ),
+    ] = None,
+    input_factory: Annotated[
+        Optional[str],
+        typer.Option(
+            "--input-factory",
+            help="file.py:func returning the inputs (a tensor, a tuple, a dict or (args, kwargs)); called under fake tensors.",
+        ),
+    ] = None,
+    autocast: Annotated[
+        Optional[str],
+        typer.Option("--autocast", help="Run under torch.autocast with this dtype: fp16 or bf16. CPU autocast rules (the device traced)."),
+    ] = None,
+    backward: Annotated[
+        bool,
+        typer.Option("--backward", help="Also compute a loss and its backward pass: the loss dtype, backward operations, gradient dtypes."),
+    ] = False,
+    loss: Annotated[
+        str,
+        typer.Option(
+            "--loss",
+            help="With --backward: auto (the model's own loss, e.g. a Hugging Face model given labels=input_ids, else sum), "
+            "sum, mean or cross-entropy (the output as logits, last dim classes).",
+        ),
+    ] = "auto",
+    default_dtype: Annotated[
+        Optional[str],
+        typer.Option("--default-dtype", help="torch.set_default_dtype for building and running the model (float64, bfloat16 ...)."),
+    ] = None,
+    allow_promotion: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--allow-promotion",
+            help="Module paths whose implicit promotion is meant (globs as in policies: '*.norm', 're:^layers\\.\\d+\\.ln'). "
+            "Repeatable; adds to the policy's trace: allow_promotion.",
+        ),
+    ] = None,
+    policy: PolicyFile = None,
+    preset: Preset = None,
+    hardware: Annotated[
+        Optional[str],
+        typer.Option(
+            "--target",
+            help="A hardware target (`dtypeaudit targets`: t4, v100, a100, h100, mi300, mps, cpu, sm_XY ...): each module "
+            "whose operations compute in a dtype it cannot compute is an error (unsupported-dtype), one it only "
+            "emulates a warning (emulated-dtype); parameters and buffers too. Default: the policy's `target`.",
+        ),
+    ] = None,
+    fmt: Format = None,
+    output: ReportFile = None,
+    fail_on: Annotated[
+        Optional[str],
+        typer.Option(
+            "--fail-on",
+            help="Lowest finding severity that makes the run exit 1: error, warning or info. Default: the policy's trace: "
+            "fail_on, else its fail_on, else error.",
+        ),
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every module and every operation.")] = False,
+    debug: Debug = False,
+) -> int:
+    """Predict the dtype of every operation of a forward (and backward) pass, on fake tensors: no weights, no memory.
+
+    Reports operations that fail (runtime-dtype-error, with PyTorch's message; the trace goes on and reports
+    each), silent fp16/bf16-to-fp32 promotions, reductions in half precision, what autocast keeps in fp32, and
+    with --backward the loss and gradient dtypes; plus input, compute and output dtypes and activation bytes per
+    module. The factory runs (it is your code); nothing from a checkpoint does. Exit codes as for scan.
+
+    \b
+    Examples:
+      dtypeaudit trace mymodels/net.py:build_model --input 8x3x224x224:float16
+      dtypeaudit trace mymodels/net.py:build_model --checkpoint ckpt.pt --input 8x3x224x224 --autocast bf16
+      dtypeaudit trace transformers:gpt2 --input input_ids=1x128:int64 --backward --format json
+      dtypeaudit trace ./Llama-3-8B/ --autocast fp16 --backward --fail-on warning
+      dtypeaudit trace ./Llama-3-8B/ --policy release.yaml --target t4
+    """
+    from .extras import require
+
+    require("torch", "dtypeaudit trace")
+    from .options import effective
+    from .render.trace import renderer_for as trace_renderer_for
+    from .trace import trace as run_trace
+
+    chosen = effective(policy, preset=preset, target=hardware, fail_on=fail_on)
+    report = run_trace(
+        model,
+        inputs=tuple(inputs or ()),
+        input_factory=input_factory,
+        checkpoint=checkpoint,
+        autocast=autocast,
+        backward=backward,
+        loss=loss,
+        default_dtype=default_dtype,
+        allow_promotion=tuple(allow_promotion or ()),
+        fail_on=chosen.trace_fail_on,
+        policy=chosen.policy,
+        target=chosen.target,
+    )
+    emit(trace_renderer_for(chosen_format(fmt, output), width=terminal_width(), verbose=verbose)(report), output)
+    return exitcodes.for_report(report)
+
+
+@policy_app.command("init")
+@exits
+def policy_init(
+    checkpoint: Annotated[
+        str, typer.Argument(help="The checkpoint whose dtypes become the baseline.", metavar="CHECKPOINT", show_default=False)
+    ],
+    output: ReportFile = None,
+    debug: Debug = False,
+) -> int:
+    """Write a policy that CHECKPOINT passes exactly, folded into patterns: lock today's dtypes as the baseline.
+
+    \b
+    Example:
+      dtypeaudit policy init blessed.pt > policy.yaml
+      dtypeaudit scan candidate.pt --policy policy.yaml
+    """
+    from .baseline import render_baseline
+    from .formats.locate import parse_target
+    from .pipeline import read_target
+
+    named = parse_target(checkpoint)
+    require_torch_for_factories([named], None, "policy init")
+    emit(render_baseline(read_target(named)), output)
+    return exitcodes.CLEAN
+
+
+@policy_app.command("validate")
+@exits
+def policy_validate(
+    files: Annotated[list[str], typer.Argument(help="Policy files or preset names.", metavar="POLICY...", show_default=False)],
+    debug: Debug = False,
+) -> int:
+    """Check policy files: exit 0 if all are valid, 2 with file:line and the valid choices if not."""
+    from .policy import load_policy
+
+    for f in files:
+        pol = load_policy(f)
+        extends = f", extends {' -> '.join(pol.extends)}" if pol.extends else ""
+        print(f"{f}: valid ({len(pol.rules)} rules{extends}{', strict' if pol.strict else ''})")
+    return exitcodes.CLEAN
+
+
+@policy_app.command("presets")
+@exits
+def policy_presets() -> int:
+    """List the shipped presets and what each expects; the aliases kept for compatibility come last."""
+    from .policy import presets
+
+    shipped = presets()
+    width = max(len(p.name) for p in shipped)
+    for p in shipped:
+        print(f"{p.name:{width}}  {p.description}")
+    return exitcodes.CLEAN
 
 
 def only_the_invoked_command(args: list[str]) -> None:
@@ -139,7 +788,7 @@ def only_the_invoked_command(args: list[str]) -> None:
 
 
 def main() -> None:
-    """The console entry point for what the light interpreter (cli_parse.py) left to Typer."""
+    """The console entry point (after entry.py's answer to ``--version``)."""
     only_the_invoked_command(sys.argv[1:])
     leave_fast_after_torch(app)
 

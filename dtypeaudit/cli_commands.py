@@ -1,35 +1,29 @@
-"""What each command does with its option values: one function per command, called by the Typer app (cli.py)
-and by the light interpreter (cli_parse.py, ``scan`` without Typer) alike. Nothing here imports Typer or Click:
-a body ends with ``SystemExit(code)``; errors become one line on stderr and an exit code in ``run_guarded``.
+"""What the commands of the Typer app (cli.py) share: where a report goes and in which format, one-line errors and
+their exit codes (``run_guarded``), progress on a terminal, ``scan --explain`` and ``convert SOURCE...``.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Optional
 
 from . import exitcodes
 from ._version import __version__
 from .errors import DtypeAuditError, UsageError
 from .inventory import Report
-from .render import OutputFormat, renderer_for
+from .render import OutputFormat
 
 if TYPE_CHECKING:
     from .formats.locate import TargetRef
+    from .policy import Policy
 
 
 def say(message: str) -> None:
     """One line on stderr (what ``typer.echo(..., err=True)`` wrote), flushed at once."""
     print(message, file=sys.stderr, flush=True)
-
-
-def fail(message: str, code: int = exitcodes.ERROR) -> NoReturn:
-    say(f"dtypeaudit: error: {message}")
-    raise SystemExit(code)
 
 
 def _colorless() -> bool:
@@ -53,20 +47,10 @@ def chosen_format(fmt: Optional[OutputFormat], output: Optional[Path]) -> Output
 
 
 def terminal_width() -> int:
-    """The terminal's width (or $COLUMNS), kept between 80 and 200 columns; 120 when unknown.
+    """The terminal's width (or $COLUMNS), kept between 80 and 200 columns; 120 when unknown."""
+    import shutil
 
-    The columns of ``shutil.get_terminal_size((120, 24))``, asked as it asks (a positive integer $COLUMNS, else
-    stdout's terminal, else the fallback) without importing shutil, whose archive modules a scan never uses."""
-    try:
-        columns = int(os.environ["COLUMNS"])
-    except (KeyError, ValueError):
-        columns = 0
-    if columns <= 0:
-        try:
-            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns or 120  # type: ignore[union-attr]
-        except (AttributeError, ValueError, OSError):
-            columns = 120
-    return max(80, min(columns, 200))
+    return max(80, min(shutil.get_terminal_size((120, 24)).columns, 200))
 
 
 def emit(text: str, output: Optional[Path]) -> None:
@@ -88,7 +72,7 @@ def emit(text: str, output: Optional[Path]) -> None:
 PEOPLE_FORMATS = (OutputFormat.table, OutputFormat.plain, OutputFormat.markdown, OutputFormat.github)
 
 
-def _log_unreadable(report: Report, fmt: OutputFormat, output: Optional[Path]) -> None:
+def log_unreadable(report: Report, fmt: OutputFormat, output: Optional[Path]) -> None:
     """One line on stderr per input that could not be read, unless the report already told the person reading.
 
     The report names every unreadable input, with the reason. A report for people (text, markdown, GitHub
@@ -102,23 +86,22 @@ def _log_unreadable(report: Report, fmt: OutputFormat, output: Optional[Path]) -
             say(f"dtypeaudit: error: {c.error}")
 
 
-def run_guarded(fn: Callable[[], None], debug: bool) -> None:
-    """Run a command body: one-line errors with exit 2, 130 on Ctrl-C, tracebacks only under --debug.
-
-    A body ends with ``SystemExit`` (a BaseException: it passes through), whichever front called it."""
+def run_guarded(command: Callable[[], int], debug: bool) -> int:
+    """A command's exit code: its own, else 2 with one line for an error of the input, 130 on Ctrl-C, 3 for a bug
+    of ours; tracebacks only under --debug."""
     try:
-        fn()
+        return command()
     except DtypeAuditError as exc:
         if debug:
             _debug_traceback(exc)
-        fail(exc.one_line())
+        say(f"dtypeaudit: error: {exc.one_line()}")
     except KeyboardInterrupt:
         say("dtypeaudit: interrupted")
-        raise SystemExit(exitcodes.INTERRUPTED) from None
+        return exitcodes.INTERRUPTED
     except OSError as exc:  # the machine said no (a full disk, say): one line, and not a bug report
         if debug:
             _debug_traceback(exc)
-        fail(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
+        say(f"dtypeaudit: error: {exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
     except Exception as exc:  # a bug of ours: exit 3 (not an input verdict), with what a bug report needs
         if debug:
             _debug_traceback(exc)
@@ -127,7 +110,8 @@ def run_guarded(fn: Callable[[], None], debug: bool) -> None:
             f"dtypeaudit {__version__}, Python {sys.version.split()[0]}: this is a bug in dtypeaudit, not in your input; "
             "please report it with the output of the same command run with --debug"
         )
-        raise SystemExit(exitcodes.INTERNAL) from None
+        return exitcodes.INTERNAL
+    return exitcodes.ERROR
 
 
 def _debug_traceback(exc: BaseException) -> None:
@@ -180,78 +164,7 @@ def require_torch_for_factories(targets: list[TargetRef], model: Optional[str], 
             require("torch", f"dtypeaudit {command} {t.text}")
 
 
-def scan(
-    targets: list[str],
-    policy: Optional[str],
-    preset: Optional[str],
-    fmt: Optional[OutputFormat],
-    output: Optional[Path],
-    model: Optional[str],
-    fail_on: Optional[str],
-    explain: Optional[str],
-    values: bool,
-    include_optimizer: bool,
-    jobs: Optional[int],
-    cluster: Optional[str],
-    strict: bool,
-    target: Optional[str],
-    exclude: Optional[list[str]],
-    verbose: bool,
-    quiet: bool,
-    debug: bool,
-) -> None:
-    """``dtypeaudit scan`` (its options: cli_options.SCAN)."""
-
-    def body() -> None:
-        from .formats.locate import parse_target
-        from .options import effective
-        from .pipeline import scan as run_scan
-
-        named = [parse_target(t) for t in targets]
-        require_torch_for_factories(named, model, "scan")
-        chosen_options = effective(policy, preset=preset, target=target, fail_on=fail_on)
-        pol = chosen_options.policy
-        fails_at = chosen_options.fail_on
-        if explain is not None:
-            _explain(named, pol, explain, model)
-        progress = _progress_callback()
-        checks = chosen_options.checks()
-        if include_optimizer and not values:
-            raise UsageError("--include-optimizer applies to --values")
-        if values:
-            from functools import partial
-
-            from .conversion import value_findings
-
-            checks.append(partial(value_findings, include_optimizer=include_optimizer))
-        report: Report = run_scan(
-            named,
-            checks=checks,
-            model=model,
-            fail_on=fails_at,
-            policy_name=pol.source if pol else None,
-            policy=pol,
-            jobs=jobs,
-            cluster=cluster,
-            raise_errors=debug,
-            exclude=tuple(exclude or ()),
-            progress=progress,
-            strict=strict or (pol.strict if pol else False),
-        )
-        if quiet and verbose:
-            raise UsageError("give --quiet or --verbose, not both")
-        chosen = chosen_format(fmt, output)
-        # The report lives until exit: the collector need not walk it again each time the renderer allocates
-        # (a tenth of a 10,000-checkpoint scan's time went to that).
-        gc.freeze()
-        emit(renderer_for(chosen, width=terminal_width(), verbose=verbose, quiet=quiet)(report), output)
-        _log_unreadable(report, chosen, output)
-        raise SystemExit(exitcodes.for_report(report))
-
-    run_guarded(body, debug)
-
-
-def _progress_callback():
+def scan_progress() -> Callable[[int, int, str], None] | None:
     """A progress line on stderr for long multi-checkpoint scans, only when stderr is a terminal."""
     if not sys.stderr.isatty():
         return None
@@ -268,7 +181,8 @@ def _progress_callback():
     return update
 
 
-def _explain(targets: list[TargetRef], pol, name: str, model: Optional[str]) -> None:
+def explain(targets: list[TargetRef], pol: Policy | None, name: str, model: Optional[str]) -> int:
+    """``scan --explain NAME``: which rule decides the tensor, in each target that holds it; exit 1 where it fails."""
     from .checks import as_policies_see_it
     from .formats.hfload import loaded_names
     from .pipeline import expand_targets, model_inventory, prepare, read_target
@@ -279,8 +193,7 @@ def _explain(targets: list[TargetRef], pol, name: str, model: Optional[str]) -> 
     if pol is None:
         raise UsageError("--explain needs --policy or --preset")
     model_inv = model_inventory(model)
-    code = exitcodes.CLEAN
-    found = False
+    passed: list[bool] = []
     for found_target in expand_targets(targets):
         path = found_target.text
         inv = prepare(read_target(found_target), model_inv)  # read -> structure, as scan's pipeline does
@@ -293,272 +206,14 @@ def _explain(targets: list[TargetRef], pol, name: str, model: Optional[str]) -> 
         t = {r.name: r for r in as_policies_see_it(inv)}.get(loaded_names(inv).get(name, name))
         if t is None:
             continue
-        found = True
         sys.stdout.write(f"{redact(path)}\n" + explain_render.render(pol, t))
-        if not decide(pol, t).ok:
-            code = exitcodes.FINDINGS
-    if not found:
+        passed.append(decide(pol, t).ok)
+    if not passed:
         raise UsageError(f"no tensor named '{name}' in {', '.join(t.text for t in targets)}")
-    raise SystemExit(code)
+    return exitcodes.for_explained(passed)
 
 
-def policy_init(
-    checkpoint: str,
-    output: Optional[Path],
-    debug: bool,
-) -> None:
-    """``dtypeaudit policy init`` (its options: cli_options.POLICY_INIT)."""
-
-    def body() -> None:
-        from .baseline import render_baseline
-        from .formats.locate import parse_target
-        from .pipeline import read_target
-
-        named = parse_target(checkpoint)
-        require_torch_for_factories([named], None, "policy init")
-        emit(render_baseline(read_target(named)), output)
-
-    run_guarded(body, debug)
-
-
-def policy_validate(
-    files: list[str],
-    debug: bool,
-) -> None:
-    """``dtypeaudit policy validate`` (its options: cli_options.POLICY_VALIDATE)."""
-
-    def body() -> None:
-        from .policy import load_policy
-
-        for f in files:
-            pol = load_policy(f)
-            extends = f", extends {' -> '.join(pol.extends)}" if pol.extends else ""
-            print(f"{f}: valid ({len(pol.rules)} rules{extends}{', strict' if pol.strict else ''})")
-
-    run_guarded(body, debug)
-
-
-def policy_presets() -> None:
-    """``dtypeaudit policy presets`` (its options: cli_options.POLICY_PRESETS)."""
-
-    from .policy import presets
-
-    shipped = presets()
-    width = max(len(p.name) for p in shipped)
-    for p in shipped:
-        print(f"{p.name:{width}}  {p.description}")
-
-
-def targets(
-    name: Optional[str],
-    fmt: str,
-    debug: bool,
-) -> None:
-    """``dtypeaudit targets`` (its options: cli_options.TARGETS)."""
-
-    def body() -> None:
-        import json
-
-        from . import targets as table
-
-        if fmt not in ("text", "markdown", "json"):
-            raise UsageError(f"--format must be text, markdown or json, not '{fmt}'")
-        chosen = [table.resolve(name)] if name is not None else list(table.TARGETS)
-        if fmt == "json":
-            emit(json.dumps(table.as_json(chosen), indent=2) + "\n", None)
-        elif fmt == "markdown":
-            emit(table.render_markdown(chosen), None)
-        else:
-            emit(table.render_detail(chosen[0]) if name is not None else table.render_text(chosen), None)
-
-    run_guarded(body, debug)
-
-
-def diff(
-    a: str,
-    b: str,
-    tolerance: Optional[float],
-    no_values: bool,
-    fmt: str,
-    output: Optional[Path],
-    verbose: bool,
-    debug: bool,
-) -> None:
-    """``dtypeaudit diff`` (its options: cli_options.DIFF)."""
-
-    def body() -> None:
-        import math
-
-        from .diff import diff as run_diff
-        from .formats.locate import parse_target
-        from .pipeline import read_target
-        from .render.diff import render_json, render_text
-
-        before, after = parse_target(a), parse_target(b)
-        require_torch_for_factories([before, after], None, "diff")
-        if fmt not in ("text", "json", "html"):
-            raise UsageError(f"--format must be text, json or html, not '{fmt}'")
-        if tolerance is not None and not (tolerance >= 0 and math.isfinite(tolerance)):
-            raise UsageError(f"--tolerance must be a finite number >= 0, not {tolerance}")
-        if tolerance is not None and no_values:
-            raise UsageError("--tolerance compares values; --no-values reads none")
-        result = run_diff(read_target(before), read_target(after), tolerance=tolerance, values=not no_values)
-        if fmt == "html":
-            from .render.html import render_diff
-
-            emit(render_diff(result), output)
-        else:
-            emit(render_json(result) if fmt == "json" else render_text(result, verbose=verbose), output)
-        raise SystemExit(exitcodes.FINDINGS if result.differs else exitcodes.CLEAN)
-
-    run_guarded(body, debug)
-
-
-def convert(
-    sources: list[str],
-    to: str,
-    output: Optional[str],
-    policy: Optional[str],
-    preset: Optional[str],
-    keep: Optional[list[str]],
-    include_optimizer: bool,
-    strip_optimizer: bool,
-    clamp: bool,
-    keep_unsafe: bool,
-    max_shard_size: Optional[str],
-    model: Optional[str],
-    materialize_ties: bool,
-    keep_quantized: bool,
-    dry_run: bool,
-    check_values: bool,
-    target: Optional[str],
-    force: bool,
-    jobs: Optional[int],
-    cluster: Optional[str],
-    in_place: bool,
-    fmt: str,
-    verbose: bool,
-    debug: bool,
-) -> None:
-    """``dtypeaudit convert`` (its options: cli_options.CONVERT)."""
-
-    def body() -> None:
-        from .conversion import convert as run_convert
-        from .extras import require
-        from .render.convert import refusal_lines, render_json, render_text
-
-        if fmt not in ("text", "json"):
-            raise UsageError(f"--format must be text or json, not '{fmt}'")
-        if in_place and output is not None:
-            raise UsageError("give --in-place or --output, not both")
-        if target is not None and not dry_run:
-            raise UsageError("--target checks a plan: give --dry-run too")
-        if check_values and not dry_run:
-            raise UsageError("--check-values reads the values for a plan: give --dry-run too (a conversion always checks them)")
-        if model:
-            require("torch", "dtypeaudit convert --model")
-        from .options import effective
-
-        # One resolver for the policy, the target and the failing severity. --target replaces the policy's own
-        # `target:`, as for scan: its findings are the plan's hardware section (below), so the plan is checked
-        # against the policy without its target; otherwise the policy's target holds the plan, as it holds a scan.
-        chosen = effective(policy, preset=preset, target=target)
-        options: dict[str, Any] = {
-            "policy": chosen.policy_alone if target is not None else chosen.policy,
-            "keep": tuple(keep or ()),
-            "include_optimizer": include_optimizer,
-            "strip_optimizer": strip_optimizer,
-            "clamp": clamp,
-            "keep_unsafe": keep_unsafe,
-            "dry_run": dry_run,
-            "read_values": check_values,
-            "force": force,
-            "in_place": in_place,
-            "max_shard_size": max_shard_size,
-            "model": model,
-            "materialize_ties": materialize_ties,
-            "keep_quantized": keep_quantized,
-        }
-        if len(sources) > 1 or jobs is not None or cluster is not None:
-            if target is not None:
-                raise UsageError("--target checks one plan: give one SOURCE")
-            raise SystemExit(
-                _convert_many(sources, to, output, options, jobs=jobs, cluster=cluster, as_json=fmt == "json", verbose=verbose, debug=debug)
-            )
-        (source,) = sources
-        hardware = chosen.target if target is not None else None  # --target only: it checks the plan
-        progress = _ByteProgress() if sys.stderr.isatty() else None
-        try:
-            result = run_convert(source, to, output=output, progress_factory=progress, **options)
-        finally:
-            if progress is not None:
-                progress.close()
-        text = render_json(result) if fmt == "json" else render_text(result, verbose=verbose)
-        unfit = False
-        if hardware is not None and not result.refused:
-            from .targets import plan_report
-
-            text, unfit = plan_report(text, result.plan.output_inventory(), hardware, as_json=fmt == "json", fail_on=chosen.fail_on)
-        emit(text, None)
-        for line in refusal_lines(result):
-            say(f"dtypeaudit: {line}")
-        raise SystemExit(exitcodes.FINDINGS if result.blocked or unfit else exitcodes.CLEAN)
-
-    run_guarded(body, debug)
-
-
-def trace(
-    model: str,
-    checkpoint: Optional[str],
-    inputs: Optional[list[str]],
-    input_factory: Optional[str],
-    autocast: Optional[str],
-    backward: bool,
-    loss: str,
-    default_dtype: Optional[str],
-    allow_promotion: Optional[list[str]],
-    policy: Optional[str],
-    preset: Optional[str],
-    hardware: Optional[str],
-    fmt: Optional[OutputFormat],
-    output: Optional[Path],
-    fail_on: Optional[str],
-    verbose: bool,
-    debug: bool,
-) -> None:
-    """``dtypeaudit trace`` (its options: cli_options.TRACE)."""
-
-    def body() -> None:
-        from .extras import require
-
-        require("torch", "dtypeaudit trace")
-        from .options import effective
-        from .render.trace import renderer_for as trace_renderer_for
-        from .trace import trace as run_trace
-
-        chosen_options = effective(policy, preset=preset, target=hardware, fail_on=fail_on)
-        report = run_trace(
-            model,
-            inputs=tuple(inputs or ()),
-            input_factory=input_factory,
-            checkpoint=checkpoint,
-            autocast=autocast,
-            backward=backward,
-            loss=loss,
-            default_dtype=default_dtype,
-            allow_promotion=tuple(allow_promotion or ()),
-            fail_on=chosen_options.trace_fail_on,
-            policy=chosen_options.policy,
-            target=chosen_options.target,
-        )
-        chosen = chosen_format(fmt, output)
-        emit(trace_renderer_for(chosen, width=terminal_width(), verbose=verbose)(report), output)
-        raise SystemExit(exitcodes.for_report(report))
-
-    run_guarded(body, debug)
-
-
-def _convert_many(
+def convert_many(
     sources: list[str],
     to: str,
     output: Optional[str],
@@ -577,7 +232,7 @@ def _convert_many(
     from . import dtypes, fleet
     from .conversion import ConvertWork, convert_lost, convert_one
     from .formats.locate import parse_target
-    from .render.convert import refusal_lines, render_json, render_text
+    from .render.convert import convert_doc, refusal_lines, render_json, render_text
 
     unique: dict[str, TargetRef] = {}
     for text in sources:
@@ -608,18 +263,9 @@ def _convert_many(
         cluster=cluster,
         lost=convert_lost,
     )
-    texts = []
-    docs = []
-    code = exitcodes.CLEAN
-    for c in done:
-        if c.error is not None:
-            docs.append({"schema": "dtypeaudit.convert/1", "source": c.source, "error": c.error})
-            code = exitcodes.ERROR
-            continue
-        docs.append(json.loads(render_json(c.result)))
-        texts.append(render_text(c.result, verbose=verbose))
-        if c.result.blocked and code == exitcodes.CLEAN:
-            code = exitcodes.FINDINGS
+    failed = {"schema": "dtypeaudit.convert/1"}
+    docs = [convert_doc(c.result) if c.error is None else {**failed, "source": c.source, "error": c.error} for c in done]
+    texts = [render_text(c.result, verbose=verbose) for c in done if c.error is None]
     if several:
         emit(json.dumps(docs, indent=2) + "\n" if as_json else "\n".join(texts), None)
     elif done[0].error is None:  # one source: the output of a plain `convert SOURCE`
@@ -630,7 +276,7 @@ def _convert_many(
         else:
             for line in refusal_lines(c.result):
                 say(f"dtypeaudit: {line}")
-    return code
+    return exitcodes.worst(exitcodes.ERROR if c.error is not None else exitcodes.for_result(c.result) for c in done)
 
 
 def _output_name(source: TargetRef, target: str) -> str:
@@ -650,7 +296,7 @@ def _output_name(source: TargetRef, target: str) -> str:
     return default_output(Path(last), target).name
 
 
-class _ByteProgress:
+class ByteProgress:
     """A Rich progress bar on stderr (bytes, rate, ETA), one task per phase; call it with a phase's total bytes."""
 
     def __init__(self) -> None:
@@ -685,7 +331,3 @@ class _ByteProgress:
     def close(self) -> None:
         if self.bar.live.is_started:
             self.bar.stop()
-
-
-def root(version: bool) -> None:
-    """Audit and convert PyTorch checkpoint dtypes (``--version`` is answered by its callback, in cli.py)."""

@@ -1,5 +1,5 @@
-"""The console entry point: ``--version`` answers before anything is imported, and a ``scan`` or ``convert`` line
-the light interpreter (cli_parse.py) fully understands runs without Typer or Click; anything else goes to the Typer app.
+"""The console entry point: ``--version`` answers before anything is imported; every other line goes to the Typer
+app (cli.py).
 
 A pre-commit hook pays this start-up on every commit (benchmarks/STARTUP.md).
 """
@@ -11,8 +11,7 @@ import sys
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    if args == ["--version"]:
+    if sys.argv[1:] == ["--version"]:
         from ._version import __version__
 
         print(f"dtypeaudit {__version__}")
@@ -20,14 +19,6 @@ def main() -> None:
     # numpy's OpenBLAS starts a thread per core when numpy is imported, and each spins a while (0.1 s of CPU here,
     # taken from the other core's share of a conversion); no command does linear algebra with numpy.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from .cli_parse import light_command
-
-    run = light_command(args, os.environ)
-    if run is not None:
-        from .cli_commands import leave_fast_after_torch
-
-        leave_fast_after_torch(run)
-        return
     from .cli import main as cli_main
 
     cli_main()

@@ -9,7 +9,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 from .inventory import Report
+
+if TYPE_CHECKING:
+    from .conversion.result import Result
+    from .diff import InventoryDiff
 
 CLEAN = 0
 FINDINGS = 1
@@ -25,3 +32,28 @@ def for_report(report: Report) -> int:
     if report.failing():
         return FINDINGS
     return CLEAN
+
+
+def for_result(result: Result, *, unfit: bool = False) -> int:
+    """A conversion's: refused outright for what the checkpoint holds (``Result.refused``) is 2; a planned output that
+    fails its policy, values unsafe to convert, or (``unfit``) a ``--target`` that cannot compute the plan are 1."""
+    if result.refused:
+        return ERROR
+    if result.failed or result.unsafe or unfit:
+        return FINDINGS
+    return CLEAN
+
+
+def for_diff(diff: InventoryDiff) -> int:
+    """Two checkpoints that differ are 1, as findings are."""
+    return FINDINGS if diff.differs else CLEAN
+
+
+def for_explained(passed: Iterable[bool]) -> int:
+    """``scan --explain``: 1 where the policy's decision fails the tensor in any checkpoint."""
+    return CLEAN if all(passed) else FINDINGS
+
+
+def worst(codes: Iterable[int]) -> int:
+    """Several outcomes in one run (``convert SOURCE...``): the worst decides."""
+    return max(codes, default=CLEAN)

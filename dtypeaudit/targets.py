@@ -413,20 +413,22 @@ def as_json(targets: Iterable[Target] = TARGETS) -> list[dict[str, object]]:
     ]
 
 
-def plan_report(text: str, planned: Inventory, target: Target, *, as_json: bool = False, fail_on: Severity = "error") -> tuple[str, bool]:
-    """``convert --dry-run --target``: the plan's report with the target's findings on the planned output added, and
-    whether any fails at ``fail_on`` (the policy's, as for the plan's own findings; by default only a dtype the
-    target cannot compute)."""
+def plan_json(planned: Inventory, target: Target, *, fail_on: Severity = "error") -> tuple[dict[str, object], bool]:
+    """``convert --dry-run --target --format json``: the report's ``hardware_target`` section (the target's findings
+    on the planned output), and whether any fails at ``fail_on`` (``plan_report``'s verdict)."""
+    from .render.json import finding_dict
+
+    found = target_findings(planned, target)
+    section: dict[str, object] = {"name": target.name, "device": target.label, "findings": [finding_dict(f) for f in found]}
+    return section, bool(failing(found, fail_on))
+
+
+def plan_report(text: str, planned: Inventory, target: Target, *, fail_on: Severity = "error") -> tuple[str, bool]:
+    """``convert --dry-run --target``: the plan's text report with the target's findings on the planned output
+    added, and whether any fails at ``fail_on`` (the policy's, as for the plan's own findings; by default only a
+    dtype the target cannot compute)."""
     found = target_findings(planned, target)
     unfit = bool(failing(found, fail_on))
-    if as_json:
-        import json
-
-        from .render.json import finding_dict
-
-        doc = json.loads(text)
-        doc["hardware_target"] = {"name": target.name, "device": target.label, "findings": [finding_dict(f) for f in found]}
-        return json.dumps(doc, indent=2) + "\n", unfit
     lines = [text.rstrip("\n")]
     if not found:
         lines.append(f"target {target.name} ({target.label}): computes every floating dtype of the planned output natively")

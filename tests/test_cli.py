@@ -175,3 +175,17 @@ def test_scans_never_import_torch(fixture: str, request: pytest.FixtureRequest) 
 def test_version() -> None:
     proc = run_cli("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("dtypeaudit ")
+
+
+def test_several_sources_exit_with_the_worst_and_each_is_converted_or_refused(tmp_path: Path) -> None:
+    """A refusal (2) outweighs a clean conversion (0); both reports come back, in the order given."""
+    clean, whole = tmp_path / "clean.pt", tmp_path / "linear.pt"
+    torch.save({"fc.weight": torch.ones(2, 2)}, clean)
+    torch.save(torch.nn.Linear(3, 2), whole)  # a pickled module is code: refused
+    proc = run_cli("convert", str(clean), str(whole), "--to", "fp16", "-f", "json")
+    assert proc.returncode == 2, proc.stderr
+    assert [(d["source"], d["refused"]) for d in json.loads(proc.stdout)] == [(str(clean), False), (str(whole), True)]
+    assert (tmp_path / "clean.fp16.pt").exists() and not (tmp_path / "linear.fp16.pt").exists()
+    assert "refusing to convert" in proc.stderr
+    single = run_cli("convert", str(whole), "--to", "fp16")
+    assert single.returncode == 2 and "nothing was written" in single.stdout

@@ -1,5 +1,5 @@
-"""Every command's --help, byte for byte, as recorded before the options moved into one table (cli_options.py):
-Typer still builds the help, from the same declarations. Regenerate on purpose only, with REGENERATE_HELP=1."""
+"""Every command's --help, byte for byte, as recorded: the help texts and examples of the annotated commands
+(cli.py) as Typer prints them. Regenerate on purpose only, with REGENERATE_HELP=1."""
 
 from __future__ import annotations
 

@@ -110,7 +110,7 @@ def assert_refused(path: Path, canary: Path, keywords: list[str], *args: str) ->
     directory = path.parent
     before, source = listing(directory), (path.read_bytes() if path.is_file() else None)
     proc = run_cli("convert", str(path), "--to", "fp16", *args)
-    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "refusing to convert" in line]
     assert lines, proc.stderr
@@ -146,7 +146,7 @@ def test_scan_flags_what_convert_refuses(tmp_path: Path, canary: Path, make, key
 def test_json_report_of_a_refusal(tmp_path: Path, canary: Path) -> None:
     path = zip_posix_system(tmp_path, canary)
     proc = run_cli("convert", str(path), "--to", "bf16", "-f", "json")
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     doc = json.loads(proc.stdout)
     assert doc["refused"] is True and doc["output"] is None and doc["target"] == "bfloat16"
     (finding,) = doc["refusals"]

@@ -226,8 +226,8 @@ def test_plan_report_fails_a_plan_the_target_cannot_run() -> None:
     planned = _inv(("w", "float64"), ("b", "float32"))
     text, unfit = targets.plan_report("plan: x\n", planned, targets.resolve("mps"))
     assert unfit and "error: unsupported-dtype: 1 tensor (w): float64 cannot be computed on mps" in text
-    text, unfit = targets.plan_report('{"schema": "dtypeaudit.convert/1"}', planned, targets.resolve("h100"), as_json=True)
-    assert not unfit and json.loads(text)["hardware_target"] == {"name": "h100", "device": targets.resolve("h100").label, "findings": []}
+    section, unfit = targets.plan_json(planned, targets.resolve("h100"))
+    assert not unfit and section == {"name": "h100", "device": targets.resolve("h100").label, "findings": []}
 
 
 def test_policy_target_holds_every_checkpoint_to_the_device(tmp_path: Path) -> None:

@@ -46,16 +46,13 @@ def renderer_for(fmt: OutputFormat, *, width: int = 120, verbose: bool = False, 
     ``quiet``: findings only (the text and markdown reports leave out clean checkpoints and tensor tables);
     machine formats carry everything whatever it says.
 
-    Each renderer module is imported only when chosen: only ``table`` (a terminal, in colour) loads Rich.
+    Each renderer module is imported only when chosen: ``table`` and ``plain`` load Rich, the machine formats do not.
     """
-    if fmt is OutputFormat.table:
+    if fmt in (OutputFormat.table, OutputFormat.plain):
         from . import text
 
-        return lambda r: text.render(r, color=True, width=width, verbose=verbose, quiet=quiet)
-    if fmt is OutputFormat.plain:
-        from . import plain
-
-        return lambda r: plain.render(r, width=width, verbose=verbose, quiet=quiet)
+        color = fmt is OutputFormat.table
+        return lambda r: text.render(r, color=color, width=width, verbose=verbose, quiet=quiet)
     if fmt is OutputFormat.markdown:
         from . import markdown
 

@@ -1,7 +1,7 @@
 """The text report as blocks: paragraphs and tables with their styles, and every column width, decided once.
 
-Two drawers share them: ``text.py`` draws with Rich (a terminal, in colour) and ``plain.py`` without Rich (a pipe,
-a log, ``-f plain``), so that a plain run does not pay Rich's import. No Rich here.
+``text.py`` draws them with Rich (``-f table`` in colour, ``-f plain`` without); ``trace.py`` and live audits
+reuse its sections. No Rich here.
 """
 
 from __future__ import annotations

@@ -109,7 +109,8 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_json(result: Result) -> str:
+def convert_doc(result: Result) -> dict[str, Any]:
+    """The ``dtypeaudit.convert/1`` document of a conversion (``--format json``; a list of them for several SOURCEs)."""
     plan = result.plan
     doc: dict[str, Any] = {
         "schema": "dtypeaudit.convert/1",
@@ -144,4 +145,12 @@ def render_json(result: Result) -> str:
         "unsafe": [s.name for s in result.unsafe],
         "notes": plan.notes,
     }
+    return doc
+
+
+def render_json(result: Result, *, hardware_target: dict[str, object] | None = None) -> str:
+    """``convert --format json``; ``hardware_target``: ``convert --dry-run --target``'s section (``targets.plan_json``)."""
+    doc = convert_doc(result)
+    if hardware_target is not None:
+        doc["hardware_target"] = hardware_target
     return json.dumps(doc, indent=2) + "\n"

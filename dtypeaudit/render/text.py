@@ -1,6 +1,5 @@
-"""The report for people on a terminal: the blocks of ``blocks.py`` drawn with Rich, in colour.
-
-``-f plain`` (a pipe, a log) draws the same blocks without Rich (``plain.py``), to the same characters.
+"""The text report: the blocks of ``blocks.py`` drawn with Rich, in colour on a terminal (``-f table``) or without
+colour for a pipe or a log (``-f plain``: no ANSI, and no trailing blanks, for logs, diffs and golden files).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from rich.table import Table
 from rich.text import Text
 
 from ..inventory import CheckpointReport, Report
-from . import plain
 from .blocks import Block, Grid, checkpoint_blocks, findings_blocks, report_blocks
 
 
@@ -32,12 +30,11 @@ def console_for(buffer: io.StringIO, *, color: bool, width: int) -> Console:
 
 def render(report: Report, *, color: bool = True, width: int = 120, verbose: bool = False, quiet: bool = False) -> str:
     """The report; ``quiet`` shows only the checkpoints with findings or errors, and no tensor tables."""
-    if not color:
-        return plain.render(report, width=width, verbose=verbose, quiet=quiet)
     buffer = io.StringIO()
     console = console_for(buffer, color=color, width=width)
     draw(console, report_blocks(report, width=width, verbose=verbose, quiet=quiet))
-    return buffer.getvalue()
+    text = buffer.getvalue()
+    return text if color else "".join(line.rstrip() + "\n" for line in text.splitlines())
 
 
 def checkpoint_section(console: Console, c: CheckpointReport, *, verbose: bool, quiet: bool = False) -> None:
