@@ -179,12 +179,6 @@ def test_the_shipped_table_is_what_the_script_writes() -> None:
     assert sum(set(entry) == {"how", "measured_on", "torch"} for entry in shipped["backends"].values()) >= 4
 
 
-def test_the_old_table_module_expands_to_the_same_rows() -> None:
-    from dtypeaudit import kernel_table
-
-    assert BACKENDS == kernel_table.BACKENDS and OUTCOMES == kernel_table.OUTCOMES
-
-
 def test_a_scan_without_module_types_reads_no_kernel_table() -> None:
     """The table is read on the first verdict asked for, which only a module type (``--model``) asks: a plain
     scan of a state dict never reads the file."""
