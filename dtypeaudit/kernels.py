@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 RAISE = "raise"
 TABLE = Path(__file__).resolve().parent / "data" / "kernels.json"
@@ -82,16 +83,16 @@ class Table:
     """Backend -> row key -> ``raise``, or the dtype the forward returned."""
 
 
-def expand(doc: Mapping[str, object]) -> Table:
+def expand(doc: Mapping[str, Any]) -> Table:
     """The file's base table and per-backend differences, as every backend's rows.
 
     A backend's entry holds its record and either ``only`` (its rows, where it measured few) or the base rows it
     ``differs`` on and those it left ``unmeasured``.
     """
-    base: dict[str, str] = doc["base"]  # type: ignore[assignment]
+    base: dict[str, str] = doc["base"]
     backends: dict[str, dict[str, str]] = {}
     outcomes: dict[str, dict[str, str]] = {}
-    for backend, entry in doc["backends"].items():  # type: ignore[attr-defined]
+    for backend, entry in doc["backends"].items():
         backends[backend] = {k: entry[k] for k in ("how", "measured_on", "torch")}
         if "only" in entry:
             rows = dict(entry["only"])
