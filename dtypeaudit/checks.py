@@ -128,7 +128,7 @@ def tied_conflicts(inv: Inventory, policy: Policy) -> list[Finding]:
     return out
 
 
-# What PyTorch's CPU kernels accept, measured by tests/kernel_cases.py into dtypeaudit/kernel_table.py per backend
+# What PyTorch's CPU kernels accept, measured by scripts/measure_kernels.py into dtypeaudit/data/kernels.json per backend
 # (torch 2.13). For a module type the table measured, its strictest outcome over every backend decides
 # (``kernels.verdict``); these rules are what the table shows, and what guesses from names and shapes follow:
 # - Linear, Conv (and transformers' Conv1D): input, weight and bias all in one dtype, else

@@ -240,6 +240,9 @@ class Inventory:
     reader read it, so that conversion reads no weight file's headers a second time."""
     bytes_read: int | None = field(default=None, compare=False)
     """Bytes read to build it (remote: bytes fetched, whole cached blocks included); None where nothing was read (a factory)."""
+    inferred: object = field(default=None, compare=False, repr=False)
+    """The module structure ``structure.annotate`` inferred of exactly these tensors (``structure.modules_of`` answers
+    from it), so that the checks and plans after it infer nothing again; None before annotation."""
 
     def by_name(self) -> dict[str, TensorRecord]:
         return {t.name: t for t in self.tensors}

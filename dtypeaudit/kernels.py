@@ -1,19 +1,25 @@
 """What PyTorch's kernels do with a module's dtypes, per backend, and the verdict that holds on every one of them.
 
-``kernel_table.py`` records, for each kernel and each combination of input, weight, bias and running-statistic
-dtype, what a real forward did on each backend where it was measured (``tests/kernel_cases.py`` measures a
-backend: a CPU ISA, oneDNN on or off). CPU kernels differ by ISA: on AVX-512 CPUs oneDNN runs bfloat16 (and on
-AVX-512 FP16 / AMX ones float16) transposed convolutions and refuses a bias of another dtype, where AVX2's
-kernels accept it. A checkpoint's verdict must hold wherever it is loaded, so the strictest known outcome wins:
-if any backend raises, the forward fails, and the finding names the backends that refuse it.
+``data/kernels.json`` records, for each kernel and each combination of input, weight, bias and running-statistic
+dtype, what a real forward did on each backend where it was measured (``scripts/measure_kernels.py`` measures a
+backend, a CPU ISA with oneDNN on or off, running the cases of ``tests/kernel_cases.py``). CPU kernels differ by
+ISA: on AVX-512 CPUs oneDNN runs bfloat16 (and on AVX-512 FP16 / AMX ones float16) transposed convolutions and
+refuses a bias of another dtype, where AVX2's kernels accept it. A checkpoint's verdict must hold wherever it is
+loaded, so the strictest known outcome wins: if any backend raises, the forward fails, and the finding names the
+backends that refuse it.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
 
 RAISE = "raise"
+TABLE = Path(__file__).resolve().parent / "data" / "kernels.json"
 
 # Module types that run one measured kernel family. Shapes differ, the dtype checks do not: ATen runs a 1-d
 # convolution as a 2-d one, SyncBatchNorm outside distributed training is batch_norm, transformers' Conv1D (GPT-2)
@@ -67,24 +73,57 @@ class Verdict:
         return f"it raises on {describe(self.raising)} though it runs on {describe(self.running)}; the strictest backend decides"
 
 
+@dataclass(frozen=True)
+class Table:
+    """The measurements, one full row set per backend."""
+
+    backends: dict[str, dict[str, str]]
+    """Backend -> where (``measured_on``), on which torch (``torch``) and how (``how``) it was measured."""
+    outcomes: dict[str, dict[str, str]]
+    """Backend -> row key -> ``raise``, or the dtype the forward returned."""
+
+
+def expand(doc: Mapping[str, Any]) -> Table:
+    """The file's base table and per-backend differences, as every backend's rows.
+
+    A backend's entry holds its record and either ``only`` (its rows, where it measured few) or the base rows it
+    ``differs`` on and those it left ``unmeasured``.
+    """
+    base: dict[str, str] = doc["base"]
+    backends: dict[str, dict[str, str]] = {}
+    outcomes: dict[str, dict[str, str]] = {}
+    for backend, entry in doc["backends"].items():
+        backends[backend] = {k: entry[k] for k in ("how", "measured_on", "torch")}
+        if "only" in entry:
+            rows = dict(entry["only"])
+        else:
+            unmeasured = set(entry.get("unmeasured", ()))
+            rows = {k: v for k, v in base.items() if k not in unmeasured} | entry.get("differs", {})
+        outcomes[backend] = rows
+    return Table(backends, outcomes)
+
+
+@cache
+def table() -> Table:
+    """The shipped table, read on first use: only a module whose type ``--model`` gave looks a row up."""
+    return expand(json.loads(TABLE.read_text(encoding="utf-8")))
+
+
 def describe(backends: tuple[str, ...]) -> str:
     """``cpu-avx512-onednn-bf16 (measured on ...)``: a backend and where it was measured, for a message."""
-    from .kernel_table import BACKENDS  # 2,000 lines of data: only a module whose type --model gave looks it up
-
-    return ", ".join(f"{b} ({BACKENDS[b]['measured_on']})" if b in BACKENDS else b for b in backends)
+    known = table().backends
+    return ", ".join(f"{b} ({known[b]['measured_on']})" if b in known else b for b in backends)
 
 
 def row_key(kernel: str, x: str, leaves: Mapping[str, str]) -> str:
-    """The table's key, as ``tests/kernel_cases.py`` writes it."""
+    """The table's key, as ``tests/kernel_cases.py`` spells it."""
     return f"{kernel} {x} " + " ".join(f"{leaf}={d}" for leaf, d in leaves.items())
 
 
 def outcomes(kernel: str, x: str, leaves: Mapping[str, str]) -> dict[str, str]:
     """Backend -> what ``kernel`` did with input ``x`` and these leaf dtypes, where it was measured."""
-    from .kernel_table import OUTCOMES
-
     key = row_key(kernel, x, leaves)
-    return {backend: rows[key] for backend, rows in OUTCOMES.items() if key in rows}
+    return {backend: rows[key] for backend, rows in table().outcomes.items() if key in rows}
 
 
 def verdict(type_name: str, x: str, leaves: Mapping[str, str]) -> Verdict | None:

@@ -72,14 +72,14 @@ def expand_targets(
 
 def _checkpoint_dir(path: AnyPath) -> Mapping[str, Any] | None:
     """None where the folder ``path`` is no checkpoint; else the JSON documents parsed to tell that it is a model
-    (config.json, the index: ``directory.documents_under``; none for DCP), which its read takes instead of parsing
+    (config.json, the index: ``directory.Documents.under``; none for DCP), which its read takes instead of parsing
     them again (``TargetRef.documents``)."""
     if (path / ".metadata").is_file():
         return {}
     from .formats import directory
 
-    with directory.documents_parsed_once() as parsed:
-        return directory.documents_under(path, parsed) if directory.is_model_directory(path) else None
+    docs = directory.Documents()
+    return docs.under(path) if directory.is_model_directory(path, docs) else None
 
 
 def _learned(target: TargetRef, documents: Mapping[str, Any] | None) -> TargetRef:
@@ -174,12 +174,7 @@ def read_target(target: str | TargetRef, exclude: tuple[str, ...] = ()) -> Inven
         from .formats import factory
 
         return factory.inventory(target.text)
-    if target.documents and target.where is not None:  # a model folder the expansion parsed config.json and the index of
-        from .formats import directory
-
-        with directory.documents_parsed_once(target.documents, folder=target.where):
-            return _read_located(target, exclude)
-    return _read_located(target, exclude)
+    return _read_located(target, exclude)  # a model folder's documents the expansion parsed travel in the target
 
 
 def _read_located(target: TargetRef, exclude: tuple[str, ...]) -> Inventory:

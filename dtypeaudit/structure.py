@@ -12,7 +12,6 @@ metadata only.
 from __future__ import annotations
 
 import re
-import weakref
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -296,30 +295,26 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
     return out
 
 
-# The modules inferred of each annotated inventory, while it lives (by its id, checked against a weak reference):
-# a scan's checks ask for the structure ``annotate`` inferred, and get it without inferring it again. Kept here, not
-# in the inventory, so that nothing of it travels with an inventory (to fleet workers, into reports).
-_INFERRED: dict[int, tuple[weakref.ReferenceType[Inventory], tuple[Module, ...]]] = {}
+@dataclass(frozen=True)
+class Inferred:
+    """What ``annotate`` inferred, carried by the inventory it returns (``Inventory.inferred``): the modules, and the
+    tensors and metadata they were inferred from, so that an inventory made from it with other tensors or metadata
+    (``dataclasses.replace``) is not answered from modules that are not its own."""
+
+    tensors: tuple[TensorRecord, ...]
+    metadata: Mapping[str, object]
+    modules: tuple[Module, ...]
 
 
 def _known(inv: Inventory) -> tuple[Module, ...] | None:
-    entry = _INFERRED.get(id(inv))
-    return entry[1] if entry is not None and entry[0]() is inv else None
-
-
-def _remember(inv: Inventory, modules: tuple[Module, ...]) -> None:
-    key = id(inv)
-
-    def forget(ref: weakref.ReferenceType[Inventory]) -> None:
-        entry = _INFERRED.get(key)
-        if entry is not None and entry[0] is ref:
-            del _INFERRED[key]
-
-    _INFERRED[key] = (weakref.ref(inv, forget), modules)
+    done = inv.inferred
+    if isinstance(done, Inferred) and done.tensors is inv.tensors and done.metadata is inv.metadata:
+        return done.modules
+    return None
 
 
 def modules_of(inv: Inventory) -> list[Module]:
-    """``infer_modules(inv)``, inferred once: an inventory ``annotate`` returned answers from what it inferred."""
+    """``infer_modules(inv)``, inferred once: an inventory ``annotate`` returned answers from what it carries."""
     known = _known(inv)
     return list(known) if known is not None else infer_modules(inv)
 
@@ -329,7 +324,8 @@ def annotate(inv: Inventory) -> Inventory:
 
     Done once per checkpoint, after ``--model`` is attached, by ``scan``, ``--explain`` and ``convert``, so that
     every check, preset and plan reads the same guesses. Idempotent, and once per inventory: the inventory it returns
-    keeps the modules inferred (``modules_of``), so annotating it again (``checks.run_checks``) infers nothing.
+    carries the modules inferred (``Inventory.inferred``, read by ``modules_of``), so annotating it again
+    (``checks.run_checks``) infers nothing.
     """
     if _known(inv) is not None:
         return inv
@@ -342,8 +338,7 @@ def annotate(inv: Inventory) -> Inventory:
         # the same modules over the annotated records (inference reads ``module``, never ``module_guess``)
         swap = {id(a): b for a, b in zip(inv.tensors, tensors, strict=True)}
         modules = [replace(m, tensors=tuple(swap.get(id(t), t) for t in m.tensors)) for m in modules]
-    _remember(out, tuple(modules))
-    return out
+    return replace(out, inferred=Inferred(out.tensors, out.metadata, tuple(modules)))
 
 
 COMPUTE_KINDS = frozenset({"linear", "conv", "embedding", "rnn"})

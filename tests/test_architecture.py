@@ -1,12 +1,15 @@
-"""The package's shape: no import cycles inside dtypeaudit/ (not even through imports inside functions), and a
-package root that imports nothing eagerly."""
+"""The package's shape: its layers (pyproject.toml's import-linter contracts, imports inside functions included), no
+cycle through a package's own ``__init__``, a package root that imports nothing eagerly, one meaning per name."""
 
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dtypeaudit"
 
@@ -36,128 +39,79 @@ def _runtime_imports(tree: ast.Module, *, with_level: bool = False):
             todo.extend((n, inner) for n in ast.iter_child_nodes(node))
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the dtypeaudit modules its imports run or lean on (a submodule import runs its packages' __init__
-    too). An edge to one of the importing module's own packages is dropped only where Python has run that package
-    anyway: when the module itself is imported (a module-level import), or as the parent of a submodule imported
-    (``from .plan import Plan``). A function that imports its own package's names (``from . import Result``) leans
-    on the package's __init__, which imports the module: that edge is kept, so such a cycle is seen."""
-    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    packages = {name for name, p in files.items() if p.name == "__init__.py"}
-
-    def with_parents(name: str) -> set[str]:
-        out = set()
-        parts = name.split(".")
-        for i in range(1, len(parts) + 1):
-            prefix = ".".join(parts[:i])
-            if prefix in files:
-                out.add(prefix)
-        return out
-
-    graph: dict[str, set[str]] = {}
-    for name, path in files.items():
-        here = name if name in packages else name.rpartition(".")[0]
-        own = {a for a in with_parents(name) if a != name}
-        edges: set[str] = set()
-        for node, at_import in _runtime_imports(ast.parse(path.read_text(encoding="utf-8")), with_level=True):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                base = here.split(".")
-                if node.level:
-                    base = base[: len(base) - (node.level - 1)]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
-                # ``from pkg import x`` names the submodule pkg.x where there is one, else pkg's own attribute x
-                submodules = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in files]
-                targets = submodules if len(submodules) == len(node.names) else [mod, *submodules]
-            for t in targets:
-                if t.split(".")[0] != "dtypeaudit":
-                    continue
-                edges |= with_parents(t) - own  # parents of what is imported: the own ones have already run
-                if t in own and not at_import:
-                    edges.add(t)  # a function leaning on its own package's __init__
-        edges.discard(name)
-        graph[name] = edges
-    return graph
+def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` over the package under ``root``, with ``root``'s pyproject.toml (import-linter puts the
+    working directory first on the path, so it is that tree's package that is analysed); no cache is written."""
+    code = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
+    return subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-    counter = [0]
+def test_the_layers_hold():
+    """pyproject.toml's import-linter contracts: the rooms of ARCHITECTURE.md each import only the rooms below
+    them, byte sources know no reader, the metadata-only modules import no torch, and no sibling modules or
+    packages import each other in a cycle, imports inside functions included."""
+    pytest.importorskip("importlinter")
+    run = lint_imports(PACKAGE.parent)
+    assert run.returncode == 0 and "Contracts: 4 kept, 0 broken." in run.stdout, run.stdout + run.stderr
 
-    def visit(v: str) -> None:
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
 
-    sys.setrecursionlimit(10_000)
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
+@pytest.mark.parametrize(
+    ("module", "line", "broken"),
+    [
+        # the data model reaching up to the pipeline, from inside a function
+        ("inventory.py", "def _up():\n    from .pipeline import scan\n", "Rooms: each imports only the rooms below it"),
+        ("formats/source.py", "def _up():\n    from . import sniff\n", "Byte sources know no reader"),
+        ("kernels.py", "def _up():\n    import torch\n", "Metadata only"),
+        # within one room: dcp.py reads a folder's other files through directory.py, and now the other way too
+        ("formats/directory.py", "def _up():\n    from . import dcp\n", "No import cycles"),
+    ],
+)
+def test_a_contract_breaks_on_a_forbidden_import(tmp_path, module, line, broken):
+    pytest.importorskip("importlinter")
+    shutil.copytree(PACKAGE, tmp_path / "dtypeaudit", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(PACKAGE.parent / "pyproject.toml", tmp_path)
+    with (tmp_path / "dtypeaudit" / module).open("a", encoding="utf-8") as f:
+        f.write("\n\n" + line)
+    run = lint_imports(tmp_path)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"{broken}" in run.stdout.split("Broken contracts")[1], run.stdout
+
+
+def own_package_imports() -> list[str]:
+    """What import-linter cannot see: a package's ``__init__`` importing a submodule and the submodule importing the
+    package's own names back (``from . import Result`` inside a function) is a cycle through the package, where
+    its contracts only compare siblings. So no function imports names of a package it lies in. A module-level
+    import of its own package is no cycle (Python has run the package first), nor is importing a submodule."""
+    trees = _trees()
+    packages = {name for name, (path, _) in trees.items() if path.name == "__init__.py"}
+    found = []
+    for name, (_, tree) in trees.items():
+        here = (name if name in packages else name.rpartition(".")[0]).split(".")
+        for node, at_import in _runtime_imports(tree, with_level=True):
+            if at_import or not isinstance(node, ast.ImportFrom):
+                continue
+            base = ".".join(here[: len(here) - (node.level - 1)] + ([node.module] if node.module else [])) if node.level else node.module
+            if base in packages and name.startswith(f"{base}."):
+                found += [f"{name}: from {base} import {a.name}" for a in node.names if f"{base}.{a.name}" not in trees]
     return found
 
 
-def test_the_cycle_finder_finds_a_cycle():
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert cycles({"a": {"b"}, "b": set()}) == []
+def test_no_function_imports_its_own_packages_names():
+    assert own_package_imports() == []
 
 
-def test_the_graph_sees_relative_package_and_function_level_imports():
-    graph = import_graph()
-    assert "dtypeaudit.inventory" in graph["dtypeaudit.exitcodes"]
-    assert "dtypeaudit.pipeline" in graph["dtypeaudit.cli_commands"]  # imported inside the scan command
-    # a submodule import runs its package's __init__ first
-    assert {"dtypeaudit.formats", "dtypeaudit.formats.sniff"} <= graph["dtypeaudit.pipeline"]
-
-
-def test_the_graph_sees_a_function_that_imports_its_own_package(tmp_path, monkeypatch):
-    """conversion <-> conversion.remote: the package imports remote inside convert(), and remote imports the
-    package's names inside a function. A module-level import of the own package, or a submodule of it imported
-    anywhere, is no edge to the package (Python has run it already)."""
+def test_the_own_package_finder_finds_one(tmp_path, monkeypatch):
     package = tmp_path / "dtypeaudit"
     (package / "conversion").mkdir(parents=True)
     (package / "__init__.py").write_text("")
-    (package / "conversion" / "__init__.py").write_text(
-        "class Result:\n    pass\n\n\ndef convert():\n    from .remote import go\n\n    return go()\n"
-    )
+    (package / "conversion" / "__init__.py").write_text("class Result:\n    pass\n")
     (package / "conversion" / "remote.py").write_text(
-        "from .plan import Plan\n\n\ndef go():\n    from . import Result\n    from .plan import Plan\n\n    return Result(), Plan\n"
+        "from . import Result as Top\n\n\ndef go():\n"  # module level: no cycle; in the function: the package's name
+        "    from . import Result, plan\n    from .plan import Plan\n\n    return Top, Result, Plan, plan\n"
     )
-    (package / "conversion" / "plan.py").write_text("from . import Result\n\nPlan = Result\n")
+    (package / "conversion" / "plan.py").write_text("Plan = 1\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
-    graph = import_graph()
-    assert graph["dtypeaudit.conversion.plan"] == set()  # module level: the package has run first
-    assert graph["dtypeaudit.conversion.remote"] == {"dtypeaudit.conversion", "dtypeaudit.conversion.plan"}
-    assert graph["dtypeaudit.conversion"] == {"dtypeaudit.conversion.remote"}
-    assert cycles(graph) == [["dtypeaudit.conversion", "dtypeaudit.conversion.remote"]]
-
-
-def test_no_import_cycles_inside_the_package():
-    assert cycles(import_graph()) == []
+    assert own_package_imports() == ["dtypeaudit.conversion.remote: from dtypeaudit.conversion import Result"]
 
 
 def test_importing_the_package_imports_nothing_else():

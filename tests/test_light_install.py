@@ -311,7 +311,6 @@ NOT_FOR_A_FILE_SCAN = (
     "dtypeaudit.conversion",
     "dtypeaudit.trace",
     "dtypeaudit.values",
-    "dtypeaudit.kernel_table",
     "dtypeaudit.formats.dcp",
     "dtypeaudit.formats.directory",
     "dtypeaudit.formats.hub",

@@ -17,6 +17,7 @@ No expected forward result is written down here: every one is computed by runnin
 from __future__ import annotations
 
 import copy
+import importlib.util
 import itertools
 import json
 import tempfile
@@ -35,7 +36,6 @@ from dtypeaudit import check, kernels, read
 from dtypeaudit.checks import certain, forward_dtype, module_dtype_mix, semantics, table_verdict
 from dtypeaudit.formats import factory
 from dtypeaudit.inventory import Finding, Inventory
-from dtypeaudit.kernel_table import BACKENDS, OUTCOMES
 from dtypeaudit.structure import infer_modules
 
 from . import kernel_cases, models
@@ -44,6 +44,7 @@ from .kernel_cases import TORCH_DTYPES, Kernel, run_forward, set_dtype
 from .models import MODELS
 
 CONSISTENCY = ("module-dtype-mix", "dtype-outlier")
+BACKENDS, OUTCOMES = kernels.table().backends, kernels.table().outcomes
 
 
 def consistency(findings: list[Finding], severities: tuple[str, ...] = ("error", "warning")) -> list[Finding]:
@@ -143,7 +144,7 @@ def test_kernel_table_matches_a_real_forward(name: str) -> None:
             if facts and name in HF_NORMS:
                 assert semantics(module) == "measured" and module.confidence == "fact", where
     if name in TABLE_KERNELS and rows is None:
-        warnings.warn(f"backend {BACKEND} is not in dtypeaudit/kernel_table.py: run `python -m tests.kernel_cases` to add it", stacklevel=1)
+        warnings.warn(f"backend {BACKEND} is not in dtypeaudit/data/kernels.json: run `python scripts/measure_kernels.py`", stacklevel=1)
     # The table is not empty on either side: some combinations run, some fail.
     assert any(o.raised for *_, o in measured) or name in ("RMSNorm", "Embedding", *HF_NORMS)
     assert any(not o.raised for *_, o in measured)
@@ -163,6 +164,28 @@ def test_kernel_table_records_where_each_backend_was_measured() -> None:
         assert set(BACKENDS[backend]) == {"measured_on", "torch", "how"} and all(BACKENDS[backend].values()), backend
         assert rows and set(rows) <= keys, backend
         assert set(rows.values()) <= {"raise", *TORCH_DTYPES}, backend
+
+
+def test_the_shipped_table_is_what_the_script_writes() -> None:
+    """The file is the script's compact form of its own expansion: no row was edited by hand into a shape the
+    script would not write, and expanding it loses nothing."""
+    spec = importlib.util.spec_from_file_location("measure_kernels", Path(__file__).parents[1] / "scripts" / "measure_kernels.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    shipped = json.loads(kernels.TABLE.read_text(encoding="utf-8"))
+    assert script.compact(BACKENDS, OUTCOMES) == shipped
+    # the base holds what most backends measured: the backends that agree with it carry their record alone
+    assert sum(set(entry) == {"how", "measured_on", "torch"} for entry in shipped["backends"].values()) >= 4
+
+
+def test_a_scan_without_module_types_reads_no_kernel_table() -> None:
+    """The table is read on the first verdict asked for, which only a module type (``--model``) asks: a plain
+    scan of a state dict never reads the file."""
+    kernels.table.cache_clear()
+    model = kernel_cases.build_kernel("ConvTranspose2d", ("bfloat16", "float32"))  # raises where oneDNN runs it
+    assert consistency(check(inventory_of(model, facts=False))) and kernels.table.cache_info().currsize == 0
+    assert consistency(check(inventory_of(model, facts=True))) and kernels.table.cache_info().currsize == 1
 
 
 def test_strictest_backend_decides_and_the_finding_names_it() -> None:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from dtypeaudit import structure
 from dtypeaudit.formats import read_checkpoint
 from dtypeaudit.inventory import Inventory, TensorRecord
-from dtypeaudit.structure import Module, annotate, by_tensor, dominant_dtype, infer_modules, strip_wrappers
+from dtypeaudit.structure import Module, annotate, by_tensor, dominant_dtype, infer_modules, modules_of, strip_wrappers
 
 from .helpers import inventory_of
 from .models import MODELS, TinyCNN, TinyLM
@@ -154,6 +157,21 @@ def test_annotate_fills_guesses_that_are_never_taken_for_facts() -> None:
         (m.prefix, m.kind, m.confidence, m.type_name) for m in infer_modules(inv)
     ]
     assert Inventory("x", "test", ()) == annotate(Inventory("x", "test", ()))
+
+
+def test_the_structure_travels_with_the_inventory_annotate_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``modules_of`` answers an annotated inventory from what it carries, after a pickle too (a fleet worker's report);
+    an inventory made from it with other tensors is inferred anew, not answered from modules that are not its own."""
+    inv = Inventory("x", "test", (rec("a.weight", (4, 4)), rec("a.bias", (4,)), rec("n.weight", (4,))))
+    out = annotate(inv)
+    calls = []
+    monkeypatch.setattr(structure, "infer_modules", lambda i: calls.append(i) or [])
+    assert [m.prefix for m in modules_of(out)] == ["a", "n"] and calls == []
+    assert [m.prefix for m in modules_of(pickle.loads(pickle.dumps(out)))] == ["a", "n"] and calls == []
+    assert modules_of(replace(out, bytes_read=7)) == list(out.inferred.modules) and calls == []  # same tensors
+    fewer = replace(out, tensors=out.tensors[:2])
+    assert modules_of(fewer) == [] and calls == [fewer]  # inferred again (here by the stand-in, which finds none)
+    assert modules_of(replace(out, metadata={"input_casts": ["a"]})) == [] and len(calls) == 2
 
 
 def test_a_measured_norm_forward_makes_the_kind_a_fact() -> None:

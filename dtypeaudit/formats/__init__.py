@@ -57,7 +57,7 @@ def read_checkpoint(path: str | AnyPath | TargetRef, *, label: str | None = None
             if origin is not None:
                 hub_meta = {"hub": {"read_from": origin[0], "revision": origin[1]}}
             shown = shown or str(p)
-            inv = _read(p, shown, exclude)
+            inv = _read(p, shown, exclude, target)
         except DtypeAuditError as exc:
             if exc.path is None:
                 raise exc.naming(shown or str(p)) from exc
@@ -78,23 +78,24 @@ def read_checkpoint(path: str | AnyPath | TargetRef, *, label: str | None = None
     return out
 
 
-def _read(p: AnyPath, shown: str, exclude: tuple[str, ...] = ()) -> Inventory:
+def _read(p: AnyPath, shown: str, exclude: tuple[str, ...], target: TargetRef) -> Inventory:
     if not p.exists():
         raise CheckpointError(source.missing_local_path(str(p)) if isinstance(p, Path) else "no such file or directory", path=shown)
     if p.is_dir():
-        from . import directory  # a directory's readers: a file's scan does not import them
-
-        with directory.documents_parsed_once():
-            return _read_directory(p, shown, exclude)
+        return _read_directory(p, shown, exclude, target)
     return read_file(p)
 
 
-def _read_directory(p: AnyPath, shown: str, exclude: tuple[str, ...]) -> Inventory:
-    """A directory as DCP or a Hugging Face model, its JSON files each parsed once (``documents_parsed_once``)."""
-    from . import dcp, directory
+def _read_directory(p: AnyPath, shown: str, exclude: tuple[str, ...], target: TargetRef) -> Inventory:
+    """A directory as DCP or a Hugging Face model, its JSON files each parsed once (``directory.Documents``), those
+    the expansion parsed to tell that it is a model (``target.documents``) not again."""
+    from . import dcp, directory  # a directory's readers: a file's scan does not import them
+
+    known = target.documents if target.where is not None else None
+    docs = directory.Documents(known, folder=target.where)
 
     is_dcp = (p / ".metadata").is_file() and not directory.excluded_by(".metadata", exclude)
-    if is_dcp and directory.is_model_directory(p):
+    if is_dcp and directory.is_model_directory(p, docs):
         # torch.distributed.checkpoint would load .metadata's tensors, from_pretrained its weight files: two models.
         raise CheckpointError(
             "holds both a torch.distributed.checkpoint (.metadata) and a Hugging Face model (config, index or weight "
@@ -103,6 +104,6 @@ def _read_directory(p: AnyPath, shown: str, exclude: tuple[str, ...]) -> Invento
         )
     if is_dcp:
         return dcp.read(p, read_file, exclude=exclude)
-    if directory.is_model_directory(p):
-        return directory.read(p, read_file, exclude=exclude)
+    if directory.is_model_directory(p, docs):
+        return directory.read(p, read_file, docs, exclude=exclude)
     raise CheckpointError("directory holds no checkpoint (no .metadata, no index, no *.safetensors or pytorch_model*.bin)", path=shown)

@@ -16,13 +16,11 @@ same questions from one listing per folder, and the shards are then read concurr
 
 from __future__ import annotations
 
-import contextvars
 import fnmatch
 import json
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, overload
@@ -30,6 +28,7 @@ from typing import Any, overload
 from ..errors import CheckpointError, DtypeAuditError, LimitExceeded
 from ..inventory import Finding, Inventory, TensorRecord, link_shared_storage
 from . import locate, remote, source
+from .jsonfile import MAX_JSON_BYTES, within_json_cap
 from .locate import AnyPath
 from .remote import RemoteError, RemotePath
 from .source import SKIPPED_DIRS
@@ -39,7 +38,6 @@ SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 WEIGHTS_NAME = "pytorch_model.bin"
 WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 INDEX_NAMES = (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME)
-MAX_JSON_BYTES = 64 << 20
 
 # transformers.distributed.checkpoint.is_sharded_checkpoint: one such name and from_pretrained reads every
 # *.safetensors file in the folder through torch.distributed.checkpoint instead.
@@ -60,86 +58,62 @@ class _Document:
     size: int = 0
     """The bytes it was parsed from."""
     carried: bool = False
-    """Parsed in another block and handed to this one (``documents_parsed_once``'s ``known``): its bytes are not yet
-    counted in this read's ``bytes_read``."""
+    """Parsed before this read and handed to it (``Documents``' ``known``): its bytes are not yet counted in this
+    read's ``bytes_read``."""
 
 
-_DOCUMENTS: contextvars.ContextVar[dict[str, _Document] | None] = contextvars.ContextVar("dtypeaudit_documents", default=None)
+class Documents:
+    """A model folder's JSON files (config.json, the index), each read and parsed once however many questions
+    (which files load, which dtype, which keys repeat) are asked of it: one is made per read of a folder, or per
+    question whether a folder is a model, and handed to every function that asks.
 
+    ``known``: the documents of ``folder`` parsed before, by their names in it (``under``: what a scan's expansion
+    parsed to tell that the folder is a model, carried in its ``TargetRef.documents``), answered without reading
+    them again; the bytes they were read from still count in the read's ``bytes_read``, once."""
 
-@contextmanager
-def documents_parsed_once(known: Mapping[str, _Document] | None = None, *, folder: AnyPath | None = None) -> Iterator[dict[str, _Document]]:
-    """Within the block, each JSON file of a model directory (config.json, the index) is read and parsed once,
-    however many questions (which files load, which dtype, which keys repeat) are asked of it. Yields the documents
-    parsed so far, by path (an enclosing block's, where there is one).
+    def __init__(self, known: Mapping[str, _Document] | None = None, *, folder: AnyPath | None = None) -> None:
+        self._parsed: dict[str, _Document] = (
+            {str(folder / name): replace(doc, carried=True) for name, doc in (known or {}).items()} if folder is not None else {}
+        )
 
-    ``known``: the documents of ``folder`` parsed before, in another block, by their names in it
-    (``documents_under``: what a scan's expansion parsed to tell that the folder is a model, carried in its
-    ``TargetRef``), answered without reading them again; the bytes they were read from still count in the read's
-    ``bytes_read``, once."""
-    handed = {str(folder / name): replace(doc, carried=True) for name, doc in (known or {}).items()} if folder is not None else {}
-    cache = _DOCUMENTS.get()
-    if cache is not None:
-        for key, doc in handed.items():
-            cache.setdefault(key, doc)
-        yield cache
-        return
-    token = _DOCUMENTS.set(handed)
-    try:
-        yield handed
-    finally:
-        _DOCUMENTS.reset(token)
+    def under(self, folder: AnyPath) -> dict[str, _Document]:
+        """The documents parsed so far that lie in ``folder`` or below it, by their names relative to it (so that they
+        still apply where the folder is named otherwise: a worker given its absolute path)."""
+        prefix = str(folder / "_")[:-1]  # the folder's path and its separator, local or remote
+        return {key[len(prefix) :]: doc for key, doc in self._parsed.items() if key.startswith(prefix)}
 
+    def parse(self, path: AnyPath) -> _Document:
+        known = self._parsed.get(str(path))
+        if known is not None:
+            if known.carried:  # read before this read began: counted in it now, once
+                source.count_read(source.current_meter(), known.size)
+                self._parsed[str(path)] = known = replace(known, carried=False)
+            return known
+        within_json_cap(path)
+        repeated: list[str] = []
 
-def documents_under(folder: AnyPath, parsed: Mapping[str, _Document]) -> dict[str, _Document]:
-    """The documents of ``parsed`` (``documents_parsed_once``'s) that lie in ``folder`` or below it, by their names
-    relative to it (so that they still apply where the folder is named otherwise: a worker given its absolute path)."""
-    prefix = str(folder / "_")[:-1]  # the folder's path and its separator, local or remote
-    return {key[len(prefix) :]: doc for key, doc in parsed.items() if key.startswith(prefix)}
+        def last_wins(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            for key, value in pairs:
+                if key in out and not repeated:
+                    repeated.append(key)
+                out[key] = value
+            return out
 
+        raw = locate.read_small(path, MAX_JSON_BYTES)
+        value = json.loads(raw.decode("utf-8"), object_pairs_hook=last_wins)
+        self._parsed[str(path)] = doc = _Document(value, repeated[0] if repeated else None, len(raw))
+        return doc
 
-def within_json_cap(path: AnyPath) -> None:
-    """Refuse a JSON file over the cap before anything parses it (ours, or transformers' for ``--model``)."""
-    if path.stat().st_size > MAX_JSON_BYTES:
-        raise LimitExceeded("JSON file is over the 64 MiB cap", path=str(path))
-
-
-def _parse(path: AnyPath) -> _Document:
-    cache = _DOCUMENTS.get()
-    known = cache.get(str(path)) if cache is not None else None
-    if cache is not None and known is not None:
-        if known.carried:  # read before this read began: counted in it now, once
-            source.count_read(source.current_meter(), known.size)
-            cache[str(path)] = known = replace(known, carried=False)
-        return known
-    within_json_cap(path)
-    repeated: list[str] = []
-
-    def last_wins(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out and not repeated:
-                repeated.append(key)
-            out[key] = value
-        return out
-
-    raw = locate.read_small(path, MAX_JSON_BYTES)
-    value = json.loads(raw.decode("utf-8"), object_pairs_hook=last_wins)
-    doc = _Document(value, repeated[0] if repeated else None, len(raw))
-    if cache is not None:
-        cache[str(path)] = doc
-    return doc
-
-
-def _load_json(path: AnyPath) -> Any:
-    """A JSON file we do not trust: a key written twice is an error, not a silent overwrite."""
-    try:
-        doc = _parse(path)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"not valid JSON ({exc})", path=str(path)) from None
-    if doc.duplicate is not None:
-        raise CheckpointError(f"'{doc.duplicate}' is listed twice", path=str(path))
-    return doc.value
+    def load_json(self, path: AnyPath) -> Any:
+        """A JSON file we do not trust: a key written twice is an error, not a silent overwrite."""
+        try:
+            doc = self.parse(path)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"not valid JSON ({exc})", path=str(path)) from None
+        if doc.duplicate is not None:
+            raise CheckpointError(f"'{doc.duplicate}' is listed twice", path=str(path))
+        return doc.value
 
 
 def _unsafe_name(name: str) -> bool:
@@ -215,14 +189,14 @@ class Resolution:
     """False where from_pretrained finds nothing to load and dtypeaudit reads the shards it sees instead."""
 
 
-def _config(path: AnyPath) -> dict[str, Any]:
+def _config(path: AnyPath, docs: Documents) -> dict[str, Any]:
     """config.json as from_pretrained reads it: ``json.loads``, so a key given twice keeps its last value;
     {} where there is none or it does not parse; refused over the JSON cap."""
     config = path / "config.json"
     if not config.is_file():
         return {}
     try:
-        cfg = _parse(config).value
+        cfg = docs.parse(config).value
     except (RemoteError, LimitExceeded):
         raise  # over the cap: from_pretrained would read it, so a verdict without it would not be about its model
     except (CheckpointError, OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -230,10 +204,10 @@ def _config(path: AnyPath) -> dict[str, Any]:
     return cfg if isinstance(cfg, dict) else {}
 
 
-def _duplicate_key(path: AnyPath) -> str | None:
+def _duplicate_key(path: AnyPath, docs: Documents) -> str | None:
     """A key config.json gives twice (from_pretrained keeps the last), or None."""
     try:
-        _load_json(path / "config.json")
+        docs.load_json(path / "config.json")
     except CheckpointError as exc:
         return exc.message if "listed twice" in exc.message else None
     except OSError:
@@ -241,17 +215,17 @@ def _duplicate_key(path: AnyPath) -> str | None:
     return None
 
 
-def _weight_map(path: AnyPath, index_name: str) -> dict[str, str]:
+def _weight_map(path: AnyPath, index_name: str, docs: Documents) -> dict[str, str]:
     index_path = path / index_name
-    index = _load_json(index_path)
+    index = docs.load_json(index_path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
         raise CheckpointError("index has no weight_map of tensor names to shard files", path=str(index_path))
     return weight_map
 
 
-def _sharded(path: AnyPath, index_name: str, chosen: str) -> Resolution:
-    weight_map = _weight_map(path, index_name)
+def _sharded(path: AnyPath, index_name: str, chosen: str, docs: Documents) -> Resolution:
+    weight_map = _weight_map(path, index_name, docs)
     # get_checkpoint_shard_files: sorted(set(weight_map.values())), each joined to the model directory
     # (not to the index's own folder); merged in that order, so a later shard wins a name.
     shards = sorted(set(weight_map.values()))
@@ -260,14 +234,17 @@ def _sharded(path: AnyPath, index_name: str, chosen: str) -> Resolution:
     return Resolution(tuple(_label(s) for s in shards), chosen, index_name, weight_map)
 
 
-def resolve(path: AnyPath) -> Resolution | None:
-    """The files ``from_pretrained(path)`` loads, or None where it finds none of its names."""
+def resolve(path: AnyPath, docs: Documents | None = None) -> Resolution | None:
+    """The files ``from_pretrained(path)`` loads, or None where it finds none of its names. ``docs``: the folder's
+    JSON files parsed so far (a fresh store where none is given)."""
+    if docs is None:
+        docs = Documents()
     names = sorted(locate.listdir(path))
     if any(_DISTRIBUTED_SHARD.match(n) for n in names):
         # _get_resolved_distributed_checkpoint_files: every name ending .safetensors, sorted.
         files = tuple(n for n in names if n.endswith(".safetensors") and (path / n).is_file())
         return Resolution(files, "every *.safetensors file here, as distributed shards")
-    cfg = _config(path)
+    cfg = _config(path, docs)
     explicit = cfg.get("transformers_weights")
     if explicit is not None:
         origin = path / "config.json"
@@ -284,17 +261,17 @@ def resolve(path: AnyPath) -> Resolution | None:
             raise CheckpointError(f"config.json's transformers_weights names '{explicit}', which is missing", path=str(origin))
         confine(path, explicit, origin=origin)
         if explicit.endswith(".safetensors.index.json"):
-            res = _sharded(path, explicit, f"the shards of {_label(explicit)}, named by config.json's transformers_weights")
+            res = _sharded(path, explicit, f"the shards of {_label(explicit)}, named by config.json's transformers_weights", docs)
         else:
             res = Resolution((_label(explicit),), f"{_label(explicit)}, named by config.json's transformers_weights")
     elif (path / SAFE_WEIGHTS_NAME).is_file():
         res = Resolution((SAFE_WEIGHTS_NAME,), SAFE_WEIGHTS_NAME)
     elif (path / SAFE_WEIGHTS_INDEX_NAME).is_file():
-        res = _sharded(path, SAFE_WEIGHTS_INDEX_NAME, f"the shards of {SAFE_WEIGHTS_INDEX_NAME}")
+        res = _sharded(path, SAFE_WEIGHTS_INDEX_NAME, f"the shards of {SAFE_WEIGHTS_INDEX_NAME}", docs)
     elif (path / WEIGHTS_NAME).is_file():
         res = Resolution((WEIGHTS_NAME,), WEIGHTS_NAME)
     elif (path / WEIGHTS_INDEX_NAME).is_file():
-        res = _sharded(path, WEIGHTS_INDEX_NAME, f"the shards of {WEIGHTS_INDEX_NAME}")
+        res = _sharded(path, WEIGHTS_INDEX_NAME, f"the shards of {WEIGHTS_INDEX_NAME}", docs)
     else:
         return None
     model_type = cfg.get("model_type")
@@ -329,13 +306,13 @@ def _fallback(path: AnyPath) -> Resolution | None:
     return Resolution(names, ", ".join(names), from_pretrained=False)
 
 
-def is_model_directory(path: AnyPath) -> bool:
+def is_model_directory(path: AnyPath, docs: Documents | None = None) -> bool:
     """A config.json next to weights from_pretrained would load, an index, or shard files with a
     config.json or numbered like ``model-00001-of-00004``. A folder that merely holds a few
-    unrelated checkpoints is not one model."""
+    unrelated checkpoints is not one model. ``docs``: the folder's JSON files parsed so far, and those this parses."""
     has_config = (path / "config.json").is_file()
     try:
-        if has_config and resolve(path) is not None:
+        if has_config and resolve(path, docs) is not None:
             return True
     except (DtypeAuditError, OSError):
         return True  # its index or config is broken: reading it says how
@@ -521,8 +498,9 @@ def companions(
     return out
 
 
-def read(path: AnyPath, read_file: Callable[[Any], Inventory], *, exclude: tuple[str, ...] = ()) -> Inventory:
-    res = resolve(path) or _fallback(path)
+def read(path: AnyPath, read_file: Callable[[Any], Inventory], docs: Documents, *, exclude: tuple[str, ...] = ()) -> Inventory:
+    """The model folder ``path`` as from_pretrained loads it; ``docs``: its JSON files parsed so far (each parsed once)."""
+    res = resolve(path, docs) or _fallback(path)
     if res is None:
         raise CheckpointError("directory holds no checkpoint: no index, no *.safetensors, no pytorch_model*.bin", path=str(path))
     findings: list[Finding] = []
@@ -589,7 +567,7 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory], *, exclude: tuple
         metadata["index"] = _label(res.index)
     if not res.from_pretrained:
         metadata["from_pretrained"] = "finds no weights file here"
-    cfg = _config(path)
+    cfg = _config(path, docs)
     if isinstance(cfg.get("quantization_config"), dict):
         # read by dtypeaudit.quant.group; the config's dtype then applies to the unquantized parts only
         metadata["quantization_config"] = cfg["quantization_config"]
@@ -599,7 +577,7 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory], *, exclude: tuple
         if isinstance(declared, str):
             metadata["config_dtype"] = declared
     if res.from_pretrained:
-        findings.extend(_load_dtype(path, res, cfg, first_tensors, metadata, [t.name for t in tensors]))
+        findings.extend(_load_dtype(path, res, cfg, first_tensors, metadata, [t.name for t in tensors], docs))
     return Inventory(str(path), "hf-directory", link_shared_storage(tensors), tuple(findings), metadata, parts=parts)
 
 
@@ -610,13 +588,14 @@ def _load_dtype(
     first: tuple[TensorRecord, ...],
     metadata: dict[str, object],
     names: list[str],
+    docs: Documents,
 ) -> list[Finding]:
     """What dtype and name from_pretrained gives each of the stored tensors ``names`` (``hfload``), stored in
     ``metadata`` for the checks; findings for a config.json key given twice. Refuses a dtype from_pretrained fails on."""
     from . import hfload
 
     out = []
-    duplicate = _duplicate_key(path)
+    duplicate = _duplicate_key(path, docs)
     if duplicate:
         out.append(
             Finding("duplicate-key", "warning", f"config.json: {duplicate}; from_pretrained keeps the last value", file="config.json")
@@ -625,7 +604,7 @@ def _load_dtype(
         return out  # a quantizer decides the dtypes: not modelled here
     index_meta = None
     if res.index is not None:
-        index = _load_json(path / res.index)
+        index = docs.load_json(path / res.index)
         index_meta = index.get("metadata") if isinstance(index, dict) else None
     load = hfload.resolve(cfg, index_meta, res.files[0] if res.files else None, first, names)
     if load is None:

@@ -172,7 +172,7 @@ def _hf(target: str) -> ResolvedModel:
     try:
         if path.exists():
             directory = path if path.is_dir() else path.parent
-            from .directory import within_json_cap
+            from .jsonfile import within_json_cap
 
             within_json_cap(path / "config.json" if path.is_dir() else path)  # transformers would parse any size
             config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)

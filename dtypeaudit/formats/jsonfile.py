@@ -5,6 +5,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..errors import LimitExceeded
+
+MAX_JSON_BYTES = 64 << 20
+"""One cap for every JSON file a checkpoint brings (config.json, an index), whoever parses it."""
+
+
+def within_json_cap(path: Any) -> None:
+    """Refuse a JSON file over the cap before anything parses it (ours, or transformers' for ``--model``)."""
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise LimitExceeded("JSON file is over the 64 MiB cap", path=str(path))
+
 
 class DuplicateKey(ValueError):
     """A JSON object names ``key`` twice; json.loads would keep the last one without a word."""

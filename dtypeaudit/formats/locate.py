@@ -61,7 +61,7 @@ class TargetRef:
     """A local path named by a ``file://`` URL: reports keep the URL, scan expands no glob characters in it."""
     documents: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
     """For a model folder a scan's expansion found: the JSON files (config.json, the index) it parsed to tell, by
-    path (``directory.documents_under``), so that the read answers from them instead of parsing them again."""
+    path (``directory.Documents.under``), so that the read answers from them instead of parsing them again."""
 
     @property
     def is_remote(self) -> bool:
