@@ -359,7 +359,9 @@ def diff(
     Names match after a wrapper prefix (module., _orig_mod., state_dict., model_state_dict., model.) is
     taken off either side. Values compare by the CRC-32 of each tensor's elements, or as numbers with
     --tolerance. Tensors sharing a storage are shown once (a = b); a tie broken or created is listed.
-    Exit codes: 0 identical, 1 they differ, 2 unreadable input or misuse.
+    A checkpoint that scan fails for its safety (a code-running global, trailing data) is not compared: one
+    line names it, exit 1.
+    Exit codes: 0 identical, 1 they differ (or one is unsafe), 2 unreadable input or misuse.
 
     \b
     Examples:
@@ -381,7 +383,15 @@ def diff(
         raise UsageError(f"--tolerance must be a finite number >= 0, not {tolerance}")
     if tolerance is not None and no_values:
         raise UsageError("--tolerance compares values; --no-values reads none")
-    result = run_diff(read_target(before), read_target(after), tolerance=tolerance, values=not no_values)
+    from .safety import reader_refusals, refusal_line
+
+    inventories = read_target(before), read_target(after)
+    refused = {inv.path: (inv, found) for inv in inventories if (found := reader_refusals(inv))}.values()
+    for inv, found in refused:  # "identical" would bless what scan fails for its safety
+        say(refusal_line(inv, found, "diff"))
+    if refused:
+        return exitcodes.FINDINGS
+    result = run_diff(*inventories, tolerance=tolerance, values=not no_values)
     if fmt == "html":
         from .render.html import render_diff
 
@@ -726,6 +736,9 @@ def policy_init(
 ) -> int:
     """Write a policy that CHECKPOINT passes exactly, folded into patterns: lock today's dtypes as the baseline.
 
+    A checkpoint that scan fails for its safety (a code-running global, trailing data) gets no baseline: one
+    line names it, exit 1, nothing written.
+
     \b
     Example:
       dtypeaudit policy init blessed.pt > policy.yaml
@@ -734,10 +747,16 @@ def policy_init(
     from .baseline import render_baseline
     from .formats.locate import parse_target
     from .pipeline import read_target
+    from .safety import reader_refusals, refusal_line
 
     named = parse_target(checkpoint)
     require_torch_for_factories([named], None, "policy init")
-    emit(render_baseline(read_target(named)), output)
+    inv = read_target(named)
+    refused = reader_refusals(inv)
+    if refused:  # a baseline would bless what scan fails for its safety: nothing written
+        say(refusal_line(inv, refused, "policy init"))
+        return exitcodes.FINDINGS
+    emit(render_baseline(inv), output)
     return exitcodes.CLEAN
 
 

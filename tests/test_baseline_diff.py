@@ -83,3 +83,38 @@ def test_diff(tmp_path: Path) -> None:
     code, doc, _ = json_report("diff", str(a), str(b))
     assert code == 1 and doc["schema"] == "dtypeaudit.diff/1" and doc["changed"][0]["dtype"] == ["float32", "float16"]
     assert run_cli("diff", str(a), str(a)).returncode == 0
+
+
+class _Calls:
+    """Unpickles as a call of posix.system: torch.save writes it as any other object (nothing here runs it)."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return (os.system, ("echo never-run",))
+
+
+def test_policy_init_and_diff_refuse_what_scan_fails_for_its_safety(tmp_path: Path) -> None:
+    import pickle
+
+    evil_pt, evil_pkl, clean = tmp_path / "evil.pt", tmp_path / "evil.pkl", tmp_path / "clean.pt"
+    torch.save({"w": torch.ones(2), "x": _Calls()}, evil_pt)
+    evil_pkl.write_bytes(pickle.dumps({"x": _Calls()}, protocol=2))
+    torch.save({"w": torch.ones(2)}, clean)
+    assert run_cli("scan", str(evil_pt), "-q").returncode == 1  # the verdict the others must not contradict
+
+    out = tmp_path / "baseline.yaml"
+    r = run_cli("policy", "init", str(evil_pt), "-o", str(out))
+    assert r.returncode == 1 and not out.exists()
+    assert r.stderr.strip().splitlines() == [
+        f"dtypeaudit: error: {evil_pt}: policy init refuses it: unsafe-global: calls posix.system, which can execute code "
+        f"when loaded; it was not executed; `dtypeaudit scan {evil_pt}` lists each"
+    ]
+    for a, b in ((evil_pkl, evil_pkl), (evil_pt, clean), (clean, evil_pt)):
+        r = run_cli("diff", str(a), str(b))
+        bad = a if a != clean else b
+        assert r.returncode == 1, (a, b)
+        assert "identical" not in r.stdout
+        assert r.stderr.strip().splitlines() == [line for line in r.stderr.strip().splitlines() if str(bad) in line]
+        assert len(r.stderr.strip().splitlines()) == 1 and "diff refuses it: unsafe-global: calls posix.system" in r.stderr
+    assert run_cli("diff", str(clean), str(clean)).returncode == 0
