@@ -116,13 +116,15 @@ Cluster = Annotated[
     ),
 ]
 PolicyFile = Annotated[Optional[str], typer.Option("--policy", "-p", help="A YAML policy file (the language: docs/policies.md).")]
+# The names from the shipped files themselves (a directory listing, not the policy module: a scan's start-up).
+_PRESET_NAMES = sorted(p.stem for p in (Path(__file__).parent / "presets").glob("*.yaml"))
 Preset = Annotated[
     Optional[str],
     typer.Option(
         "--preset",
-        help="A shipped policy by name (`dtypeaudit policy presets` lists them): fp32, fp16, bf16, fp16-weights-fp32-norms, "
-        "bf16-weights-fp32-norms, amp-training. fp16-mixed and bf16-mixed are aliases of the *-weights-fp32-norms presets "
-        "(half-precision weights), not Lightning's 16-mixed/bf16-mixed, whose checkpoints keep fp32 weights: use amp-training.",
+        help=f"A shipped policy by name (`dtypeaudit policy presets` describes them): {', '.join(_PRESET_NAMES)}. "
+        "fp16-mixed and bf16-mixed are aliases of the *-weights-fp32-norms presets (half-precision weights), not "
+        "Lightning's 16-mixed/bf16-mixed, whose checkpoints keep fp32 weights: use amp-training.",
     ),
 ]
 
@@ -756,7 +758,7 @@ def policy_init(
     if refused:  # a baseline would bless what scan fails for its safety: nothing written
         say(refusal_line(inv, refused, "policy init"))
         return exitcodes.FINDINGS
-    emit(render_baseline(inv), output)
+    emit(render_baseline(inv), output, what="policy")
     return exitcodes.CLEAN
 
 

@@ -53,8 +53,8 @@ def terminal_width() -> int:
     return max(80, min(shutil.get_terminal_size((120, 24)).columns, 200))
 
 
-def emit(text: str, output: Optional[Path]) -> None:
-    """Write the report to ``-o FILE`` or stdout; stdout carries nothing else."""
+def emit(text: str, output: Optional[Path], what: str = "report") -> None:
+    """Write the report (or ``what`` else it is: a policy) to ``-o FILE`` or stdout; stdout carries nothing else."""
     if output is None:
         from .render.humanize import for_encoding
 
@@ -65,8 +65,8 @@ def emit(text: str, output: Optional[Path]) -> None:
     try:
         output.write_text(text, encoding="utf-8")
     except OSError as exc:
-        raise UsageError(f"cannot write the report ({exc.strerror or exc})", path=str(output)) from None
-    say(f"dtypeaudit: report written to {output}")
+        raise UsageError(f"cannot write the {what} ({exc.strerror or exc})", path=str(output)) from None
+    say(f"dtypeaudit: {what} written to {output}")
 
 
 PEOPLE_FORMATS = (OutputFormat.table, OutputFormat.plain, OutputFormat.markdown, OutputFormat.github)

@@ -118,3 +118,11 @@ def test_policy_init_and_diff_refuse_what_scan_fails_for_its_safety(tmp_path: Pa
         assert r.stderr.strip().splitlines() == [line for line in r.stderr.strip().splitlines() if str(bad) in line]
         assert len(r.stderr.strip().splitlines()) == 1 and "diff refuses it: unsafe-global: calls posix.system" in r.stderr
     assert run_cli("diff", str(clean), str(clean)).returncode == 0
+
+
+def test_policy_init_says_it_wrote_a_policy(tmp_path: Path) -> None:
+    out = tmp_path / "p.yaml"
+    r = run_cli("policy", "init", "sample_models/cnn_fp32.pt", "-o", str(out))
+    assert r.returncode == 0 and r.stdout == ""
+    assert r.stderr.strip() == f"dtypeaudit: policy written to {out}"
+    assert run_cli("scan", "sample_models/cnn_fp32.pt", "--policy", str(out), "-q").returncode == 0

@@ -24,3 +24,14 @@ def test_help_is_unchanged(command: list[str]) -> None:
     if os.environ.get("REGENERATE_HELP"):
         golden.write_text(result.stdout)
     assert result.stdout == golden.read_text()
+
+
+@pytest.mark.parametrize("command", [["scan"], ["convert"]])
+def test_the_preset_list_in_help_is_every_shipped_preset(command: list[str]) -> None:
+    from dtypeaudit.policy import preset_names
+
+    result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "400", "NO_COLOR": "1", "TERM": "xterm"}, prog_name="dtypeaudit")
+    text = " ".join(result.stdout.split())
+    assert "fp8-serving" in preset_names()
+    for name in preset_names():
+        assert f"{name}," in text or f"{name}." in text, name
