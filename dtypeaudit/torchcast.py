@@ -1,7 +1,9 @@
 """torch's cast, a chunk at a time: the one place conversion loads torch to make the bytes it writes, for the
 casts whose errors are measured as they are made (float64, bfloat16 and float16 sources) and views that must be
 gathered; float32 to float16/bfloat16 is npcast's (its errors measured before writing by values.py). Where torch
-is installed, verification recasts samples of the output with it (``installed``), whoever made them.
+is installed, verification recasts samples of the output with it (``installed``), whoever made them: imported
+then, after the last byte is made, while the output's fsync waits for the disk (on a thread beside the writers,
+its import would hold the GIL that they take back after every numpy call).
 """
 
 from __future__ import annotations
@@ -9,8 +11,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
-import sys
-import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,13 +34,6 @@ def installed() -> Any:
     except Exception:  # a broken install: verification says it recast with numpy instead
         return None
     return torch
-
-
-def import_meanwhile() -> None:
-    """Import torch on a thread of its own, where it is installed and not yet imported, while the pool makes the
-    bytes: verification's recasts need it as soon as the last byte is written."""
-    if "torch" not in sys.modules and importlib.util.find_spec("torch") is not None:
-        threading.Thread(target=installed, name="dtypeaudit-torch", daemon=True).start()
 
 
 @contextmanager

@@ -206,7 +206,8 @@ def test_a_plain_conversion_needs_no_torch(light: Path, files: dict[str, Path], 
     half, bf16 = tmp_path / "net.fp16.pt", tmp_path / "net.bf16.safetensors"
     proc = _run(light, "convert", str(files["fp32"]), "--to", "fp16", "-o", str(half))
     assert proc.returncode == 0, proc.stderr
-    assert "verified" in proc.stdout
+    # no torch here: the line says what the samples were compared with instead of claiming torch's cast
+    assert proc.stdout.splitlines()[-1].endswith("sampled records equal numpy's cast of the source (torch is not installed)")
     want = torch.load(files["fp32"], weights_only=True)
     got = torch.load(half, weights_only=True)
     assert list(got) == list(want) and all(torch.equal(got[k], v.half()) and got[k].dtype == torch.float16 for k, v in want.items())

@@ -74,10 +74,7 @@ def make_records(records: list[Record], out: Path, plan: Plan, workers: Workers 
             source = str(r.src.path)
             unit = workers.unit_of(source, r.span.offset, r.span.length)
             jobs.append(Job(source, r.span.offset, r.span.length, r.dtype, r.target, str(out), r.out_offset, unit))
-        # verification recasts samples of every cast record (not of copies) with torch where it is installed
-        casts = any(records[i].dtype != records[i].target for i in numpy_made)
-        meanwhile = torchcast.import_meanwhile if casts else None
-        for i, crc in zip(numpy_made, workers.run(jobs, progress=progress, meanwhile=meanwhile), strict=True):
+        for i, crc in zip(numpy_made, workers.run(jobs, progress=progress), strict=True):
             crcs[i] = crc
     return crcs
 
