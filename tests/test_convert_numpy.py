@@ -299,3 +299,17 @@ def test_verification_fails_on_a_changed_byte_and_a_short_file(
     monkeypatch.setattr(conversion, "verify_written", verify_and_corrupt)
     convert(src, "fp16", output=tmp_path / f"out{suffix}")
     assert len(failures) == 2 and "differs from" in failures[0]
+
+
+def test_verification_holds_every_value_but_not_which_nan_torch_writes(tmp_path: Path) -> None:
+    """Training state is cast unchecked, NaN and all. A float16 signalling NaN widened: numpy keeps it
+    signalling, torch quiets it, and neither is promised, so verification (torch's recast) accepts the output;
+    every other value must be bit-equal (test_convert.py: a changed finite value is refused)."""
+    snan = torch.tensor([0x7C01, 0x3C00, 0xFE00 - 0x10000], dtype=torch.int16).view(torch.float16)  # sNaN, 1.0, -qNaN
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(4, dtype=torch.float16), "callbacks": {"best": snan}}, src)
+    result = convert(src, "fp32")
+    assert result.output is not None
+    got = torch.load(result.output, weights_only=True)["callbacks"]["best"]
+    assert got.dtype == torch.float32 and got.view(torch.int32).tolist() == [0x7F802000, 0x3F800000, -0x400000]
+    assert snan.float().view(torch.int32).tolist() != got.view(torch.int32).tolist()  # torch's bits differ: a quiet NaN
