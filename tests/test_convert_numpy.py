@@ -75,6 +75,16 @@ def test_the_last_line_says_what_the_samples_were_compared_with(tmp_path: Path) 
         "without": head + "numpy's cast of the source (torch is not installed)",
         "with": head + "torch's own cast of the source",
     }
+    same = tmp_path / "h.pt"  # nothing to cast: the samples are compared with the source's own bytes
+    torch.save({"w": torch.randn(8).half(), "n": torch.arange(4)}, same)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dtypeaudit", "convert", str(same), "--to", "fp16", "-o", str(tmp_path / "h2.pt")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == head + "the source's bytes"
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
