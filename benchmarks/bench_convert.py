@@ -1,8 +1,8 @@
 """dtypeaudit convert --to fp16 versus what a user writes today, and versus cp (the I/O floor), in one run.
 
 Baseline: ``sd = torch.load(p, weights_only=True); torch.save({k: v.half() for k, v in sd.items()}, out)``.
-Targets (issue 18): wall time <= 0.5x the naive script, CPU time <= 1x of it, within 2x of cp; peak
-anonymous memory <= 0.25x of the naive script's (issue 4). convert fsyncs its output before the rename
+Targets (issue 28): wall time <= 0.6x the naive script at 1.5 GB and <= 0.5x at 3 GB, CPU time <= 1x of it,
+wall <= 1.5x of cp + sync; peak anonymous memory within the checkpoint's largest tensor. convert fsyncs its output before the rename
 (a durable, atomic write is a promise) and neither the naive script nor cp does, so each is also run
 followed by ``sync``: the fair comparison for durability. The figures are given both ways.
 
@@ -19,7 +19,7 @@ Also timed: ``convert --dry-run`` (the metadata-only plan), ``convert --dry-run 
     python benchmarks/bench_convert.py --sizes 1.5 --repeat 3
     python benchmarks/bench_convert.py --clean             # delete the checkpoints at the end
     python benchmarks/bench_convert.py --before /tmp/old   # also convert with an export of an earlier commit
-    python benchmarks/bench_convert.py --numpy-path        # also convert without the compiled pass
+    python benchmarks/bench_convert.py --sizes 0.05 --repeat 1   # a check that it runs (a 50 MB checkpoint)
 """
 
 from __future__ import annotations
@@ -38,17 +38,24 @@ NAIVE = (
     "torch.save({k: v.half() if v.is_floating_point() else v for k, v in sd.items()}, sys.argv[2])\n"
 )
 NAIVE_SYNC = NAIVE + "import os; os.sync()\n"
-SHAPES = {"1.5": (1024, 18), "3": (2048, 9)}
-"""Checkpoint size in GB -> (hidden, layers) of the Llama-shaped state_dict (1.47 GB and 2.94 GB)."""
+SHAPES = {"0.05": (256, 2), "1.5": (1024, 18), "3": (2048, 9)}
+"""Checkpoint size in GB -> (hidden, layers) of the Llama-shaped state_dict (54 MB, 1.47 GB and 2.94 GB)."""
+WALL_TARGET = {"0.05": 0.6, "1.5": 0.6, "3": 0.5}
+"""Issue 28's wall-time target against the naive script, by size (the smallest is only a check that this runs)."""
 
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def compare(
-    src: Path, work: Path, repeat: int, *, convert_only: bool = False, before: Path | None = None, numpy_path: bool = False
-) -> None:
+def largest_tensor_mb(src: Path) -> float:
+    """The checkpoint's largest tensor, from its metadata (dtypeaudit's reader: no value is read)."""
+    from dtypeaudit import read
+
+    return max(t.nbytes for t in read(src).tensors) / 2**20
+
+
+def compare(src: Path, work: Path, repeat: int, *, wall_target: float, convert_only: bool = False, before: Path | None = None) -> None:
     out, naive_out, copy_out = work / "convspeed_ours.pt", work / "convspeed_naive.pt", work / "convspeed_copy.pt"
     dtypeaudit = [python(), "-m", "dtypeaudit"]
     commands: dict[str, tuple[list[str], Path | None]] = {
@@ -72,10 +79,6 @@ def compare(
         before_cli = ["env", f"PYTHONPATH={before}", python(), *isolated, "-m", "dtypeaudit"]
         cmd = [*before_cli, "convert", str(src), "--to", "fp16", "-o", str(before_out)]
         commands["convert (--before tree)"] = (cmd, before_out)
-    if numpy_path:  # the same tree without the compiled pass (dtypeaudit/fused.py): what an install without a C compiler gets
-        numpy_out = work / "convspeed_numpy.pt"
-        cmd = ["env", "DTYPEAUDIT_NO_FUSED=1", *dtypeaudit, "convert", str(src), "--to", "fp16", "-o", str(numpy_out)]
-        commands["convert (numpy path)"] = (cmd, numpy_out)
     outputs = [o for _, o in commands.values() if o is not None]
     runs: dict[str, list[Run]] = {label: [] for label in commands}
     for _ in range(repeat):
@@ -93,12 +96,15 @@ def compare(
         per_round = [getattr(a, what) / getattr(b, what) for a, b in zip(runs[mine], runs[other], strict=True)]
         return f"{median(per_round):.3f}x (rounds {min(per_round):.2f}-{max(per_round):.2f})"
 
-    print(f"wall / naive               {ratio('naive load + half + save', 'wall_s')}   target <= 0.5x")
-    print(f"wall / naive + sync        {ratio('naive + os.sync()', 'wall_s')}   target <= 0.5x (both durable)")
+    print(f"wall / naive               {ratio('naive load + half + save', 'wall_s')}   target <= {wall_target}x")
+    print(f"wall / naive + sync        {ratio('naive + os.sync()', 'wall_s')}   (both durable)")
     print(f"cpu  / naive               {ratio('naive load + half + save', 'cpu_s')}   target <= 1x")
-    print(f"wall / cp                  {ratio('cp', 'wall_s')}   target <= 2x")
-    print(f"wall / cp + sync           {ratio('cp + sync', 'wall_s')}   target <= 2x (both durable)")
-    print(f"anon / naive               {ratio('naive load + half + save', 'peak_anon_mb')}   target <= 0.25x")
+    print(f"wall / cp                  {ratio('cp', 'wall_s')}   (a copy left in the page cache)")
+    print(f"wall / cp + sync           {ratio('cp + sync', 'wall_s')}   target <= 1.5x (both durable)")
+    print(f"anon / naive               {ratio('naive load + half + save', 'peak_anon_mb')}")
+    largest = largest_tensor_mb(src)
+    peak = max(r.peak_anon_mb for r in ours)
+    print(f"anon / largest tensor      {peak / largest:.3f}x ({peak:.0f} MB, largest tensor {largest:.0f} MB)   target <= 1x")
     if before is not None:
         earlier = "convert (--before tree)"
         print(f"before: wall / naive       {ratio('naive load + half + save', 'wall_s', earlier)}")
@@ -106,11 +112,6 @@ def compare(
         print(f"before: cpu  / naive       {ratio('naive load + half + save', 'cpu_s', earlier)}")
         print(f"before: wall / cp + sync   {ratio('cp + sync', 'wall_s', earlier)}")
         print(f"after / before: wall {ratio(earlier, 'wall_s')}, cpu {ratio(earlier, 'cpu_s')}")
-    if numpy_path:
-        numpy_row = "convert (numpy path)"
-        print(f"numpy path: wall / naive   {ratio('naive load + half + save', 'wall_s', numpy_row)}")
-        print(f"numpy path: cpu  / naive   {ratio('naive load + half + save', 'cpu_s', numpy_row)}")
-        print(f"compiled / numpy path: wall {ratio(numpy_row, 'wall_s')}, cpu {ratio(numpy_row, 'cpu_s')}")
     if not convert_only:
         print(f"dry-run / scan             {ratio_of(runs, 'convert --dry-run', 'scan')}   (metadata-only plan: scan speed)")
     print()
@@ -136,7 +137,6 @@ def main() -> None:
     parser.add_argument("--convert-only", action="store_true", help="leave out the dry runs and scan")
     parser.add_argument("--clean", action="store_true", help="delete the checkpoints at the end")
     parser.add_argument("--before", type=Path, help="also time convert from this tree (e.g. `git archive` of an earlier commit)")
-    parser.add_argument("--numpy-path", action="store_true", help="also time convert without the compiled pass (DTYPEAUDIT_NO_FUSED=1)")
     args = parser.parse_args()
     for tree in (Path(__file__).resolve().parent.parent, args.before):
         if tree is not None:
@@ -145,7 +145,7 @@ def main() -> None:
         hidden, layers = SHAPES[size]
         src = make_transformer_checkpoint(args.dir / f"convspeed_{size.replace('.', 'p')}gb.pt", hidden=hidden, layers=layers)
         try:
-            compare(src, args.dir, args.repeat, convert_only=args.convert_only, before=args.before, numpy_path=args.numpy_path)
+            compare(src, args.dir, args.repeat, wall_target=WALL_TARGET[size], convert_only=args.convert_only, before=args.before)
         finally:
             if args.clean:
                 src.unlink(missing_ok=True)

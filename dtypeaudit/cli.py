@@ -506,11 +506,12 @@ def convert(
     that disagrees with its shards) or that hides bytes after its pickle is refused (exit 2): a
     rewrite must never launder a payload. The plan keeps each module's floating tensors in one dtype
     (--keep fc.weight keeps fc.bias too) and tied tensors together, and the planned output must pass
-    scan with the same policy and every built-in check, or nothing is written (exit 1). Values are checked next: overflow, NaN/Inf or heavy
-    underflow refuse the conversion (exit 1) unless --clamp or --keep-unsafe. The output is written
-    to a temporary file, verified against torch's own cast of the source, then renamed into place.
-    The source is never touched. A quantized checkpoint (FP8, compressed-tensors, MXFP4, GPTQ, AWQ,
-    bitsandbytes, GGUF) is dequantized on the CPU, shard by shard: scales and zero points are dropped and
+    scan with the same policy and every built-in check, or nothing is written (exit 1). Values are
+    checked next: overflow, NaN/Inf or heavy underflow refuse the conversion (exit 1) unless --clamp or
+    --keep-unsafe. The output is written to a temporary file, verified (sampled records recast by torch
+    where it is installed, else by numpy, and the last line says which), then renamed into place. The source
+    is never touched. A quantized checkpoint (FP8, compressed-tensors, MXFP4, GPTQ, AWQ, bitsandbytes,
+    GGUF) is dequantized on the CPU, shard by shard: scales and zero points are dropped and
     config.json loses its quantization_config; a scheme that cannot be dequantized exactly is refused (exit 2).
 
     \b

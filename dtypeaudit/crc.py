@@ -1,6 +1,6 @@
 """The CRC-32 every writer and verifier uses: Intel ISA-L's where installed (the same CRC as zlib's, several times
-faster; on a large checkpoint zlib's was a fifth of the time spent writing), else zlib's. Imports nothing of the
-package, so the conversion's child process can use it."""
+faster; on a large checkpoint zlib's was a fifth of the time spent writing), else zlib's. Both release the GIL
+over a large buffer, so the conversion's threads CRC their pieces side by side."""
 
 from __future__ import annotations
 

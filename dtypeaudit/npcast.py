@@ -6,15 +6,15 @@ of CPU, a third of a small conversion). Every finite and infinite value comes ou
 exponent at its rounding boundaries with torch; the slow run compares all 2^32 float32 values):
 
 - float32 -> float16: IEEE round-to-nearest-even, overflow to inf, subnormals kept;
-- float32 -> bfloat16: round-to-nearest-even on the top 16 bits, as c10's ``round_to_nearest_even``;
+- float32 -> bfloat16: round-to-nearest-even, ml_dtypes' cast (a maintained library; torch's rounding);
 - float64 -> float16 or bfloat16: through float32, rounding twice, as torch's CPU kernels do (c10's
   Half and BFloat16 are built from a float);
 - float16 and bfloat16 widen exactly.
 
-A NaN comes out as torch's vectorised loops (AVX2 and AVX-512, which cast all but a tensor's last few
-elements) write it: in float16 quieted with its sign and top payload bits kept (``vcvtps2ph``), in bfloat16
-as 0xFFFF whatever its sign. (torch's scalar loop, for the last elements, writes 0x7E00 and 0x7FC0 instead;
-from a float16 source, only NaN-ness is promised: torch quiets a signalling NaN as it widens one.)
+A NaN comes out as torch writes it on this CPU: in float16 quieted with its sign and top payload bits kept
+(``vcvtps2ph``, which torch's vectorised and scalar loops both use), in bfloat16 as ``BFLOAT16_NAN`` (0xFFFF
+from a contiguous source, 0x7FC0 from a strided one). From a float16 source, only NaN-ness is promised: torch
+quiets a signalling NaN as it widens one.
 With ``clamp``, values beyond the target's largest finite
 value become that value (``torch.clamp`` in the source dtype, then the cast), NaN left as it is; a bfloat16
 source is clamped widened to float32, because bfloat16 cannot hold float16's largest value (``torch.clamp``
@@ -41,23 +41,25 @@ def storage_dtype(dtype: str) -> Any:
     return np.dtype(_STORAGE[dtype])
 
 
-def _bfloat16_bits(x: Any, out: Any, scratch: Any) -> None:
-    """float32 ``x`` rounded to bfloat16 (nearest, ties to even), as raw bits into ``out``; NaN becomes 0xFFFF,
-    as torch's vectorised cast writes it. ``scratch`` is a uint32 array of ``x``'s length."""
+def _bfloat16_bits(x: Any, out: Any, scratch: Any, *, contiguous: bool) -> None:
+    """float32 ``x`` rounded to bfloat16 (nearest, ties to even) by ml_dtypes, as raw bits into ``out``, its NaNs
+    then given torch's bits for a ``contiguous`` source or a strided one (``BFLOAT16_NAN``). ``scratch`` is a
+    uint16 array of ``x``'s length."""
+    import ml_dtypes
     import numpy as np
 
-    bits = x.view(np.uint32)
-    # bits + 0x7FFF + (bit 16 of bits): adding just under half a step, plus one on an odd result, rounds the top
-    # half to nearest even. A finite value at most one step under float32's top carries into inf's pattern.
-    np.right_shift(bits, 16, out=scratch)
-    np.bitwise_and(scratch, 1, out=scratch)
-    np.add(scratch, 0x7FFF, out=scratch)
-    np.add(scratch, bits, out=scratch)
-    np.right_shift(scratch, 16, out=scratch)
-    np.copyto(out, scratch, casting="unsafe")
-    nan = np.isnan(x)
-    if nan.any():
-        out[nan] = 0xFFFF
+    np.copyto(out.view(ml_dtypes.bfloat16), x, casting="unsafe")
+    # ml_dtypes writes a NaN as 0x7FC0 with its sign; a finite float32 never rounds to a NaN pattern (it carries
+    # into inf's), so the NaNs are found in the output, at half the bytes of the input.
+    np.bitwise_and(out, 0x7FFF, out=scratch)
+    if scratch.max(initial=0) > 0x7F80:
+        out[scratch > 0x7F80] = BFLOAT16_NAN[contiguous]
+
+
+BFLOAT16_NAN = {True: 0xFFFF, False: 0x7FC0}
+"""The bits torch's float32 -> bfloat16 cast writes for every NaN, whatever its sign and payload: 0xFFFF from a
+contiguous tensor (its vectorised loop, AVX2 and AVX-512, which also casts the last few elements), 0x7FC0 from a
+strided view (its scalar loop, c10's ``round_to_nearest_even``). tests/test_npcast.py holds both to torch."""
 
 
 def _float16_bits(x: Any, out: Any, magnitude: Any, scratch: Any, looked: Any = None) -> None:
@@ -121,7 +123,7 @@ class NumpyCaster:
         self._out = np.empty(capacity, storage_dtype(target))
         # Every cast but a widening goes through float32 (torch rounds float64 to float32 first).
         self._f32 = np.empty(capacity, np.float32)
-        self._scratch = np.empty(capacity, np.uint32)
+        self._scratch = np.empty(capacity, np.uint16 if target == "bfloat16" else np.uint32)
         self._magnitude = np.empty(capacity if target == "float16" else 0, np.uint32)
         limit = _LARGEST[target]
         self._limit = limit if clamp and limit < _LARGEST[source] else None
@@ -135,6 +137,7 @@ class NumpyCaster:
 
         n = len(x)
         out = self._out[:n]
+        contiguous = bool(x.flags.c_contiguous)  # before x is copied into a buffer of ours
         if self.source == self.target and self._limit is None:
             np.copyto(out, x)
             return out
@@ -163,7 +166,7 @@ class NumpyCaster:
                     usable = looked if self.source == "float32" and self._limit is None else None
                     _float16_bits(x, out, self._magnitude[:n], self._scratch[:n], usable)
                 else:
-                    _bfloat16_bits(x, out, self._scratch[:n])
+                    _bfloat16_bits(x, out, self._scratch[:n], contiguous=contiguous)
         return out
 
 

@@ -7,7 +7,7 @@ chunk, no torch). The cast itself is npcast's (bit-equal to torch's) or, where i
 as it is made, torch's (torchcast.py); tests/test_values.py holds every figure here against torch's own cast.
 
 Storages are read through mmap a chunk at a time into reused buffers, so memory stays bounded by a
-chunk, not the checkpoint. ``pieces.py`` folds them piece by piece, on both cores, as the conversion's bytes are made.
+chunk, not the checkpoint. ``pieces.py`` folds them piece by piece, on a pool of threads, as the conversion's bytes are made.
 """
 
 from __future__ import annotations

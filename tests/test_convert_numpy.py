@@ -30,41 +30,61 @@ def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
     return w
 
 
-def test_plain_conversions_import_no_torch(tmp_path: Path) -> None:
+NO_TORCH = "import sys\nsys.modules['torch'] = None\n"  # as in the light install: no import of torch succeeds
+
+
+def test_plain_conversions_make_their_bytes_without_torch(tmp_path: Path) -> None:
+    """numpy makes every byte of a plain conversion: with torch unimportable, fp16 and bf16 outputs are torch's
+    own cast, and verification says it recast with numpy; where torch is installed, it recasts with torch."""
     pt, st = tmp_path / "m.pt", tmp_path / "m.safetensors"
     torch.save(_weights(), pt)
     save_file(_weights(1), st)
-    code = (
-        "import sys\n"
+    code = NO_TORCH + (
         "from dtypeaudit.conversion import convert\n"
-        "assert convert(sys.argv[1], 'fp16').output is not None\n"
-        "assert convert(sys.argv[2], 'bf16').output is not None\n"
-        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+        "for path, to in zip(sys.argv[1:], ('fp16', 'bf16')):\n"
+        "    result = convert(path, to)\n"
+        "    print([w.recast_with for w in result.written.values()])\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", code, str(pt), str(st)], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[]"
+    assert proc.stdout.splitlines() == ["['numpy']", "['numpy']"]
     for name, t in torch.load(tmp_path / "m.fp16.pt", weights_only=True).items():
         assert t.dtype == torch.float16 and torch.equal(t, _weights()[name].half()), name
     for name, t in load_file(tmp_path / "m.bf16.safetensors").items():
         assert t.dtype == torch.bfloat16 and torch.equal(t, _weights(1)[name].bfloat16()), name
+    with_torch = convert(pt, "fp16", output=tmp_path / "again.pt")
+    assert [w.recast_with for w in with_torch.written.values()] == ["torch"]
 
 
-def test_the_command_line_imports_no_torch_for_a_plain_conversion(tmp_path: Path) -> None:
+def test_the_last_line_says_what_the_samples_were_compared_with(tmp_path: Path) -> None:
+    """The command line never claims a comparison with torch's cast that did not happen."""
     pt = tmp_path / "m.pt"
     torch.save(_weights(), pt)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    light = NO_TORCH + "from dtypeaudit.entry import main\nsys.argv = ['dtypeaudit', *sys.argv[1:]]\nmain()\n"
+    lines = {}
+    for label, cmd in (("without", [sys.executable, "-c", light]), ("with", [sys.executable, "-m", "dtypeaudit"])):
+        out = tmp_path / f"{label}.pt"
+        proc = subprocess.run([*cmd, "convert", str(pt), "--to", "fp16", "-o", str(out)], capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr
+        lines[label] = proc.stdout.splitlines()[-1]
+        assert torch.equal(torch.load(out, weights_only=True)["layer1.weight"], _weights()["layer1.weight"].half())
+    head = "verified: names, shapes, dtypes and ties; bytes read back and CRC-checked; sampled records equal "
+    assert lines == {
+        "without": head + "numpy's cast of the source (torch is not installed)",
+        "with": head + "torch's own cast of the source",
+    }
+    same = tmp_path / "h.pt"  # nothing to cast: the samples are compared with the source's own bytes
+    torch.save({"w": torch.randn(8).half(), "n": torch.arange(4)}, same)
     proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "dtypeaudit", "convert", str(pt), "--to", "fp16"],
+        [sys.executable, "-m", "dtypeaudit", "convert", str(same), "--to", "fp16", "-o", str(tmp_path / "h2.pt")],
         capture_output=True,
         text=True,
         env=env,
     )
     assert proc.returncode == 0, proc.stderr
-    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
-    assert "numpy" in imported and "torch" not in imported
-    assert torch.equal(torch.load(tmp_path / "m.fp16.pt", weights_only=True)["layer1.weight"], _weights()["layer1.weight"].half())
+    assert proc.stdout.splitlines()[-1] == head + "the source's bytes"
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
@@ -98,10 +118,7 @@ def _with_overflow(tmp_path: Path) -> Path:
 
 
 def _checks_see(monkeypatch: pytest.MonkeyPatch, where: Path) -> list[list[str]]:
-    """Make the bytes on both processes whatever their size (as a large checkpoint's are) and record ``where``'s
-    listing at the moment the value checks' outcome is known."""
-
-    monkeypatch.setattr(pieces, "CHILD_MIN_BYTES", 0)
+    """Record ``where``'s listing at the moment the value checks' outcome is known."""
     seen: list[list[str]] = []
     real = conversion_checks.ValueChecks.outcome
 
@@ -113,7 +130,7 @@ def _checks_see(monkeypatch: pytest.MonkeyPatch, where: Path) -> list[list[str]]
     return seen
 
 
-def test_the_output_is_written_while_the_child_checks_and_renamed_after(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_output_is_written_while_the_values_are_checked_and_renamed_after(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "m.pt"
     torch.save(_weights(), src)
     seen = _checks_see(monkeypatch, tmp_path)
@@ -181,7 +198,7 @@ def test_an_abandoned_write_leaves_no_note_behind(tmp_path: Path, monkeypatch: p
 
 
 def test_a_plain_conversion_is_numpys_at_any_size_and_gives_torchs_bytes(tmp_path: Path) -> None:
-    """No size rule hands a plain conversion to torch (numpy's pass on both cores is sooner at every size): the plan
+    """No size rule hands a plain conversion to torch (numpy's pass on every core is sooner at every size): the plan
     says numpy casts, and the bytes are torch's own ``.half()``."""
     st = tmp_path / "m.safetensors"
     save_file(_weights(2), st)
@@ -203,21 +220,25 @@ def test_crc32_of_parts_is_the_crc32_of_the_whole() -> None:
         assert crc.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == whole
 
 
-def test_records_cut_into_pieces_made_by_both_processes_give_torchs_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A record longer than a piece is made in parts by this process and the child: its CRC is combined and its
-    value checks merged in order, so the output verifies, equals torch's cast, and the checks equal one pass's."""
+def test_records_cut_into_pieces_made_on_the_pool_give_torchs_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record longer than a piece is made in parts on the pool's threads: its CRC is combined and its value
+    checks merged in order, so the output verifies, equals torch's cast, and the checks equal one pass's."""
+    import threading
+
     g = torch.Generator().manual_seed(2)
     state = {"emb": torch.randn(1280, 1024, generator=g) * 0.02, "small": torch.randn(1000, generator=g) * 1e-4, "step": torch.tensor(3)}
     src = tmp_path / "m.pt"
     torch.save(state, src)
-    alone = convert(src, "fp16", dry_run=True)  # the checks in one pass, here (5 MB: no child)
-    monkeypatch.setattr(pieces, "CHILD_MIN_BYTES", 0)
+    monkeypatch.setattr(pieces, "thread_count", lambda most=4: 1)
+    alone = convert(src, "fp16", dry_run=True)  # the checks in one pass, on this thread
+    monkeypatch.setattr(pieces, "thread_count", lambda most=4: 2)
     monkeypatch.setattr(pieces, "PIECE_ELEMENTS", pieces.CHUNK_ELEMENTS)  # 1 MB pieces: a 5 MB weight is five
-    started: list[object] = []
-    real_start = pieces._start_child
-    monkeypatch.setattr(pieces, "_start_child", lambda clamp: started.append(real_start(clamp)) or started[-1])
+    made_on: list[str] = []
+    real = pieces.Maker.make
+    monkeypatch.setattr(pieces.Maker, "make", lambda self, piece: made_on.append(threading.current_thread().name) or real(self, piece))
     result = convert(src, "fp16")
-    assert len(started) == 1 and result.output is not None
+    assert result.output is not None
+    assert len(made_on) >= 6 and all(name.startswith("dtypeaudit-work") for name in made_on)
     got = torch.load(result.output, weights_only=True)
     assert all(torch.equal(got[k], v.half() if v.is_floating_point() else v) for k, v in state.items())
     assert [vars(s) for s in result.plan.values.values()] == [vars(s) for s in alone.plan.values.values()]
@@ -288,3 +309,17 @@ def test_verification_fails_on_a_changed_byte_and_a_short_file(
     monkeypatch.setattr(conversion, "verify_written", verify_and_corrupt)
     convert(src, "fp16", output=tmp_path / f"out{suffix}")
     assert len(failures) == 2 and "differs from" in failures[0]
+
+
+def test_verification_holds_every_value_but_not_which_nan_torch_writes(tmp_path: Path) -> None:
+    """Training state is cast unchecked, NaN and all. A float16 signalling NaN widened: numpy keeps it
+    signalling, torch quiets it, and neither is promised, so verification (torch's recast) accepts the output;
+    every other value must be bit-equal (test_convert.py: a changed finite value is refused)."""
+    snan = torch.tensor([0x7C01, 0x3C00, 0xFE00 - 0x10000], dtype=torch.int16).view(torch.float16)  # sNaN, 1.0, -qNaN
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(4, dtype=torch.float16), "callbacks": {"best": snan}}, src)
+    result = convert(src, "fp32")
+    assert result.output is not None
+    got = torch.load(result.output, weights_only=True)["callbacks"]["best"]
+    assert got.dtype == torch.float32 and got.view(torch.int32).tolist() == [0x7F802000, 0x3F800000, -0x400000]
+    assert snan.float().view(torch.int32).tolist() != got.view(torch.int32).tolist()  # torch's bits differ: a quiet NaN

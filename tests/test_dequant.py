@@ -124,7 +124,7 @@ def test_ordered_keeps_order_and_bounds_the_bytes_in_flight() -> None:
     import threading
     import time
 
-    from dtypeaudit.quant.parallel import ordered
+    from dtypeaudit.pieces import ordered
 
     lock = threading.Lock()
     held, worst = [0], [0]

@@ -1,4 +1,6 @@
-"""npcast's casts against torch's own ``Tensor.to`` on this CPU: bit-equal for every non-NaN value."""
+"""npcast's casts (ml_dtypes' for bfloat16) against torch's own ``Tensor.to`` on this CPU: bit-equal for every
+non-NaN value of every pair, and for float32 to float16 and bfloat16 for NaNs too, contiguous, unaligned or
+strided; and a conversion's fold-then-cast gives torch's bytes and torch's measure of the cast's errors."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import pytest
 import torch
 
 from dtypeaudit import npcast
+from dtypeaudit.values import CHUNK_BYTES, ValueCheck, ValueStats
 
 TORCH = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PAIRS = [(s, t) for s in TORCH for t in TORCH]
@@ -153,3 +156,83 @@ def test_every_float32_value(target: str) -> None:
         with np.errstate(all="ignore"):
             ours = caster(x)
         assert_same(ours, torch_bits(x, "float32", target, False), target)
+
+
+# -- the engine's float32 casts, NaN bits included, against torch's on this CPU -----------------------------------
+
+
+def engine_values() -> np.ndarray:
+    """Every float16 value's float32 image, every float32 rounding boundary of both targets, random bit patterns,
+    and the special values: NaNs of both signs with quiet, signalling and odd payloads, inf, -0, the float32
+    subnormals, and the subnormal and overflow boundaries of float16 and bfloat16."""
+    every_half = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    nans = np.array([0x7FC00000, 0x7F800001, 0x7FBFFFFF, 0x7FFFFFFF, 0x7FC12345, 0x7FA00000, 0x7F802000], np.uint32)
+    special = np.concatenate([nans, nans | 0x80000000, np.array([0x7F800000, 0xFF800000, 0, 0x80000000, 1, 0x807FFFFF], np.uint32)])
+    boundaries = np.array([2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-14, 65504.0, 65519.99, 65520.0, 3.3895313e38, 3.4028235e38], np.float32)
+    return np.concatenate([every_half, float32_boundaries(), special.view(np.float32), boundaries, -boundaries])
+
+
+def torch_bits_of(t: torch.Tensor, target: str) -> np.ndarray:
+    return t.to(TORCH[target]).view(torch.int16).numpy().view(np.uint16)
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_the_engines_float32_casts_are_torchs_bits_nans_included(target: str) -> None:
+    """float32 to float16 (npcast's bits) and to bfloat16 (ml_dtypes', its NaNs fixed up) give torch's own bits
+    for every value, NaN payloads and signs included, whether the source is contiguous, unaligned (a zip entry
+    need not be 4-aligned), strided (torch's scalar loop: bfloat16 NaN is 0x7FC0 there) or cast chunk by chunk."""
+    x = engine_values()
+
+    def ours(values: np.ndarray) -> np.ndarray:
+        return npcast.cast(values, "float32", target).view(np.uint16)
+
+    with np.errstate(all="ignore"):
+        whole = ours(x)
+        assert np.array_equal(whole, torch_bits_of(torch.from_numpy(x), target))
+        raw = bytearray(3) + bytearray(x.tobytes())
+        unaligned = np.frombuffer(raw, np.float32, len(x), 3)
+        assert not unaligned.flags.aligned
+        assert np.array_equal(ours(unaligned), whole)
+        for step in (2, 3):
+            assert np.array_equal(ours(x[::step]), torch_bits_of(torch.from_numpy(x)[::step], target)), step
+        caster = npcast.NumpyCaster("float32", target, capacity=4099)
+        chunked = np.concatenate([caster(x[i : i + 4099]).view(np.uint16).copy() for i in range(0, len(x), 4099)])
+        assert np.array_equal(chunked, whole)
+    nan = np.isnan(x)
+    if target == "bfloat16":  # the NaN fix-up was exercised: ml_dtypes alone writes 0x7FC0 with the sign
+        assert set(whole[nan].tolist()) == {0xFFFF}
+
+
+def checked_and_cast(x: np.ndarray, target: str) -> tuple[np.ndarray, ValueStats]:
+    """What a conversion's piece makes of float32 values: each chunk's value checks folded (``values.ValueCheck``),
+    then cast with what the fold found."""
+    stats, check, step = ValueStats("", "float32", target), ValueCheck(), CHUNK_BYTES // 4
+    cast = npcast.NumpyCaster("float32", target, capacity=step)
+    out = []
+    with np.errstate(all="ignore"):
+        for first in range(0, len(x), step):
+            chunk = x[first : first + step]
+            out.append(cast(chunk, check.fold(stats, chunk, chunk)).copy())
+    return np.concatenate(out).view(np.uint16), stats
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_checks_and_cast_give_torchs_bytes_and_errors(target: str) -> None:
+    """Through the value checks, as a conversion makes them: every value casts to torch's own bits, and the two
+    errors are torch's float32 measure of its cast (``|y - x|``, then over ``max(|x|, tiny)``, inf differences
+    left out); the overflow and non-finite counts are torch's too."""
+    rng = np.random.default_rng(18)
+    random_bits = rng.integers(0, 1 << 32, 300_001, dtype=np.uint32).view(np.float32)
+    weights = (rng.standard_normal(200_000) * 0.02).astype(np.float32)
+    x = np.concatenate([engine_values(), random_bits, weights])
+    got, stats = checked_and_cast(x, target)
+    t = torch.from_numpy(x)
+    y = t.to(TORCH[target])
+    assert np.array_equal(got, y.view(torch.int16).numpy().view(np.uint16))
+    finite = torch.isfinite(t) & torch.isfinite(y.float())
+    error = (y.float() - t).abs()[finite]
+    relative = error / t.abs()[finite].clamp(min=torch.finfo(torch.float32).tiny)
+    assert stats.max_abs_error == float(error.max())
+    assert stats.max_rel_error == float(relative.max())
+    assert stats.overflow == int((torch.isinf(y) & torch.isfinite(t)).sum())
+    assert stats.nonfinite == int((~torch.isfinite(t)).sum())

@@ -4,6 +4,9 @@ what ``tensor.half()`` really does, and the errors against a direct computation 
 from __future__ import annotations
 
 import math
+import os
+import threading
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -237,68 +240,62 @@ def test_errors_per_value_match_one_by_one() -> None:
             assert bit_errors(x, target, True) == torch_errors(x, target, True), (target, value)
 
 
-def _both_processes(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """Share work of any size with the child (as a large checkpoint's is); the children started, recorded."""
+def _threads(monkeypatch: pytest.MonkeyPatch, n: int) -> list[str]:
+    """Make every conversion's pieces on ``n`` threads, in pieces of one chunk (many pieces, as a large
+    checkpoint's are); the names of the threads that made each piece, recorded."""
+    made_on: list[str] = []
+    real = pieces.Maker.make
 
-    started: list[object] = []
-    real_start = pieces._start_child
+    def make(self: pieces.Maker, piece: pieces.Piece) -> Any:
+        made_on.append(threading.current_thread().name)
+        return real(self, piece)
 
-    def spy(clamp: bool) -> object:
-        started.append(real_start(clamp))
-        return started[-1]
-
-    monkeypatch.setattr(pieces, "CHILD_MIN_BYTES", 0)
-    monkeypatch.setattr(pieces, "_start_child", spy)
-    return started
+    monkeypatch.setattr(pieces, "thread_count", lambda most=4: n)
+    monkeypatch.setattr(pieces, "PIECE_ELEMENTS", pieces.CHUNK_ELEMENTS)
+    monkeypatch.setattr(pieces.Maker, "make", make)
+    return made_on
 
 
-def test_value_checks_in_a_child_process_match_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_value_checks_on_the_pool_match_one_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks folded piece by piece on several threads, merged in record order, are the figures one thread's
+    pass gives, and the verdicts with them."""
     src = tmp_path / "m.pt"
     g = torch.Generator().manual_seed(1)
     state = {f"w{i}": torch.randn(300, 200, generator=g) * 10.0 ** (-i) for i in range(8)}
+    state["emb"] = torch.randn(3 << 20, generator=g) * 0.02  # twelve pieces of one chunk
     state["big"] = torch.tensor([1.0, 7e4, -2e5])
     state["d"] = torch.randn(50, dtype=torch.float64) * 1e-8
     torch.save(state, src)
-    inline = convert(src, "fp16", dry_run=True)
-    started = _both_processes(monkeypatch)
-    made_by_child: list[int] = []
-    real_take = pieces._Feeder.run
-
-    def counted(self: pieces._Feeder) -> None:
-        real_take(self)
-        made_by_child.append(len(self._made))
-
-    monkeypatch.setattr(pieces._Feeder, "run", counted)
-    child = convert(src, "fp16", dry_run=True)
-    assert len(started) == 1 and made_by_child and made_by_child[0] > 0  # the child made some of the pieces
-    assert [vars(s) for s in child.plan.values.values()] == [vars(s) for s in inline.plan.values.values()]
-    unsafe = {s.name: s for s in child.unsafe}
+    on_one = _threads(monkeypatch, 1)
+    alone = convert(src, "fp16", dry_run=True)
+    assert set(on_one) == {threading.current_thread().name}  # one thread: the caller's own, no pool
+    on_pool = _threads(monkeypatch, 3)
+    pooled = convert(src, "fp16", dry_run=True)
+    assert len(on_pool) > 12 and all(name.startswith("dtypeaudit-work") for name in on_pool)
+    assert [vars(s) for s in pooled.plan.values.values()] == [vars(s) for s in alone.plan.values.values()]
+    unsafe = {s.name: s for s in pooled.unsafe}
     assert set(unsafe) == {"big", "w6", "w7", "d"}  # overflow; more than 1% flushed to zero
     assert unsafe["big"].overflow == 2 and unsafe["w6"].underflow_fraction > 0.01
 
 
-def test_a_failed_child_falls_back_to_checking_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    src = tmp_path / "m.pt"
-    torch.save({"w": torch.tensor([1.0, 7e4]), "v": torch.ones(10)}, src)
-    import subprocess
-    import sys
+def _mapped(path: Path) -> tuple[Any, Any]:
+    """A ``view(path, offset, length)`` over one file mapped read-only, and its closer."""
+    import mmap
 
-    _both_processes(monkeypatch)
-    monkeypatch.setattr(
-        pieces,
-        "_start_child",
-        lambda clamp: subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"], stdin=subprocess.PIPE, stdout=subprocess.PIPE),
-    )
-    result = convert(src, "fp16", dry_run=True)
-    assert [s.name for s in result.unsafe] == ["w"] and result.unsafe[0].overflow == 1
-    written = convert(src, "fp16", clamp=True)  # a write whose child dies: this process makes every piece
-    assert written.output is not None
-    assert torch.equal(torch.load(written.output, weights_only=True)["w"], torch.tensor([1.0, 65504.0]).half())
+    with path.open("rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def view(name: str, offset: int, length: int) -> memoryview:
+        if name != str(path):
+            raise FileNotFoundError(name)
+        return memoryview(mm)[offset : offset + length]
+
+    return view, mm.close
 
 
 def test_progress_moves_within_a_large_tensor(tmp_path: Path) -> None:
     """A bar that only moves when a whole tensor is done sits still for seconds on an embedding: progress is
-    reported piece by piece, from both processes, and the reports add up to exactly the bytes checked."""
+    reported piece by piece, from every thread, and the reports add up to exactly the bytes checked."""
     import json
     import struct
 
@@ -316,9 +313,9 @@ def test_progress_moves_within_a_large_tensor(tmp_path: Path) -> None:
     ]
     stats = {j.unit: values.ValueStats(str(j.unit), "float32", "float16") for j in jobs}
     seen: list[int] = []
-    view, unmap = pieces.mapped_view()
+    view, unmap = _mapped(src)
     try:
-        with pieces.Workers(clamp=False, view=view, checks=stats, child=True) as workers:
+        with pieces.Workers(clamp=False, view=view, checks=stats, threads=2) as workers:
             workers.run(jobs, progress=seen.append)
     finally:
         unmap()
@@ -357,51 +354,26 @@ def test_relative_error_of_normal_values_needs_no_full_pass_and_stays_exact(targ
         assert bit_errors(torch.cat([weights, worst]), target, False)[1] == largest
 
 
-def test_a_child_reply_that_cannot_be_read_leaves_its_piece_to_this_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A child whose replies cannot be read (here: statistics of the wrong length) loses nothing: every piece it
-    had is made here, so the checks count every value, as the checks alone do. Found by review."""
-    import subprocess
-    import sys
-
-    src = tmp_path / "m.pt"
-    torch.save({"w": torch.randn(5 << 20) * 0.02, "v": torch.ones(10)}, src)
-    alone = convert(src, "fp16", dry_run=True)
-    _both_processes(monkeypatch)
-    bad = (
-        "import sys, json\nsys.stdin.readline()\n"
-        "for line in sys.stdin:\n    print(json.dumps([json.loads(line)['id'], 0, 0, [1]]), flush=True)\n"
-    )
-    monkeypatch.setattr(
-        pieces, "_start_child", lambda clamp: subprocess.Popen([sys.executable, "-c", bad], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    )
-    monkeypatch.setattr(pieces, "PIECE_ELEMENTS", pieces.CHUNK_ELEMENTS)  # many pieces, some of them the child's
-    result = convert(src, "fp16", dry_run=True)
-    assert {s.name: s for s in result.plan.values.values()}["w"].numel == 5 << 20
-    assert [vars(s) for s in result.plan.values.values()] == [vars(s) for s in alone.plan.values.values()]
-
-
-def test_a_child_let_go_is_reaped_and_another_starts_when_needed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``retire_child`` lets the child exit while this process goes on (verification); ``wait_for_children`` (what the
-    CLI calls before ``os._exit``) returns once it is reaped, its pipes closed. A later run starts a new child."""
-    src = tmp_path / "x.bin"
+def test_runs_fold_into_the_same_checks_and_leave_no_thread_or_descriptor(tmp_path: Path) -> None:
+    """Two runs in one context fold into the same statistics; after each, no thread of the pool is left and the
+    outputs its makers opened are closed. An error in a piece is raised here, after the threads stop."""
+    src, out = tmp_path / "x.bin", tmp_path / "out.bin"
     src.write_bytes(np.random.default_rng(1).standard_normal(1 << 20).astype(np.float32).tobytes())
-    started: list[Any] = []
-    real_start = pieces._start_child
-    monkeypatch.setattr(pieces, "_start_child", lambda clamp: started.append(real_start(clamp)) or started[-1])
-    monkeypatch.setattr(pieces, "CHILD_MIN_BYTES", 0)
-    monkeypatch.setattr(pieces, "PIECE_ELEMENTS", pieces.CHUNK_ELEMENTS)
+    out.write_bytes(bytes(2 << 20))
     stats = {"x": values.ValueStats("x", "float32", "float16")}
-    job = pieces.Job(str(src), 0, 4 << 20, "float32", "float16", unit="x")
-    view, unmap = pieces.mapped_view()
+    job = pieces.Job(str(src), 0, 4 << 20, "float32", "float16", out=str(out), unit="x")
+    fds = len(os.listdir("/proc/self/fd"))
+    view, unmap = _mapped(src)
     try:
-        with pieces.Workers(clamp=False, view=view, checks=stats, child=True) as workers:
-            workers.run([job])
-            workers.retire_child()
-            pieces.wait_for_children()
-            assert len(started) == 1 and started[0].returncode == 0 and started[0].stdout.closed
-            workers.run([job])
-        pieces.wait_for_children()
+        with pieces.Workers(clamp=False, view=view, checks=stats, threads=2) as workers:
+            first = workers.run([job])
+            assert not [t for t in threading.enumerate() if t.name.startswith("dtypeaudit-work")]
+            assert workers.run([job]) == first
+            with pytest.raises(FileNotFoundError, match="missing"):  # raised in a worker, surfaced here
+                workers.run([pieces.Job("missing", 0, 8, "float32", "float16", unit="x")])
+            assert not [t for t in threading.enumerate() if t.name.startswith("dtypeaudit-work")]
     finally:
         unmap()
-    assert len(started) == 2 and started[1].returncode == 0
-    assert stats["x"].numel == 2 << 20  # both runs folded
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert stats["x"].numel == 2 << 20  # both runs folded, the failed one not at all
+    assert first == [zlib.crc32(torch.frombuffer(bytearray(src.read_bytes()), dtype=torch.float32).half().numpy().tobytes())]

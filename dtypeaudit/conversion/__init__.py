@@ -278,7 +278,7 @@ def _written_while_checking(
     checks = ValueChecks(plan, sources)
     plan.values = checks.results
     try:
-        with workers_for(plan, sources, checks, child=True) as workers:
+        with workers_for(plan, sources, checks) as workers:
             try:
                 pending.enter_context(written(workers))
             except DtypeAuditError as exc:
@@ -337,8 +337,6 @@ def _written_and_verified(
                     workers=workers,
                 )
             )
-            if workers is not None:
-                workers.retire_child()
             yield
     else:
         ((label, src),) = sources.items()
@@ -353,10 +351,6 @@ def _written_and_verified(
                 materialize_ties=materialize_ties,
                 workers=workers,
             )
-            # every piece of the file is made: the child exits while this process verifies (a check left for after,
-            # of 64 MB or more of views no record holds whole, starts another: rare, and a tenth of a second)
-            if workers is not None:
-                workers.retire_child()
             with flushing(tmp):
                 verify_written(tmp, record)
             records[dest.name] = record

@@ -74,16 +74,15 @@ class ValueChecks:
         return results
 
 
-def workers_for(plan: Plan, sources: Mapping[str, MappedCheckpoint], checks: ValueChecks | None, *, child: bool) -> Workers:
-    """This process and (``child``) one more, making pieces of ``plan``'s bytes from ``sources``, folding
-    ``checks``: the one place a conversion sets its workers up."""
+def workers_for(plan: Plan, sources: Mapping[str, MappedCheckpoint], checks: ValueChecks | None) -> Workers:
+    """The threads making pieces of ``plan``'s bytes from ``sources``, folding ``checks``: the one place a
+    conversion sets its workers up."""
     by_path = {str(src.path): src for src in sources.values()}  # a writer's are by path already
     return Workers(
         clamp=plan.clamp,
         view=lambda path, offset, length: by_path[path].bytes_at(offset, length),
         checks=checks.every if checks is not None else {},
         claim=checks.claim if checks is not None else None,
-        child=child,
     )
 
 
@@ -101,7 +100,7 @@ def check_values(
 
     Every unit to cast gets its ValueStats here; errors not measured here are measured as the cast is
     made, by the writer or by ``measure_errors``. ``meanwhile`` (loading torch for the cast) runs here while
-    a child starts on the checks (large checks are shared between the two processes: ``pieces.Workers``).
+    the threads start on the checks (``pieces.Workers``).
     ``progress_for`` is given the number of bytes to check (when there are any) and returns the progress callback.
     """
     checks = ValueChecks(plan, sources)
@@ -109,7 +108,7 @@ def check_values(
     jobs = checks.remaining()
     to_check = sum(job.length for job in jobs)
     progress = progress_for(to_check) if progress_for and to_check else None
-    with workers_for(plan, sources, checks, child=True) as w:
+    with workers_for(plan, sources, checks) as w:
         w.run(jobs, progress=progress, meanwhile=meanwhile)
     plan.values = checks.outcome()
     return plan.values

@@ -208,8 +208,8 @@ def _write_shard(shard: _Shard, inv: Inventory, sources: dict[str, MappedCheckpo
 
 def _write_pieces(shard: _Shard, inv: Inventory, sources: dict[str, MappedCheckpoint], out: Path, progress: Progress | None) -> Written:
     from ..crc import crc32
-    from ..pieces import Writeback
-    from ..quant.parallel import ordered, workers
+    from ..pieces import Writeback, ordered
+    from ..pieces import thread_count as workers
     from .verify import Written
     from .write import safetensors_header
 

@@ -6,8 +6,6 @@ import json
 import math
 import os
 import struct
-import sys
-import threading
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -50,7 +48,7 @@ class Record:
 
 def make_records(records: list[Record], out: Path, plan: Plan, workers: Workers | None, progress: Progress | None) -> list[int]:
     """Write every record into ``out`` (already laid out: each record's place reserved) and return their
-    CRC-32s. numpy makes what it can (``casts_with_numpy``), piece by piece on both cores (``pieces.Workers``,
+    CRC-32s. numpy makes what it can (``casts_with_numpy``), piece by piece on the threads (``pieces.Workers``,
     folding the value checks that claim those bytes); torch the rest, here, one after another."""
     with_torch = [i for i, r in enumerate(records) if _torch_makes(r, plan)]
     crcs = [0] * len(records)
@@ -68,7 +66,7 @@ def make_records(records: list[Record], out: Path, plan: Plan, workers: Workers 
         return crcs
     with ExitStack() as stack:
         if workers is None:
-            workers = stack.enter_context(workers_for(plan, {str(r.src.path): r.src for r in records}, None, child=False))
+            workers = stack.enter_context(workers_for(plan, {str(r.src.path): r.src for r in records}, None))
         jobs = []
         for i in numpy_made:
             r = records[i]
@@ -76,30 +74,9 @@ def make_records(records: list[Record], out: Path, plan: Plan, workers: Workers 
             source = str(r.src.path)
             unit = workers.unit_of(source, r.span.offset, r.span.length)
             jobs.append(Job(source, r.span.offset, r.span.length, r.dtype, r.target, str(out), r.out_offset, unit))
-        # verification's recast samples need numpy for every cast record (not for copies): it is imported meanwhile
-        casts = any(records[i].dtype != records[i].target for i in numpy_made)
-        meanwhile = _import_numpy_meanwhile if casts else None
-        for i, crc in zip(numpy_made, workers.run(jobs, progress=progress, meanwhile=meanwhile), strict=True):
+        for i, crc in zip(numpy_made, workers.run(jobs, progress=progress), strict=True):
             crcs[i] = crc
     return crcs
-
-
-def _import_numpy_meanwhile() -> None:
-    """Import numpy on a thread of its own once the pieces are being made: the compiled pass needs none, and the
-    disk takes the bytes more slowly than both cores make them, but verification's recast samples do (otherwise a
-    tenth of a second after the last byte). Not sooner: while this process lays the output out, the import would
-    take the interpreter from it (70 ms later to the first byte, measured). Only when some record is cast, so that
-    verification itself waits for this import before the conversion returns (a fork meanwhile would copy its lock)."""
-    if "numpy" in sys.modules:
-        return
-
-    def load() -> None:
-        try:
-            import numpy  # noqa: F401
-        except Exception:  # a dependency; should it fail to import, verification says so itself, on its own thread
-            pass
-
-    threading.Thread(target=load, name="dtypeaudit-numpy", daemon=True).start()
 
 
 def _torch_makes(r: Record, plan: Plan) -> bool:
@@ -162,9 +139,9 @@ def torch_needed_for(plan: Plan, sources: dict[str, MappedCheckpoint]) -> str | 
 
 
 def casts_need_torch(plan: Plan, sources: dict[str, MappedCheckpoint]) -> bool:
-    """Whether torch makes the casts: only where it must (``torch_needed_for``). numpy's pass runs on both cores
-    while torch's cast would follow the checks on one thread, so numpy is sooner at every size, though it costs
-    more CPU past about 2.5 GB (benchmarks/CONVERT.md, round 4)."""
+    """Whether torch makes the casts: only where it must (``torch_needed_for``). numpy's pass runs on every core
+    while torch's cast would follow the checks on one thread, so numpy is sooner at every size
+    (benchmarks/CONVERT.md, round 4)."""
     return torch_needed_for(plan, sources) is not None
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..conversion import Result, pickled_module_files
 from ..conversion.plan import WOULD_NOT_RUN
+from ..conversion.verify import verified_line
 from .humanize import human_bytes
 from .json import finding_dict
 
@@ -105,7 +106,7 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
     if result.output and not result.dry_run and counts.get("dequantize"):
         lines.append("verified: names, shapes and dtypes as planned, and the bytes read back equal the dequantized weights written")
     elif result.output and not result.dry_run:
-        lines.append("verified: names, shapes, dtypes, ties and bytes equal torch's own cast of the source")
+        lines.append(verified_line(list(result.written.values())))
     return "\n".join(lines) + "\n"
 
 
