@@ -62,11 +62,15 @@ def _save_shards(state: dict[str, torch.Tensor], path: Path, split: list[set[str
 
 @pytest.fixture(scope="module")
 def fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_fp8_dir(tmp_path_factory.mktemp("fp8"))
+
+
+def make_fp8_dir(base: Path) -> Path:
+    """A tiny Llama quantized by transformers' own FP8 quantizer (blocks of 128x128), in ``base / "fp8"``."""
     from safetensors.torch import load_file
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
 
-    base = tmp_path_factory.mktemp("fp8")
     _tiny_llama(base / "bf16")
     state = load_file(base / "bf16" / "model.safetensors")
     qconfig = FineGrainedFP8Config(weight_block_size=[128, 128])
