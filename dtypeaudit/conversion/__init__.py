@@ -1,5 +1,5 @@
-"""Conversion: plan -> lay the output out -> check values, cast and write each piece in one pass (pieces.py) -> verify
--> atomic rename.
+"""Conversion: plan (once: ``make_plan``, or ``dequantize.make_dequant_plan`` for a quantized source) -> lay the
+output out -> check values, cast and write each piece in one pass (pieces.py) -> verify -> atomic rename.
 
 Nothing from the checkpoint is executed. A torch.save archive keeps its own pickle's bytes with only the storage
 types edited where the reader found them (see formats/picklesplice.py); every other byte of meaning is kept.

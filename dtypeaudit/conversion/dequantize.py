@@ -10,6 +10,11 @@ float32 dequantization and its cast), never the shard. FP8 block weights and eve
 read and cast with numpy (``quant.dequant.fp8_block_cast_np``, ``npcast``): converting an FP8 checkpoint never
 imports torch. Anything that cannot be dequantized exactly is refused before the output appears (the output
 is written to a temporary and renamed only when verified).
+
+The values get a cast's checks and verdict: each piece's values (dequantized, or read) are folded by
+``values.ValueCheck`` as it is made, and ``checks.apply_value_policy`` decides, as for a cast: NaN/Inf, overflow
+and underflow refuse the output (exit 1, nothing written), ``--clamp`` saturates overflow. ``--dry-run
+--check-values`` makes every piece and writes none.
 """
 
 from __future__ import annotations
