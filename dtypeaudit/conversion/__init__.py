@@ -82,6 +82,7 @@ def convert(
     materialize_ties: bool = False,
     keep_quantized: bool = False,
     strict: bool | None = None,
+    planned: Plan | None = None,
 ) -> Result:
     """Plan, check the planned output, check values, write atomically and verify.
 
@@ -96,7 +97,9 @@ def convert(
     ``read_values=False`` makes a dry run metadata-only: the plan, its sizes and refusals from the headers alone,
     at the speed of a scan (the CLI's ``--dry-run``; ``--dry-run --check-values`` reads them). A conversion
     that writes always reads them. ``strict`` (``--strict``) is decided here once, when the caller has not: the
-    policy's ``strict:``; every path checks its planned output with it.
+    policy's ``strict:``; every path checks its planned output with it. ``planned``: the part of a plan made of a
+    whole that this one file belongs to (a remote folder's weight file, see remote.py), its tensors relabelled
+    as this file's; used as it is, not made again (the whole's output was checked when it was made).
     """
     strict = bool(policy and policy.strict) if strict is None else strict
     # Parsed once: a URL or a local path (convert takes no factory or bare hub id: there ``org/name`` is a path).
@@ -181,7 +184,10 @@ def convert(
             "quantized": quant.consumed,
             "stripped": stripped,
         }
-        plan = make_plan(inv, to, **options)
+        if planned is not None and not stripped:
+            plan = replace(planned, source=inv)
+        else:  # a folder's weight file that holds optimizer state to strip: what is dropped is known only here
+            plan = make_plan(inv, to, **options)
         dest = src_path if in_place else Path(output) if output else default_output(src_path, plan.target)
         out_format = output_format(inv.format, dest, src_path)
         if out_format == Format.SAFETENSORS and not output and not in_place:
@@ -196,7 +202,7 @@ def convert(
                 notes.append("safetensors output holds no optimizer state anyway")
             plan = replace(plan, notes=[*plan.notes, *notes])
         # The planned output must pass what scan would check, before a byte is read.
-        plan = with_findings(plan, policy, strict=strict)
+        plan = with_findings(plan, policy, strict=strict) if planned is None or stripped else plan
         if plan.failing(policy):
             return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
         if dry_run and not read_values:  # metadata only: no value is read, torch is not even imported

@@ -207,7 +207,7 @@ def _fold(stats: ValueStats, values: Any, clamp: bool) -> None:
         check.fold(stats, chunk, chunk, clamp=clamp)
 
 
-class Piece(NamedTuple):
+class Computed(NamedTuple):
     """The bytes of part of an output tensor, and what the value checks found in them (None: nothing to check)."""
 
     data: Any
@@ -217,7 +217,7 @@ class Piece(NamedTuple):
     errors were not measured."""
 
 
-def _cast(x: torch.Tensor, target: str, name: str, clamp: bool) -> Piece:
+def _cast(x: torch.Tensor, target: str, name: str, clamp: bool) -> Computed:
     """A dequantized weight cast by torch (as the loader's ``.to`` casts it), its values checked first."""
     import torch
 
@@ -229,7 +229,7 @@ def _cast(x: torch.Tensor, target: str, name: str, clamp: bool) -> Piece:
             x = x.clamp(-top, top)
     from .write import tensor_bytes
 
-    return Piece(tensor_bytes(x.to(getattr(torch, target))), stats)
+    return Computed(tensor_bytes(x.to(getattr(torch, target))), stats)
 
 
 PIPELINE_BYTES = 64 << 20
@@ -238,7 +238,7 @@ COPY_BYTES = 8 << 20
 """Source bytes per piece of a tensor copied or cast."""
 
 Task = tuple[Callable[[], Any], int]
-"""A piece of an output tensor: what computes its ``Piece``, and the bytes it holds."""
+"""A piece of an output tensor: what computes its ``Computed``, and the bytes it holds."""
 
 
 class _Blocked(Exception):
@@ -368,7 +368,7 @@ def _pieces(e: _Entry, reading: Reading) -> tuple[Iterator[Task], bool]:
     return _cast_pieces(src, span, t, e.target, reading.clamp), False
 
 
-def _dequantized(w: qm.LogicalWeight, shape: tuple[int, ...], target: str, reading: Reading) -> Piece:
+def _dequantized(w: qm.LogicalWeight, shape: tuple[int, ...], target: str, reading: Reading) -> Computed:
     """A whole weight dequantized by its scheme's dequantizer and cast to ``target``, as bytes."""
     from ..quant import dequant
 
@@ -380,7 +380,7 @@ def _dequantized(w: qm.LogicalWeight, shape: tuple[int, ...], target: str, readi
     return _cast(value, target, w.name, reading.clamp)
 
 
-def _gathered(src: MappedCheckpoint, t: TensorRecord, target: str, clamp: bool) -> Piece:
+def _gathered(src: MappedCheckpoint, t: TensorRecord, target: str, clamp: bool) -> Computed:
     """A tensor that is a view into its storage (torch.save), gathered and cast by torch, as bytes."""
     from .source import materialize
 
@@ -405,16 +405,16 @@ def _cast_pieces(src: MappedCheckpoint, span: Span, t: TensorRecord, target: str
             yield partial(_cast_piece, src, offset, count, dtype, target, t.name, clamp), count * dtypes.get(target).itemsize
 
 
-def _copy_piece(src: MappedCheckpoint, offset: int, count: int, itemsize: int, name: str, floating: str | None) -> Piece:
+def _copy_piece(src: MappedCheckpoint, offset: int, count: int, itemsize: int, name: str, floating: str | None) -> Computed:
     from ..values import count_nonfinite
 
     stats = None
     if floating is not None:
         stats = ValueStats(name, floating, floating, numel=count, nonfinite=count_nonfinite(src.mm, floating, offset, count))
-    return Piece(src.bytes_at(offset, count * itemsize), stats)
+    return Computed(src.bytes_at(offset, count * itemsize), stats)
 
 
-def _cast_piece(src: MappedCheckpoint, offset: int, count: int, dtype: str, target: str, name: str, clamp: bool) -> Piece:
+def _cast_piece(src: MappedCheckpoint, offset: int, count: int, dtype: str, target: str, name: str, clamp: bool) -> Computed:
     import numpy as np
 
     from ..values import float32_chunks
@@ -424,7 +424,7 @@ def _cast_piece(src: MappedCheckpoint, offset: int, count: int, dtype: str, targ
     for x, original in float32_chunks(src.mm, dtype, offset, count):
         check.fold(stats, x, original, clamp=clamp)
     x = np.frombuffer(src.mm, dtype=npcast.storage_dtype(dtype), count=count, offset=offset)
-    return Piece(npcast.cast(x, dtype, target, clamp=clamp).view(np.uint8), stats)
+    return Computed(npcast.cast(x, dtype, target, clamp=clamp).view(np.uint8), stats)
 
 
 def _array(src: MappedCheckpoint, t: TensorRecord) -> Any:
@@ -477,7 +477,7 @@ def _fp8_tasks(w: qm.LogicalWeight, shape: tuple[int, ...], target: str, reading
     ]
 
 
-def _fp8_piece(codes: Any, scale: Any, fp8: str, block: tuple[int, ...], target: str, name: str, clamp: bool) -> Piece:
+def _fp8_piece(codes: Any, scale: Any, fp8: str, block: tuple[int, ...], target: str, name: str, clamp: bool) -> Computed:
     import numpy as np
 
     from ..quant import dequant
@@ -485,10 +485,10 @@ def _fp8_piece(codes: Any, scale: Any, fp8: str, block: tuple[int, ...], target:
     out, products = dequant.fp8_block_cast_np(codes, scale, fp8, block, target, clamp=clamp)
     data = out.reshape(-1).view(np.uint8)
     if products is None:  # every value finite and plainly held: nothing for the checks to count
-        return Piece(data, ValueStats(name, "float32", target, numel=codes.size), looked=False)
+        return Computed(data, ValueStats(name, "float32", target, numel=codes.size), looked=False)
     stats = ValueStats(name, "float32", target)
     _fold(stats, products, clamp)
-    return Piece(data, stats)
+    return Computed(data, stats)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -49,17 +49,6 @@ def _shape_map(inv: Inventory, file: str | None = None) -> dict[str, tuple[str, 
     return {t.name: (t.dtype, tuple(t.shape)) for t in inv.tensors if file is None or t.file == file}
 
 
-def _agrees(alone: dict[str, tuple[str, tuple[int, ...]]], whole: dict[str, tuple[str, tuple[int, ...]]], plan: Plan, shown: str) -> None:
-    """A file converted alone must come out as the directory's plan says (but for what --keep-unsafe held)."""
-    held = {p.tensor.name for p in plan.tensors if p.reason.endswith("(--keep-unsafe)")}
-    if alone.keys() != whole.keys() or any(alone[k] != whole[k] for k in alone if k not in held):
-        raise ConversionError(
-            "converted on its own, this file would not come out as the directory's plan says (a unit or tie across files?); "
-            "nothing was published: convert a local copy of the directory",
-            path=shown,
-        )
-
-
 class _Dest:
     """Where the output goes: a local path or a URL, with a temporary area that readers do not take for the model."""
 
@@ -236,18 +225,22 @@ def _directory(
     strict: bool,
     options: dict[str, Any],
 ) -> Result:
-    """Each weight file converted alone, checked against the whole directory's plan, then published together."""
+    """The directory planned once, from its remote headers; each weight file then downloaded and converted alone
+    by the local path as that plan says (its part of it: ``_part``), and published together."""
     res = hfdir.resolve(root)
     if res is None:
         raise ConversionError("directory holds no weights to convert", path=str(root))
     full = prepare(inv, model_inventory(model))
     plan_options = {k: options[k] for k in ("keep", "include_optimizer", "strip_optimizer", "clamp")}
+    if options.get("keep_quantized"):
+        from ..quant.group import view as quant_view
+
+        plan_options["quantized"] = quant_view(inv).consumed
     plan = with_findings(make_plan(full, to, policy=policy, **plan_options), policy, strict=strict)
     if plan.failing(policy):
         return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
     if dry_run and not options.get("read_values", True):  # metadata only: the remote headers said it all
         return Result(plan, None, [], dry_run=True, values_read=False)
-    expected = plan.output_inventory()
     unsafe: list[Any] = []
     values: dict[str, Any] = {}
     total = 0
@@ -257,7 +250,15 @@ def _directory(
             local_src = Path(td) / "in" / label
             _download(root / label, local_src)
             r = local_convert(
-                local_src, to, output=stage.place(label), policy=policy, dry_run=dry_run, model=model, strict=strict, **options
+                local_src,
+                to,
+                output=stage.place(label),
+                policy=policy,
+                dry_run=dry_run,
+                model=model,
+                strict=strict,
+                planned=_part(plan, label),
+                **options,
             )
             local_src.unlink()
             if r.refused or r.failed:
@@ -267,7 +268,6 @@ def _directory(
             if dry_run or r.unsafe:
                 continue
             # the local convert verified the file against what it wrote (verify_written), before stage.put uploads it
-            _agrees(_shape_map(r.plan.output_inventory()), _shape_map(expected, label), r.plan, f"{root}/{label}")
             total += r.plan.bytes_after
             (written[label],) = r.written.values()
             stage.put(label, written[label])
@@ -288,6 +288,13 @@ def _directory(
             stage.put(name, None)
         stage.publish(list(written), sorted(extras, key=lambda n: (n == index, n == "config.json", n)))
     return Result(plan, dest.shown if dest else None, [], written=written)
+
+
+def _part(plan: Plan, label: str) -> Plan:
+    """The part of a directory's plan that one of its weight files takes, its tensors relabelled as a lone file's
+    (a directory's units are its files' own: a unit never spans two files)."""
+    tensors = [replace(p, tensor=p.tensor.with_(file="")) for p in plan.tensors if p.tensor.file == label]
+    return replace(plan, tensors=tensors, notes=[], values={}, findings=[])
 
 
 def _whole(
