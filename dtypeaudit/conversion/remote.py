@@ -181,7 +181,7 @@ def convert_remote(
 
         if quant_view(inv) and not options.get("keep_quantized"):
             # a weight's storage may lie in several files (its scales in another shard): dequantized as one folder
-            return _whole(root, to, local_convert, dest, shown, policy=policy, dry_run=dry_run, model=model, strict=strict, options=options)
+            return _whole(root, to, local_convert, dest, shown, dry_run, policy=policy, model=model, strict=strict, **options)
         return _directory(root, inv, to, local_convert, dest, policy=policy, dry_run=dry_run, model=model, strict=strict, options=options)
     with tempfile.TemporaryDirectory(prefix="dtypeaudit-remote-") as td:
         local_src = Path(td) / "in" / (root.name or "checkpoint")
@@ -297,23 +297,11 @@ def _part(plan: Plan, label: str) -> Plan:
     return replace(plan, tensors=tensors, notes=[], values={}, findings=[])
 
 
-def _whole(
-    root: RemotePath,
-    to: str,
-    local_convert: Local,
-    dest: _Dest | None,
-    shown: str,
-    *,
-    policy: Policy | None,
-    dry_run: bool,
-    model: str | None,
-    strict: bool,
-    options: dict[str, Any],
-) -> Result:
+def _whole(root: RemotePath, to: str, local_convert: Local, dest: _Dest | None, shown: str, dry_run: bool, **kw: Any) -> Result:
     """A folder converted as one: downloaded whole to a local temporary, converted there by the local path (one
     plan, the one a local copy gets: a quantized folder is dequantized, its values checked), its output published
     as a directory's is (weights, then the other files, config.json and the index last). Local disk holds the
-    folder and its output, not one file."""
+    folder and its output, not one file. ``kw``: the local convert's other arguments."""
     res = hfdir.resolve(root)
     if res is None:
         raise ConversionError("directory holds no weights to convert", path=str(root))
@@ -322,9 +310,7 @@ def _whole(
         for name in [*res.files, *_other_files(root, set(res.files))]:
             _download(root / name, _made(local_src / name))
         made = Path(td) / "made"
-        result = local_convert(
-            local_src, to, output=None if dry_run else made, policy=policy, dry_run=dry_run, model=model, strict=strict, **options
-        )
+        result = local_convert(local_src, to, output=None if dry_run else made, dry_run=dry_run, **kw)
         _shown_plan(result, shown)
         if result.output is None:
             return result
