@@ -618,7 +618,8 @@ def convert_quantized(
             except _Blocked:
                 written = {}
         units = {p.tensor.name: unit_of(p.tensor) for p in plan.tensors if p.action != "drop"}
-        values = {units[name]: s for name, s in found.items()}
+        # as a cast's (checks.ValueChecks.outcome): every cast's figures, and a copy's only where it holds NaN/Inf
+        values = {units[name]: s for name, s in found.items() if s.source != s.target or s.nonfinite}
         plan, unsafe = apply_value_policy(replace(plan, values=values), keep_unsafe=False)
         if dry_run or unsafe:
             return Result(plan, None, unsafe, dry_run=dry_run)
