@@ -302,6 +302,8 @@ def _whole(root: RemotePath, to: str, local_convert: Local, dest: _Dest | None, 
     plan, the one a local copy gets: a quantized folder is dequantized, its values checked), its output published
     as a directory's is (weights, then the other files, config.json and the index last). Local disk holds the
     folder and its output, not one file. ``kw``: the local convert's other arguments."""
+    import shutil
+
     res = hfdir.resolve(root)
     if res is None:
         raise ConversionError("directory holds no weights to convert", path=str(root))
@@ -319,7 +321,7 @@ def _whole(root: RemotePath, to: str, local_convert: Local, dest: _Dest | None, 
         index = output_index(result.plan.source)
         extras = sorted((n for n in names if n not in result.written), key=lambda n: (n == index, n == "config.json", n))
         for name in [*shards, *extras]:
-            os.replace(made / name, stage.place(name))
+            shutil.move(made / name, stage.place(name))  # the output may lie on another filesystem
             stage.put(name, result.written.get(name))
         stage.publish(shards, extras)
     result.output = dest.shown if dest else None
