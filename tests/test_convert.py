@@ -105,6 +105,18 @@ def test_include_and_strip_optimizer(training_pt: Path, tmp_path: Path) -> None:
     assert strip.stat().st_size < inc.stat().st_size
 
 
+def test_a_plan_is_made_whole_and_never_edited(training_pt: Path) -> None:
+    """--strip-optimizer's dropped tensors are in the one plan made (not a second one made after), and a plan,
+    once made, cannot be changed: a step that knows more derives a new one."""
+    import dataclasses
+
+    r = convert(training_pt, "fp16", strip_optimizer=True, dry_run=True, read_values=False)
+    assert r.plan.counts().get("drop", 0) > 0
+    assert all(p.reason.endswith("(--strip-optimizer)") for p in r.plan.tensors if p.action == "drop")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.plan.values = {}  # type: ignore[misc]
+
+
 def test_legacy_to_zip(legacy_pt: Path, tmp_path: Path) -> None:
     out = tmp_path / "from_legacy.pt"
     convert(legacy_pt, "bf16", output=out)

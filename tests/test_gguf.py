@@ -36,9 +36,14 @@ TENSORS = {
 PLAIN = ("F32", "F16", "BF16")
 
 
-def quantized(data: object, qtype: object, rng: object) -> object:
+# Where each K-quant block keeps its float16 super-block scales (d, dmin), by byte offset in the block.
+F16_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def quantized(data: object, qtype: object, rng: object, *, finite: bool = True) -> object:
     """``gguf.quants.quantize``; for the types whose quantizer the gguf package leaves to llama.cpp (the K-quants),
-    random blocks of the type's size, which its dequantizer reads like any others."""
+    random blocks of the type's size, which its dequantizer reads like any others: their float16 scales kept
+    finite (an exponent bit cleared) unless ``finite`` is False, when some are NaN or Inf, as random bytes make them."""
     gguf = _gguf()
     import numpy as np
 
@@ -47,10 +52,15 @@ def quantized(data: object, qtype: object, rng: object) -> object:
     except NotImplementedError:
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         rows, cols = data.shape  # type: ignore[attr-defined]
-        return rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)  # type: ignore[attr-defined]
+        raw = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)  # type: ignore[attr-defined]
+        if finite:
+            blocks = raw.reshape(-1, size)
+            for offset in F16_SCALES[qtype.name]:  # type: ignore[attr-defined]
+                blocks[:, offset + 1] &= 0xBF  # the high byte (little-endian): exponent at most 23 of 31
+        return raw
 
 
-def write_gguf(path: Path, tensors: dict[str, tuple[str, tuple[int, ...]]] = TENSORS) -> Path:
+def write_gguf(path: Path, tensors: dict[str, tuple[str, tuple[int, ...]]] = TENSORS, *, finite: bool = True) -> Path:
     gguf = _gguf()
     import numpy as np
 
@@ -68,7 +78,7 @@ def write_gguf(path: Path, tensors: dict[str, tuple[str, tuple[int, ...]]] = TEN
         elif type_name == "F16":
             writer.add_tensor(name, data.astype(np.float16))
         else:
-            writer.add_tensor(name, quantized(data, qtype, rng), raw_dtype=qtype)
+            writer.add_tensor(name, quantized(data, qtype, rng, finite=finite), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

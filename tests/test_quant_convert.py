@@ -62,11 +62,15 @@ def _save_shards(state: dict[str, torch.Tensor], path: Path, split: list[set[str
 
 @pytest.fixture(scope="module")
 def fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_fp8_dir(tmp_path_factory.mktemp("fp8"))
+
+
+def make_fp8_dir(base: Path) -> Path:
+    """A tiny Llama quantized by transformers' own FP8 quantizer (blocks of 128x128), in ``base / "fp8"``."""
     from safetensors.torch import load_file
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
 
-    base = tmp_path_factory.mktemp("fp8")
     _tiny_llama(base / "bf16")
     state = load_file(base / "bf16" / "model.safetensors")
     qconfig = FineGrainedFP8Config(weight_block_size=[128, 128])
@@ -230,9 +234,9 @@ def test_fp8_weight_in_many_pieces_with_partial_edge_blocks(tmp_path: Path) -> N
         assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), to
 
 
-def test_fp8_products_beyond_float16_are_refused(fp8_dir: Path, tmp_path: Path) -> None:
-    """A block whose products exceed float16's range: --to fp16 refuses (exit 2, the count of values, nothing
-    written) rather than write inf; --to bf16 holds them."""
+def _overflowing_fp8(fp8_dir: Path, tmp_path: Path) -> tuple[Path, str, torch.Tensor]:
+    """A copy of ``fp8_dir`` with one block's scale made a million times larger: its products exceed float16's
+    range. Returns the folder, the weight's name and its products (transformers' dequantization)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -248,16 +252,61 @@ def test_fp8_products_beyond_float16_are_refused(fp8_dir: Path, tmp_path: Path) 
             state[name + "_scale_inv"][0, 1] *= 1e6
             save_file(state, f, metadata={"format": "pt"})
             scale = state[name + "_scale_inv"]
-    weight = _read(big)[name]
-    products = dq.fp8_block(weight, scale, (128, 128))
+    return big, name, dq.fp8_block(_read(big)[name], scale, (128, 128))
+
+
+def test_fp8_products_beyond_float16_get_the_casts_verdict(fp8_dir: Path, tmp_path: Path) -> None:
+    """A block whose products exceed float16's range: --to fp16 refuses as a cast of the same values refuses
+    (exit 1, the count of values, --clamp offered, nothing written) rather than write inf; --clamp writes them
+    saturated, bit-equal to torch's clamp and cast of transformers' products; --to bf16 holds them."""
+    big, name, products = _overflowing_fp8(fp8_dir, tmp_path)
     beyond = int(torch.isinf(products.to(torch.float16)).sum())
     assert beyond > 0
     proc = run_cli("convert", str(big), "--to", "fp16", "-o", str(tmp_path / "fp16"))
-    assert proc.returncode == 2, proc.stdout
-    assert f"'{name}' has {beyond} dequantized values beyond float16's range" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "fp16").exists()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"{name}: {beyond} values beyond ±65504 would become inf" in proc.stdout
+    assert "--clamp saturates" in proc.stdout
+    assert not (tmp_path / "fp16").exists() and not list(tmp_path.glob(".*fp16*"))
+
+    proc = run_cli("convert", str(big), "--to", "fp16", "--clamp", "-o", str(tmp_path / "clamped"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = _read(tmp_path / "clamped")[name]
+    want = products.clamp(-65504, 65504).to(torch.float16)
+    assert torch.isfinite(got).all() and torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert run_cli("convert", str(big), "--to", "bf16", "-o", str(tmp_path / "bf16")).returncode == 0
+
+
+def test_fp8_overflow_is_refused_as_the_same_values_in_safetensors(fp8_dir: Path, tmp_path: Path) -> None:
+    """The dequantized values of an FP8 weight, saved as float32 in a .safetensors file: converting either to
+    fp16 is refused with the same figures (exit 1 both)."""
+    from safetensors.torch import save_file
+
+    big, name, products = _overflowing_fp8(fp8_dir, tmp_path)
+    plain = tmp_path / "plain.safetensors"
+    save_file({name: products.contiguous()}, plain)
+    lines = []
+    for src, out in ((big, tmp_path / "a"), (plain, tmp_path / "b.safetensors")):
+        proc = run_cli("convert", str(src), "--to", "fp16", "-o", str(out))
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert not out.exists()
+        lines.append(next(line for line in proc.stdout.splitlines() if line.strip().startswith(f"{name}:")))
+    assert lines[0].split(";")[0] == lines[1].split(";")[0], lines
+
+
+def test_dry_run_check_values_reads_a_quantized_sources_values(fp8_dir: Path, tmp_path: Path) -> None:
+    """``--dry-run --check-values`` dequantizes and checks every value, writing nothing: the overflow is reported
+    (exit 1); a plain ``--dry-run`` reads none (exit 0, and says so); the folder is left as it was."""
+    big, name, _ = _overflowing_fp8(fp8_dir, tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    proc = run_cli("convert", str(big), "--to", "fp16", "--dry-run", "--check-values")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"{name}: " in proc.stdout and "would become inf" in proc.stdout
+    proc = run_cli("convert", str(big), "--to", "fp16", "--dry-run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "values: not read" in proc.stdout
+    proc = run_cli("convert", str(big), "--to", "bf16", "--dry-run", "--check-values")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 # ----------------------------------------------------------------------------------------------- GPTQ
@@ -544,6 +593,32 @@ def test_gguf_to_safetensors_matches_gguf_dequantize(tmp_path: Path) -> None:
     bad = tmp_path / "tiny.pt"
     proc = run_cli("convert", str(src), "--to", "bf16", "-o", str(bad))
     assert proc.returncode == 2 and "written as safetensors" in proc.stderr and not bad.exists()
+
+
+def test_gguf_nan_from_its_blocks_is_refused_as_in_safetensors(tmp_path: Path) -> None:
+    """K-quant blocks whose float16 scales are NaN/Inf dequantize to NaN/Inf: the conversion refuses them (exit 1,
+    nothing written), as it refuses the same values in a .safetensors file, whatever the target; --clamp does
+    not excuse them."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+    from safetensors.torch import save_file
+
+    from .test_gguf import TENSORS, write_gguf
+
+    src = write_gguf(tmp_path / "nan.gguf", finite=False)
+    t = next(t for t in gguf.GGUFReader(str(src)).tensors if t.name == "token_embd.weight")
+    values = np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+    bad = int((~np.isfinite(values)).sum())
+    assert bad > 0
+    plain = tmp_path / "plain.safetensors"
+    save_file({"token_embd.weight": torch.from_numpy(values.copy())}, plain)
+    for to in ("fp32", "bf16"):
+        for source, out in ((src, tmp_path / f"a-{to}.safetensors"), (plain, tmp_path / f"b-{to}.safetensors")):
+            proc = run_cli("convert", str(source), "--to", to, "--clamp", "-o", str(out))
+            assert proc.returncode == 1, proc.stdout + proc.stderr
+            assert f"token_embd.weight: {bad} NaN/Inf already present" in proc.stdout, proc.stdout
+            assert not out.exists()
+    assert set(TENSORS) >= {"token_embd.weight"}
 
 
 def _read_file(path: Path) -> dict[str, torch.Tensor]:

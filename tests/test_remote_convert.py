@@ -7,8 +7,10 @@ reaches any output; a remote source without -o is refused with one line.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pickle
+import shutil
 import subprocess
 import sys
 import warnings
@@ -51,6 +53,10 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"model": big.state_dict()}, checkpoint_id=str(root / "dcp"))
+    if importlib.util.find_spec("transformers") is not None:  # an FP8 folder, its layer 0's scales in another shard
+        from .test_quant_convert import make_fp8_dir
+
+        shutil.copytree(make_fp8_dir(tmp_path_factory.mktemp("fp8-build")), root / "fp8")
     return root
 
 
@@ -349,3 +355,44 @@ def test_an_upload_of_config_json_with_a_changed_byte_publishes_nothing(s3: dict
         convert("s3://convert-test/ft-001/", "bf16", output="s3://convert-test/ft-001-damaged/")
     assert not _objects(client, "ft-001-damaged/")
     _no_temporaries(client)
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_fp8_folder_from_s3_plans_and_converts_as_locally(s3: dict[str, Any], local: Path, tmp_path: Path) -> None:
+    """A small FP8 folder converts from S3 as it converts locally (held equal to transformers' dequantization by
+    test_quant_convert): the dry run plans the same dequantizes (the scales dropped, not cast), and the outputs,
+    local and on S3, are byte for byte the local conversion's, with nothing left under a temporary name."""
+    pytest.importorskip("transformers")
+    client = s3["client"]
+    want = tmp_path / "want"
+    here = convert(local / "fp8", "bf16", output=want)
+    assert not here.blocked and here.plan.counts()["dequantize"] > 0
+
+    def planned(r: Any) -> list[tuple[str, str, str]]:
+        return [(p.tensor.name, p.action, p.target) for p in r.plan.tensors]
+
+    dry = convert("s3://convert-test/fp8/", "bf16", dry_run=True, read_values=False)
+    assert not dry.blocked and not dry.values_read and planned(dry) == planned(here)
+    assert all(p.action == "drop" for p in dry.plan.tensors if p.tensor.name.endswith("_scale_inv"))
+    lines = []
+    for source in ("s3://convert-test/fp8/", str(local / "fp8")):
+        proc = run_cli("convert", source, "--to", "bf16", "--dry-run", env=s3["env"])
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        lines.append(next(line for line in proc.stdout.splitlines() if line.startswith("tensors:")))
+    assert lines[0] == lines[1] and " dequantized, " in lines[0], lines
+
+    got = tmp_path / "got"
+    r = convert("s3://convert-test/fp8/", "bf16", output=str(got))
+    assert not r.blocked and r.output == str(got) and planned(r) == planned(here)
+    assert _tree(got) == _tree(want)
+    r = convert("s3://convert-test/fp8/", "bf16", output="s3://convert-test/fp8-bf16/")
+    assert not r.blocked and r.output is not None
+    names = {k.removeprefix("fp8-bf16/") for k in _objects(client, "fp8-bf16/")}
+    assert names == set(_tree(want))
+    for name in names:
+        assert _body(client, f"fp8-bf16/{name}") == (want / name).read_bytes(), name
+    _no_temporaries(client)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["got", "want"]

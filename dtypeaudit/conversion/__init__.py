@@ -1,5 +1,5 @@
-"""Conversion: plan -> lay the output out -> check values, cast and write each piece in one pass (pieces.py) -> verify
--> atomic rename.
+"""Conversion: plan (once: ``make_plan``, or ``dequantize.make_dequant_plan`` for a quantized source) -> lay the
+output out -> check values, cast and write each piece in one pass (pieces.py) -> verify -> atomic rename.
 
 Nothing from the checkpoint is executed. A torch.save archive keeps its own pickle's bytes with only the storage
 types edited where the reader found them (see formats/picklesplice.py); every other byte of meaning is kept.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +35,8 @@ from .checks import (
     value_findings,
     workers_for,
 )
-from .plan import Plan, TensorPlan, make_plan, plan_findings, unit_of
-from .result import Result, pickled_module_files, plan_fails, refusals
+from .plan import Plan, TensorPlan, make_plan, unit_of, with_findings
+from .result import Result, pickled_module_files, refusals
 from .source import MappedCheckpoint, Progress, open_sources
 from .verify import Written, verify_written
 from .write import (
@@ -81,6 +81,8 @@ def convert(
     model: str | None = None,
     materialize_ties: bool = False,
     keep_quantized: bool = False,
+    strict: bool | None = None,
+    planned: Plan | None = None,
 ) -> Result:
     """Plan, check the planned output, check values, write atomically and verify.
 
@@ -94,8 +96,12 @@ def convert(
     plain ``load_file`` gives every key back (by default it is written once, the tie kept as a metadata alias).
     ``read_values=False`` makes a dry run metadata-only: the plan, its sizes and refusals from the headers alone,
     at the speed of a scan (the CLI's ``--dry-run``; ``--dry-run --check-values`` reads them). A conversion
-    that writes always reads them.
+    that writes always reads them. ``strict`` (``--strict``) is decided here once, when the caller has not: the
+    policy's ``strict:``; every path checks its planned output with it. ``planned``: the part of a plan made of a
+    whole that this one file belongs to (a remote folder's weight file, see remote.py), its tensors relabelled
+    as this file's; used as it is, not made again (the whole's output was checked when it was made).
     """
+    strict = bool(policy and policy.strict) if strict is None else strict
     # Parsed once: a URL or a local path (convert takes no factory or bare hub id: there ``org/name`` is a path).
     named = as_target(source, models=False)
     if named.is_remote:
@@ -112,6 +118,7 @@ def convert(
             in_place=in_place,
             max_shard_size=max_shard_size,
             model=model,
+            strict=strict,
             options={
                 "keep": keep,
                 "include_optimizer": include_optimizer,
@@ -142,44 +149,44 @@ def convert(
     if (quant or ((fmt := format_of(inv.format)) is not None and fmt.dequantizes)) and not keep_quantized:
         from .dequantize import convert_quantized
 
-        if keep or include_optimizer or strip_optimizer or clamp or keep_unsafe or max_shard_size or model:
+        if keep or include_optimizer or strip_optimizer or keep_unsafe or max_shard_size or model:
             raise UsageError(
-                "dequantizing takes no --keep, --include-optimizer, --strip-optimizer, --clamp, --keep-unsafe, "
+                "dequantizing takes no --keep, --include-optimizer, --strip-optimizer, --keep-unsafe, "
                 "--max-shard-size or --model; convert the dequantized output again for those"
             )
-        dequantized = convert_quantized(
+        return convert_quantized(
             src_path,
             inv,
             quant,
             to,
             output=output,
             policy=policy,
+            strict=strict,
+            clamp=clamp,
             dry_run=dry_run,
+            read_values=read_values,
             force=force,
             in_place=in_place,
             progress_factory=progress_factory,
         )
-        if not quant:
-            dequantized.plan.notes.append(
-                f"no quantized weights: a {inv.format} file is converted by the dequantizing writer, to safetensors"
-            )
-        return dequantized
     parts_of = inv  # the reader's own inventory, whose layout (and a directory's parts) conversion reads from
     inv = prepare(inv, model_inventory(model))  # the module types the policy sees, as scan sees them
-    options: dict[str, Any] = {
-        "policy": policy,
-        "keep": keep,
-        "include_optimizer": include_optimizer,
-        "strip_optimizer": strip_optimizer,
-        "clamp": clamp,
-        "quantized": quant.consumed,
-    }
-    plan = make_plan(inv, to, **options)  # what --to and --keep mean, before anything is opened
     with ExitStack() as stack:
         sources = open_sources(src_path, parts_of, stack)
+        # the optimizer's entries --strip-optimizer removes are known once the sources are open: planned once, with them
         stripped = {label: keys for label, src in sources.items() if (keys := strip_keys(src))} if strip_optimizer else {}
-        if stripped:  # the optimizer's entries, known once the sources are open, drop their tensors
-            options["stripped"] = stripped
+        options: dict[str, Any] = {
+            "policy": policy,
+            "keep": keep,
+            "include_optimizer": include_optimizer,
+            "strip_optimizer": strip_optimizer,
+            "clamp": clamp,
+            "quantized": quant.consumed,
+            "stripped": stripped,
+        }
+        if planned is not None and not stripped:
+            plan = replace(planned, source=inv)
+        else:  # a folder's weight file that holds optimizer state to strip: what is dropped is known only here
             plan = make_plan(inv, to, **options)
         dest = src_path if in_place else Path(output) if output else default_output(src_path, plan.target)
         out_format = output_format(inv.format, dest, src_path)
@@ -190,11 +197,13 @@ def convert(
         if materialize_ties and out_format != Format.SAFETENSORS:
             raise UsageError("--materialize-ties applies to a .safetensors output (a torch.save output keeps ties as ties)")
         if strip_optimizer:
-            plan.notes.extend(strip_notes(stripped, sources))
+            notes = strip_notes(stripped, sources)
             if out_format != Format.TORCH_ZIP:
-                plan.notes.append("safetensors output holds no optimizer state anyway")
+                notes.append("safetensors output holds no optimizer state anyway")
+            plan = replace(plan, notes=[*plan.notes, *notes])
         # The planned output must pass what scan would check, before a byte is read.
-        if plan_fails(plan, policy):
+        plan = with_findings(plan, policy, strict=strict) if planned is None or stripped else plan
+        if plan.failing(policy):
             return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
         if dry_run and not read_values:  # metadata only: no value is read, torch is not even imported
             return Result(plan, None, [], dry_run=True, values_read=False)
@@ -203,11 +212,11 @@ def convert(
         needed = torch_needed_for(plan, sources)
         if needed is not None and not dry_run:
             require_torch(needed)  # the light install converts what numpy casts; this, before anything is read
-        with_torch = plan.casts_with_torch = needed is not None
+        plan = replace(plan, casts_with_torch=needed is not None)
 
         records: dict[str, Written] = {}
 
-        def written(workers: Workers | None = None) -> AbstractContextManager[None]:
+        def written(plan: Plan, workers: Workers | None = None) -> AbstractContextManager[None]:
             return _written_and_verified(
                 plan,
                 src_path,
@@ -223,24 +232,25 @@ def convert(
                 workers=workers,
             )
 
-        if not dry_run and not with_torch:
+        if not dry_run and not plan.casts_with_torch:
             # numpy makes every byte: the output is written (and verified) while the value checks run in
             # their child, on the other core, and renamed into place only if they block nothing
-            if _written_while_checking(plan, sources, check_progress, written):
+            plan, kept = _written_while_checking(plan, sources, check_progress, written)
+            if kept:
                 return Result(plan, dest, [], written=records)
         else:
             # torch's import overlaps the checks when a cast will need it: before a write, and on a dry run
             # only for the casts whose errors numpy cannot measure from the bits (float64's)
             float64 = any(not measures_errors(dtype, target) for _, dtype, _, _, target in casts)
-            torch_next = bool(casts) and (float64 if dry_run else with_torch)
+            torch_next = bool(casts) and (float64 if dry_run else plan.casts_with_torch)
             if torch_next and dry_run:
                 require_torch("only torch's cast measures the errors of a float64 cast")
-            check_values(plan, sources, check_progress, meanwhile=load_torch if torch_next else None)
-        unsafe = apply_value_policy(plan, keep_unsafe=keep_unsafe)
+            plan = replace(plan, values=check_values(plan, sources, check_progress, meanwhile=load_torch if torch_next else None))
+        plan, unsafe = apply_value_policy(plan, keep_unsafe=keep_unsafe)
         if keep_unsafe:
             plan = _hold_unsafe(plan, inv, to, options, sources)
-            plan.casts_with_torch = casts_need_torch(plan, sources)
-            if plan_fails(plan, policy):
+            plan = with_findings(replace(plan, casts_with_torch=casts_need_torch(plan, sources)), policy, strict=strict)
+            if plan.failing(policy):
                 return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
         if dry_run and not unsafe:
             measure_errors(plan, sources)
@@ -248,7 +258,7 @@ def convert(
             return Result(plan, None, unsafe, dry_run=dry_run)
         if plan.casts_with_torch:
             stack.enter_context(one_thread())  # torch's casts and verification's recasts (see one_thread)
-        with written():
+        with written(plan):
             pass
     return Result(plan, dest, [], written=records)
 
@@ -261,14 +271,14 @@ def _written_while_checking(
     plan: Plan,
     sources: dict[str, MappedCheckpoint],
     check_progress: Callable[[int], Progress] | None,
-    written: Callable[[Workers], AbstractContextManager[None]],
-) -> bool:
+    written: Callable[[Plan, Workers], AbstractContextManager[None]],
+) -> tuple[Plan, bool]:
     """Write and verify the output, folding the value checks from the chunks the writer casts (``ValueChecks``);
-    True when it was renamed into place.
+    returns the plan with its values, and whether the output was renamed into place.
 
-    Both cores make the bytes (``pieces.Workers``); units no record covers whole are checked after. False when
-    the values block (or, with --keep-unsafe, change) the plan: the written temporary is removed and the caller
-    goes on as after any value check. An error of the write (an existing output, non-tensor content for
+    Both cores make the bytes (``pieces.Workers``); units no record covers whole are checked after. Not renamed
+    when the values block (or, with --keep-unsafe, change) the plan: the written temporary is removed and the
+    caller goes on as after any value check. An error of the write (an existing output, non-tensor content for
     safetensors) is raised only once the values are known not to block, so that the values' verdict comes
     first, as when the write follows the checks.
     """
@@ -276,11 +286,11 @@ def _written_while_checking(
     deferred: list[DtypeAuditError] = []
     notes = list(plan.notes)  # a writer's notes (ties kept as aliases) belong to an output that is kept
     checks = ValueChecks(plan, sources)
-    plan.values = checks.results
+    plan = replace(plan, values=checks.results)  # the writer folds each cast's errors into these
     try:
         with workers_for(plan, sources, checks) as workers:
             try:
-                pending.enter_context(written(workers))
+                pending.enter_context(written(plan, workers))
             except DtypeAuditError as exc:
                 deferred.append(exc)
             rest = checks.remaining()  # a record written in parts (a view), or a write refused before its records
@@ -289,17 +299,16 @@ def _written_while_checking(
     except BaseException as exc:
         pending.__exit__(type(exc), exc, exc.__traceback__)
         raise
-    plan.values = checks.outcome()
-    if blocking_values(plan):
+    plan = replace(plan, values=checks.outcome())
+    if blocking_values(plan.values, clamp=plan.clamp):
         pending.__exit__(_Abandoned, _Abandoned(), None)
         for src in sources.values():
             src.forget_rewrite()
-        plan.notes[:] = notes
-        return False
+        return replace(plan, notes=notes), False
     if deferred:
         raise deferred[0]
     pending.close()  # fsync and rename into place
-    return True
+    return plan, True
 
 
 @contextmanager
@@ -361,30 +370,25 @@ def _hold_unsafe(plan: Plan, inv: Inventory, to: str, options: dict[str, Any], s
     """Plan again with the units --keep-unsafe kept held, so that their modules and ties stay with them.
 
     A module partner kept with them needs no value check; one newly cast (a float16 bias joining its
-    float32 weight) is checked before it joins, and kept in turn if its values are unsafe too.
+    float32 weight) is checked before it joins, and kept in turn if its values are unsafe too. Each round
+    holds more units, so this ends; a partner newly cast is a rare narrowing (float64 to a held float32).
     """
     held: set[str] = set()
     notes = list(plan.notes)
     values = dict(plan.values)
-    for _ in range(8):
+    while True:
         newly = {unit_of(p.tensor) for p in plan.tensors if p.action == "keep" and p.reason.endswith("(--keep-unsafe)")} - held
         if not newly:
             return plan
         held |= newly
         plan = make_plan(inv, to, hold=held, **options)
-        plan.notes[:0] = notes
         cast_units = {unit_of(p.tensor) for p in plan.tensors if p.action == "cast"}
-        plan.values = {u: s for u, s in values.items() if u in cast_units}
-        fresh = [p for p in plan.tensors if p.action == "cast" and unit_of(p.tensor) not in plan.values]
+        fresh = [p for p in plan.tensors if p.action == "cast" and unit_of(p.tensor) not in values]
         if fresh:
-            extra = Plan(inv, plan.target, fresh, clamp=plan.clamp)
-            check_values(extra, sources)
-            plan.values.update(extra.values)
-            values.update(extra.values)
-        apply_value_policy(plan, keep_unsafe=True)
-        notes = list(dict.fromkeys(plan.notes))
-        plan.notes = notes
-    return plan
+            values.update(check_values(Plan(inv, plan.target, fresh, clamp=plan.clamp), sources))
+        plan = replace(plan, notes=list(dict.fromkeys([*notes, *plan.notes])), values={u: s for u, s in values.items() if u in cast_units})
+        plan, _ = apply_value_policy(plan, keep_unsafe=True)
+        notes = plan.notes
 
 
 @dataclass(frozen=True)
@@ -442,9 +446,8 @@ __all__ = [
     "convert_lost",
     "convert_one",
     "make_plan",
-    "plan_fails",
-    "plan_findings",
     "pickled_module_files",
     "refusals",
     "value_findings",
+    "with_findings",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 from .. import dtypes
@@ -98,20 +99,19 @@ def check_values(
     float32 units bound for float16 or bfloat16, the errors the cast will make; for the model's floating
     units written as they are, NaN/Inf (see ``ValueChecks``).
 
-    Every unit to cast gets its ValueStats here; errors not measured here are measured as the cast is
+    Returns ``Plan.values`` (the caller derives the plan that holds them). Every unit to cast gets its
+    ValueStats here; errors not measured here are measured as the cast is
     made, by the writer or by ``measure_errors``. ``meanwhile`` (loading torch for the cast) runs here while
     the threads start on the checks (``pieces.Workers``).
     ``progress_for`` is given the number of bytes to check (when there are any) and returns the progress callback.
     """
     checks = ValueChecks(plan, sources)
-    plan.values = checks.results
     jobs = checks.remaining()
     to_check = sum(job.length for job in jobs)
     progress = progress_for(to_check) if progress_for and to_check else None
     with workers_for(plan, sources, checks) as w:
         w.run(jobs, progress=progress, meanwhile=meanwhile)
-    plan.values = checks.outcome()
-    return plan.values
+    return checks.outcome()
 
 
 def units_held(plan: Plan, sources: dict[str, MappedCheckpoint]) -> dict[str, tuple[MappedCheckpoint, str, Span, list[str]]]:
@@ -170,25 +170,28 @@ def units_to_cast(
     return units
 
 
-def blocking_values(plan: Plan) -> dict[str, ValueStats]:
-    """The units whose values block the cast as planned (``--clamp`` excuses overflow, not NaN/Inf or underflow)."""
-    return {u: s for u, s in plan.values.items() if s.unsafe and not (plan.clamp and not s.nonfinite and not _underflow_blocks(s))}
+def blocking_values(values: Mapping[str, ValueStats], *, clamp: bool) -> dict[str, ValueStats]:
+    """The units whose values block the conversion, cast or dequantized (``--clamp`` excuses overflow, not NaN/Inf
+    or underflow): the one rule every path asks."""
+    return {u: s for u, s in values.items() if s.unsafe and not (clamp and not s.nonfinite and not _underflow_blocks(s))}
 
 
-def apply_value_policy(plan: Plan, *, keep_unsafe: bool) -> list[ValueStats]:
-    """With --keep-unsafe, unsafe units stay as they are; returns the unsafe units left blocking."""
-    unsafe = blocking_values(plan)
+def apply_value_policy(plan: Plan, *, keep_unsafe: bool) -> tuple[Plan, list[ValueStats]]:
+    """The one verdict on values that block a cast: refused (the unsafe units returned: nothing is written, exit 1,
+    ``--clamp`` offered for overflow), or, with --keep-unsafe, the plan derived with those units kept as they are."""
+    unsafe = blocking_values(plan.values, clamp=plan.clamp)
     if not unsafe:
-        return []
+        return plan, []
     if not keep_unsafe:
-        return list(unsafe.values())
-    plan.notes.extend(f"{s.name}: {'; '.join(s.problems())}; kept as it is (--keep-unsafe)" for s in unsafe.values())
-    for i, p in enumerate(plan.tensors):
-        if p.action == "cast" and unit_of(p.tensor) in unsafe:
-            plan.tensors[i] = TensorPlan(p.tensor, p.tensor.dtype, "keep", "unsafe values kept at full precision (--keep-unsafe)")
-    for u in unsafe:
-        plan.values.pop(u)
-    return []
+        return plan, list(unsafe.values())
+    kept = "unsafe values kept at full precision (--keep-unsafe)"
+    tensors = [
+        TensorPlan(p.tensor, p.tensor.dtype, "keep", kept) if p.action == "cast" and unit_of(p.tensor) in unsafe else p
+        for p in plan.tensors
+    ]
+    notes = [*plan.notes, *(f"{s.name}: {'; '.join(s.problems())}; kept as it is (--keep-unsafe)" for s in unsafe.values())]
+    values = {u: s for u, s in plan.values.items() if u not in unsafe}
+    return replace(plan, tensors=tensors, notes=notes, values=values), []
 
 
 def _underflow_blocks(s: ValueStats) -> bool:
@@ -238,12 +241,13 @@ def value_findings(inv: Inventory, *, include_optimizer: bool = False) -> list[F
     """
     if not ((fmt := format_of(inv.format)) and fmt.casts):
         return []
-    plan = make_plan(inv, "fp16", include_optimizer=True)
+    planned = make_plan(inv, "fp16", include_optimizer=True)
     to_fp16 = half_target(inv) == "float16"
-    plan.tensors = [
+    tensors = [
         p if p.action != "cast" or (to_fp16 and p.tensor.dtype in WIDE) else TensorPlan(p.tensor, p.tensor.dtype, "leave")
-        for p in plan.tensors
+        for p in planned.tensors
     ]
+    plan = replace(planned, tensors=tensors)
     by_name = inv.by_name()
     model_units = {unit_of(t) for t in inv.tensors if t.region == "model"}
     optimizer_units = {unit_of(t) for t in inv.tensors if t.region == "optimizer"} - model_units
@@ -268,6 +272,7 @@ def value_findings(inv: Inventory, *, include_optimizer: bool = False) -> list[F
 
             require("torch", "dtypeaudit scan --values on float64 tensors")
         checked = check_values(plan, sources, meanwhile=load_torch if casts else None)
+        plan = replace(plan, values=checked)
         if casts:
             measure_errors(plan, sources)
         read = set(checked) | set(units_held(plan, sources))

@@ -5,7 +5,11 @@ A plan keeps modules whole and ties together: the floating tensors directly unde
 storage take one dtype, because PyTorch's kernels refuse a Linear whose weight and bias differ and a
 BatchNorm whose statistics differ from its weight. Where the policy allows a dtype every member accepts,
 the plan picks it; where it cannot, the planned output fails its checks and ``convert`` refuses (see
-``plan_findings``).
+``with_findings``).
+
+A ``Plan`` is made once, complete, by ``make_plan`` (a cast source) or ``dequantize.make_dequant_plan`` (a
+quantized one); a later step that knows more (the values read, the findings of the planned output) derives a new
+one with ``dataclasses.replace``.
 """
 
 from __future__ import annotations
@@ -49,25 +53,26 @@ class TensorPlan:
         return 0 if self.action == "drop" else self.nbytes_as(self.target)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     source: Inventory
     target: str
     tensors: list[TensorPlan]
+    """What happens to each tensor (a cast, a dequantize, a copy as it is (``keep``/``leave``) or a ``drop``)."""
     clamp: bool = False
     values: dict[str, ValueStats] = field(default_factory=dict)
     """What each cast does to its unit's values: float16 range checks (NaN/Inf, overflow, underflow,
     subnormals) and the cast's max absolute and relative error, by unit, for every unit cast."""
     notes: list[str] = field(default_factory=list)
+    """What the user should know of the output; a writer adds what only it finds (ties kept as aliases)."""
     config_dtype: str | None = None
     """The dtype ``config.json`` will name (Hugging Face directories with a config), as from_pretrained should load it."""
     findings: list[Finding] = field(default_factory=list)
-    """What ``scan`` with the same policy would report on the planned output (see ``plan_findings``)."""
+    """What ``scan`` with the same policy would report on the planned output (see ``with_findings``)."""
     stripped: dict[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
     """File label -> the mapping entries (key paths) ``--strip-optimizer`` removes from that file's object."""
     casts_with_torch: bool = False
-    """torch makes every cast (``write.casts_need_torch``: some cast needs it, or the plan is large enough that
-    its import costs less than numpy's casts); otherwise numpy does wherever it can."""
+    """torch makes every cast (``write.casts_need_torch``: some cast needs it); otherwise numpy does wherever it can."""
 
     def _unique(self) -> list[TensorPlan]:
         """One plan per tensor, however many names it has (tied weights count once)."""
@@ -100,6 +105,8 @@ class Plan:
             shares = tuple(n for n in t.shares_with if n not in dropped)
             tensors.append(t.with_(dtype=p.target, nbytes=p.out_nbytes, shares_with=shares))
         metadata = dict(self.source.metadata)
+        if any(p.action == "dequantize" for p in self.tensors):  # the loader no longer quantizes what is dequantized
+            metadata.pop("quantization_config", None)
         chosen = config_dtype if config_dtype is not None else self.config_dtype
         if chosen is not None:
             metadata["config_dtype"] = chosen
@@ -195,9 +202,8 @@ def make_plan(
         c = _choose(i, t, target, policy, keepers, include_optimizer, held_units, renamed.get(t.name, t.name))
         choices.append(c)
         plans.append(TensorPlan(t, c.want, c.action, c.reason))
-    plan = Plan(inv, target, plans, clamp=clamp, stripped=dict(stripped))
-    _keep_whole(plan, choices, target)
-    return plan
+    notes = _keep_whole(plans, choices, target)
+    return Plan(inv, target, plans, clamp=clamp, notes=notes, stripped=dict(stripped))
 
 
 def _choose(
@@ -239,8 +245,9 @@ def _choose(
     return _Choice(i, t, frozenset(), t.dtype, "keep", why, False)
 
 
-def _keep_whole(plan: Plan, choices: list[_Choice], target: str) -> None:
-    """One dtype per module and per storage: where members' own choices differ, find one every member accepts."""
+def _keep_whole(plans: list[TensorPlan], choices: list[_Choice], target: str) -> list[str]:
+    """One dtype per module and per storage: where members' own choices differ, find one every member accepts
+    (``plans``, the plan being made, is corrected in place); returns the notes that say what changed and why."""
     from ..structure import infer_modules
 
     by_name = {c.tensor.name: c for c in choices}
@@ -274,6 +281,7 @@ def _keep_whole(plan: Plan, choices: list[_Choice], target: str) -> None:
         for c in members[1:]:
             union(members[0].index, c.index)
 
+    out_notes: list[str] = []
     components: dict[int, list[_Choice]] = {}
     for c in choices:
         components.setdefault(find(c.index), []).append(c)
@@ -301,17 +309,18 @@ def _keep_whole(plan: Plan, choices: list[_Choice], target: str) -> None:
             verb = "kept" if dtype == c.tensor.dtype else f"{dtype} for"
             notes.setdefault(f"{verb} \0 with {anchor.tensor.name}: {why}", []).append(c.tensor.name)
             action = "keep" if dtype == c.tensor.dtype else "cast"
-            plan.tensors[c.index] = TensorPlan(c.tensor, dtype, action, f"with {anchor.tensor.name}: {why}")
+            plans[c.index] = TensorPlan(c.tensor, dtype, action, f"with {anchor.tensor.name}: {why}")
         for text, names in notes.items():
-            plan.notes.append(text.replace("\0", ", ".join(names)))
+            out_notes.append(text.replace("\0", ", ".join(names)))
     # Whatever could not be reconciled: names of one storage can only be written one way.
     targets: dict[str, set[str]] = {}
     for c in choices:
-        targets.setdefault(unit_of(c.tensor), set()).add(plan.tensors[c.index].target)
+        targets.setdefault(unit_of(c.tensor), set()).add(plans[c.index].target)
     for c in choices:
-        p = plan.tensors[c.index]
+        p = plans[c.index]
         if p.action == "cast" and len(targets[unit_of(c.tensor)]) > 1:
-            plan.tensors[c.index] = TensorPlan(p.tensor, p.tensor.dtype, "keep", "shares its storage with a tensor that stays as it is")
+            plans[c.index] = TensorPlan(p.tensor, p.tensor.dtype, "keep", "shares its storage with a tensor that stays as it is")
+    return out_notes
 
 
 def _common_dtype(members: list[_Choice], target: str) -> str | None:
@@ -392,8 +401,9 @@ def plan_config_dtype(plan: Plan) -> str | None:
 WOULD_NOT_RUN = "convert does not write an output whose forward pass would fail"
 
 
-def plan_findings(plan: Plan, policy: Policy | None) -> list[Finding]:
-    """Run the planned output through every check ``scan`` runs with ``policy``; store and return the findings.
+def with_findings(plan: Plan, policy: Policy | None, *, strict: bool) -> Plan:
+    """``plan`` with what ``scan`` with ``policy`` (and ``strict``, as the caller decided it) would report on its
+    output (``Plan.findings``; ``Plan.failing`` says which fail) and the dtype config.json will name.
 
     Stricter than ``scan`` in one way: a ``dtype-outlier`` warning (a guess, without ``--model``) on a module the
     plan holds in a castable dtype becomes an error. Scan warns of such a module in a checkpoint it is given;
@@ -401,12 +411,12 @@ def plan_findings(plan: Plan, policy: Policy | None) -> list[Finding]:
     """
     from ..checks import run_checks
 
-    plan.config_dtype = plan_config_dtype(plan)
+    # a dequantized folder's config names the target (make_dequant_plan); a cast one's is decided from its output
+    plan = replace(plan, config_dtype=plan.config_dtype or plan_config_dtype(plan))
     # The checks options.effective says apply: the policy's, and its own target's (the command line gives the policy
     # without it where --target replaces it, and checks that target apart: cli_commands.convert).
-    found = run_checks(plan.output_inventory(), effective(policy).checks(), strict=bool(policy and policy.strict))[1]
-    plan.findings = [_would_not_run(plan, f) for f in found]
-    return plan.findings
+    found = run_checks(plan.output_inventory(), effective(policy).checks(), strict=strict)[1]
+    return replace(plan, findings=[_would_not_run(plan, f) for f in found])
 
 
 def _would_not_run(plan: Plan, f: Finding) -> Finding:

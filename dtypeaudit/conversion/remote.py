@@ -37,8 +37,8 @@ from ..policy import Policy
 from ..redact import redact
 from .atomic import atomic_output
 from .modeldir import config_with_dtype, index_with_sizes, output_index, read_json, write_json
-from .plan import Plan, make_plan
-from .result import Result, plan_fails, refusals
+from .plan import Plan, make_plan, with_findings
+from .result import Result, refusals
 from .verify import Written
 
 Local = Callable[..., Any]
@@ -47,17 +47,6 @@ Local = Callable[..., Any]
 
 def _shape_map(inv: Inventory, file: str | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {t.name: (t.dtype, tuple(t.shape)) for t in inv.tensors if file is None or t.file == file}
-
-
-def _agrees(alone: dict[str, tuple[str, tuple[int, ...]]], whole: dict[str, tuple[str, tuple[int, ...]]], plan: Plan, shown: str) -> None:
-    """A file converted alone must come out as the directory's plan says (but for what --keep-unsafe held)."""
-    held = {p.tensor.name for p in plan.tensors if p.reason.endswith("(--keep-unsafe)")}
-    if alone.keys() != whole.keys() or any(alone[k] != whole[k] for k in alone if k not in held):
-        raise ConversionError(
-            "converted on its own, this file would not come out as the directory's plan says (a unit or tie across files?); "
-            "nothing was published: convert a local copy of the directory",
-            path=shown,
-        )
 
 
 class _Dest:
@@ -147,8 +136,7 @@ def _download(src: RemotePath, local: Path) -> None:
 
 
 def _shown_plan(result: Result, shown: str) -> Result:
-    plan = result.plan
-    plan.source = replace(plan.source, path=shown)
+    result.plan = replace(result.plan, source=replace(result.plan.source, path=shown))
     return result
 
 
@@ -164,6 +152,7 @@ def convert_remote(
     in_place: bool,
     max_shard_size: str | None,
     model: str | None,
+    strict: bool,
     options: dict[str, Any],
 ) -> Result:
     """``convert`` for a URL source (see the module's docstring); the Result names the source and output as given."""
@@ -183,16 +172,21 @@ def convert_remote(
     if refused:
         return Result(Plan(inv, dtypes.conversion_target(to), []), None, [], dry_run=dry_run, refused=refused)
     if isinstance(root, Path):  # a hub id found in the local cache: a local conversion
-        return local_convert(root, to, output=output, policy=policy, force=force, dry_run=dry_run, model=model, **options)
+        return local_convert(root, to, output=output, policy=policy, force=force, dry_run=dry_run, model=model, strict=strict, **options)
     dest = _Dest(output) if output is not None else None
     if dest is not None and not dry_run:
         dest.check(force)
     if inv.format == Format.HF_DIRECTORY:
-        return _directory(root, inv, to, local_convert, dest, policy=policy, dry_run=dry_run, model=model, options=options)
+        from ..quant.group import view as quant_view
+
+        if quant_view(inv) and not options.get("keep_quantized"):
+            # a weight's storage may lie in several files (its scales in another shard): dequantized as one folder
+            return _whole(root, to, local_convert, dest, shown, dry_run, policy=policy, model=model, strict=strict, **options)
+        return _directory(root, inv, to, local_convert, dest, policy=policy, dry_run=dry_run, model=model, strict=strict, options=options)
     with tempfile.TemporaryDirectory(prefix="dtypeaudit-remote-") as td:
         local_src = Path(td) / "in" / (root.name or "checkpoint")
         _download(root, local_src)
-        kw: dict[str, Any] = {"policy": policy, "dry_run": dry_run, "model": model, **options}
+        kw: dict[str, Any] = {"policy": policy, "dry_run": dry_run, "model": model, "strict": strict, **options}
         if dest is None or not dest.remote:
             out = local_convert(local_src, to, output=dest.local if dest else None, force=force, **kw)
             if out.output is not None:
@@ -228,40 +222,56 @@ def _directory(
     policy: Policy | None,
     dry_run: bool,
     model: str | None,
+    strict: bool,
     options: dict[str, Any],
 ) -> Result:
-    """Each weight file converted alone, checked against the whole directory's plan, then published together."""
+    """The directory planned once, from its remote headers; each weight file then downloaded and converted alone
+    by the local path as that plan says (its part of it: ``_part``), and published together."""
     res = hfdir.resolve(root)
     if res is None:
         raise ConversionError("directory holds no weights to convert", path=str(root))
     full = prepare(inv, model_inventory(model))
     plan_options = {k: options[k] for k in ("keep", "include_optimizer", "strip_optimizer", "clamp")}
-    plan = make_plan(full, to, policy=policy, **plan_options)
-    if plan_fails(plan, policy):
+    if options.get("keep_quantized"):
+        from ..quant.group import view as quant_view
+
+        plan_options["quantized"] = quant_view(inv).consumed
+    plan = with_findings(make_plan(full, to, policy=policy, **plan_options), policy, strict=strict)
+    if plan.failing(policy):
         return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
     if dry_run and not options.get("read_values", True):  # metadata only: the remote headers said it all
         return Result(plan, None, [], dry_run=True, values_read=False)
-    expected = plan.output_inventory()
     unsafe: list[Any] = []
+    values: dict[str, Any] = {}
     total = 0
     written: dict[str, Written] = {}
     with tempfile.TemporaryDirectory(prefix="dtypeaudit-remote-") as td, _staging(dest, dry_run, Path(td) / "out") as stage:
         for label in res.files:
             local_src = Path(td) / "in" / label
             _download(root / label, local_src)
-            r = local_convert(local_src, to, output=stage.place(label), policy=policy, dry_run=dry_run, model=model, **options)
+            r = local_convert(
+                local_src,
+                to,
+                output=stage.place(label),
+                policy=policy,
+                dry_run=dry_run,
+                model=model,
+                strict=strict,
+                planned=_part(plan, label),
+                **options,
+            )
             local_src.unlink()
             if r.refused or r.failed:
                 return Result(plan, None, [], dry_run=dry_run, refused=r.refused, failed=r.failed)
             unsafe.extend(r.unsafe)
-            plan.values.update(r.plan.values)
+            values.update(r.plan.values)
             if dry_run or r.unsafe:
                 continue
             # the local convert verified the file against what it wrote (verify_written), before stage.put uploads it
-            _agrees(_shape_map(r.plan.output_inventory()), _shape_map(expected, label), r.plan, f"{root}/{label}")
             total += r.plan.bytes_after
             (written[label],) = r.written.values()
             stage.put(label, written[label])
+        plan = replace(plan, values=values)
         if unsafe or dry_run:
             return Result(plan, None, unsafe, dry_run=dry_run)
         # every other file: config.json with the planned dtype and the output's index (modeldir decides which, as
@@ -278,6 +288,44 @@ def _directory(
             stage.put(name, None)
         stage.publish(list(written), sorted(extras, key=lambda n: (n == index, n == "config.json", n)))
     return Result(plan, dest.shown if dest else None, [], written=written)
+
+
+def _part(plan: Plan, label: str) -> Plan:
+    """The part of a directory's plan that one of its weight files takes, its tensors relabelled as a lone file's
+    (a directory's units are its files' own: a unit never spans two files)."""
+    tensors = [replace(p, tensor=p.tensor.with_(file="")) for p in plan.tensors if p.tensor.file == label]
+    return replace(plan, tensors=tensors, notes=[], values={}, findings=[])
+
+
+def _whole(root: RemotePath, to: str, local_convert: Local, dest: _Dest | None, shown: str, dry_run: bool, **kw: Any) -> Result:
+    """A folder converted as one: downloaded whole to a local temporary, converted there by the local path (one
+    plan, the one a local copy gets: a quantized folder is dequantized, its values checked), its output published
+    as a directory's is (weights, then the other files, config.json and the index last). Local disk holds the
+    folder and its output, not one file. ``kw``: the local convert's other arguments."""
+    import shutil
+
+    res = hfdir.resolve(root)
+    if res is None:
+        raise ConversionError("directory holds no weights to convert", path=str(root))
+    with tempfile.TemporaryDirectory(prefix="dtypeaudit-remote-") as td, _staging(dest, dry_run, Path(td) / "out") as stage:
+        local_src = Path(td) / "in" / "model"
+        for name in [*res.files, *_other_files(root, set(res.files))]:
+            _download(root / name, _made(local_src / name))
+        made = Path(td) / "made"
+        result = local_convert(local_src, to, output=None if dry_run else made, dry_run=dry_run, **kw)
+        _shown_plan(result, shown)
+        if result.output is None:
+            return result
+        names = sorted(str(p.relative_to(made)) for p in made.rglob("*") if p.is_file())
+        shards = [n for n in names if n in result.written]
+        index = output_index(result.plan.source)
+        extras = sorted((n for n in names if n not in result.written), key=lambda n: (n == index, n == "config.json", n))
+        for name in [*shards, *extras]:
+            shutil.move(made / name, stage.place(name))  # the output may lie on another filesystem
+            stage.put(name, result.written.get(name))
+        stage.publish(shards, extras)
+    result.output = dest.shown if dest else None
+    return result
 
 
 def _other_files(root: RemotePath, shards: set[str]) -> list[str]:

@@ -1,5 +1,5 @@
-"""What a conversion comes to (``Result``) and the decisions every path shares before it writes: what refuses a
-checkpoint outright (``refusals``) and whether a plan's output would fail ``scan`` (``plan_fails``).
+"""What a conversion comes to (``Result``) and the decision every path shares before it reads: what refuses a
+checkpoint outright (``refusals``).
 
 A leaf of ``conversion/``: the local, remote and dequantizing paths import it, and it imports none of them, so
 no path leans on the package's ``__init__`` (which imports them all).
@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConversionError
 from ..inventory import Finding, Inventory, format_of
-from ..policy import Policy
 from ..values import ValueStats
-from .plan import Plan, plan_findings
+from .plan import Plan
 
 if TYPE_CHECKING:
     from .verify import Written
@@ -36,7 +35,7 @@ class Result:
     refused: tuple[Finding, ...] = ()
     """The reader's findings that forbid converting this checkpoint at all (see ``refusals``); nothing was written."""
     failed: tuple[Finding, ...] = ()
-    """The planned output's findings that would fail ``scan`` with the same policy (see ``plan_findings``);
+    """The planned output's findings that would fail ``scan`` with the same policy (see ``plan.with_findings``);
     the plan could not be made to pass, so nothing was written."""
     written: dict[str, Written] = field(default_factory=dict)
     """What each weight file written holds, as its writer recorded it and ``verify.verify_written`` read it back:
@@ -82,9 +81,3 @@ def pickled_module_files(findings: Iterable[Finding]) -> list[str | None]:
         if f.rule == "pickled-module" and f.file not in out:
             out.append(f.file)
     return out
-
-
-def plan_fails(plan: Plan, policy: Policy | None) -> bool:
-    """Whether ``plan``'s output would fail ``scan`` with ``policy`` (its findings are left in ``plan.findings``)."""
-    plan_findings(plan, policy)
-    return bool(plan.failing(policy))

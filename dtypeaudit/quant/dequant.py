@@ -127,11 +127,11 @@ def float8_values(dtype: str) -> Any:
 _BF16_NAN = 0xFFFF
 
 
-def fp8_block_tables(values: Any, scale: Any, target: str) -> tuple[Any, Any]:
+def fp8_block_tables(values: Any, scale: Any, target: str, *, clamp: bool = False) -> tuple[Any, Any]:
     """Every block's results: ``values`` float32 ``[256]`` (the codes' values) times each float32 block scale,
-    rounded once to ``target`` as torch's cast does (stored form, :mod:`dtypeaudit.npcast`), shape
-    ``[*scale.shape, 256]``; and, where a cast to float16 made some entry infinite from a finite product, a
-    uint8 table of the same shape marking those entries (else None)."""
+    rounded once to ``target`` as torch's cast does (stored form, :mod:`dtypeaudit.npcast`; ``clamp``: values beyond
+    its range saturate, as ``convert --clamp`` casts), shape ``[*scale.shape, 256]``; and the float32 products
+    themselves, the same shape (what the value checks judge)."""
     import numpy as np
 
     from ..npcast import cast
@@ -139,15 +139,36 @@ def fp8_block_tables(values: Any, scale: Any, target: str) -> tuple[Any, Any]:
     with np.errstate(all="ignore"):  # NaN and inf codes, and products beyond float32, are results like any other
         products = scale[..., None] * values  # float32 times float32: the loader's one multiply per element
     flat = products.reshape(-1)
-    tables = cast(flat, "float32", target)
-    overflow = None
-    if target == "float16":
-        bad = np.isinf(tables) & np.isfinite(flat)
-        if bad.any():
-            overflow = bad.view(np.uint8).reshape(products.shape)
-    elif target == "bfloat16":
+    tables = cast(flat, "float32", target, clamp=clamp)
+    if target == "bfloat16":
         tables[np.isnan(flat)] = _BF16_NAN
-    return tables.reshape(products.shape), overflow
+    return tables.reshape(products.shape), products
+
+
+# The codes whose value is NaN or Inf, whatever the scale: ``code & mask == bits`` (tests/test_dequant.py holds
+# each against float8_values).
+SPECIAL_CODES = {
+    "float8_e4m3fn": (0x7F, 0x7F),
+    "float8_e5m2": (0x7C, 0x7C),
+    "float8_e4m3fnuz": (0xFF, 0x80),
+    "float8_e5m2fnuz": (0xFF, 0x80),
+}
+
+
+def _plain(products: Any, fp8: str, target: str) -> Any:
+    """Which entries of the tables a value check has nothing to say of: finite codes whose product the target
+    holds in its normal range (or exactly zero)."""
+    import numpy as np
+
+    from ..values import F16_NORMAL_FROM, INF_FROM
+
+    magnitude = products.view(np.uint32) & np.uint32(0x7FFFFFFF)
+    plain = magnitude < INF_FROM[target]
+    if target == "float16":
+        plain &= (magnitude >= F16_NORMAL_FROM) | (magnitude == 0)
+    mask, bits = SPECIAL_CODES[fp8]
+    plain[..., (np.arange(256) & mask) == bits] = True  # judged by the codes themselves (see fp8_block_cast_np)
+    return plain
 
 
 def fp8_block_gather(codes: Any, tables: Any, block: Sequence[int]) -> Any:
@@ -179,14 +200,16 @@ def fp8_block_gather(codes: Any, tables: Any, block: Sequence[int]) -> Any:
     return out
 
 
-def fp8_block_cast_np(codes: Any, scale: Any, fp8: str, block: Sequence[int], target: str) -> tuple[Any, int]:
+def fp8_block_cast_np(codes: Any, scale: Any, fp8: str, block: Sequence[int], target: str, *, clamp: bool = False) -> tuple[Any, Any]:
     """``fp8_block(weight, scale_inv, block).to(target)`` for a 2-D weight, with numpy alone: ``codes`` the weight's
     bytes (uint8 ``[rows, cols]``), ``scale`` its float32 block scales, ``fp8`` its float8 dtype. Returns the
-    result in the target's stored form (bfloat16 as uint16 bits) and the number of elements a float16 target
-    turned infinite from a finite product (the caller refuses those). Within one block every element is
-    ``float32(code) * scale`` rounded to the target, so a block's 256 possible results are computed once,
-    exactly as :func:`fp8_block` computes each element, and each code looked up: bit-equal to it, NaN codes
-    included, in one pass over the codes instead of four over float32 products."""
+    result in the target's stored form (bfloat16 as uint16 bits) and, where a value check may have something to
+    say (a NaN or Inf code, a product beyond the target's range or, for float16, below its normal range), the
+    float32 products themselves (``fp8_block(...)``, for the checks to fold), else None: every value is finite and
+    plainly held. Within one block every element is ``float32(code) * scale`` rounded to the target, so a block's
+    256 possible results are computed once, exactly as :func:`fp8_block` computes each element, and each code
+    looked up: bit-equal to it, NaN codes included, in one pass over the codes instead of four over float32
+    products (a second, of the products, only where the checks need them)."""
     import numpy as np
 
     bm, bn = int(block[0]), int(block[1])
@@ -198,11 +221,14 @@ def fp8_block_cast_np(codes: Any, scale: Any, fp8: str, block: Sequence[int], ta
         )
     if scale.dtype != np.float32:
         raise _refuse("weight", f"block scales must be float32 here, not {scale.dtype}")
-    tables, overflowing = fp8_block_tables(float8_values(fp8), scale, target)
+    tables, products = fp8_block_tables(float8_values(fp8), scale, target, clamp=clamp)
     out = fp8_block_gather(codes, tables, block)
-    # rare: count the elements that look an overflowing entry up (a second gather, of the entries' marks)
-    overflow = 0 if overflowing is None else int(np.count_nonzero(fp8_block_gather(codes, overflowing, block)))
-    return out, overflow
+    mask, bits = SPECIAL_CODES[fp8]
+    # the NaN/Inf codes by a bit test over the codes (cheap: every table holds their entries); the rest by the tables
+    special = bool(np.any(np.bitwise_and(codes, mask) == bits))
+    if special or not _plain(products, fp8, target).all():
+        return out, fp8_block_gather(codes, products, block)
+    return out, None
 
 
 def fp8_block_cast(weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int], target: str) -> torch.Tensor:
