@@ -1,0 +1,22 @@
+"""``dtypeaudit tune``: which modules of a model compute the right thing in fp16 or bf16, which must stay fp32, and
+a policy that convert, scan and ``apply`` follow.
+
+    import dtypeaudit
+    result = dtypeaudit.tune(model, batch, to="fp16", tolerance=1e-2)   # TuneResult: keep, first_overflow, ...
+    text = dtypeaudit.tune_policy(result)                                # a policy in the existing language
+    model = dtypeaudit.apply(model, "tuned.yaml")                        # a live model that runs that way
+
+The flow: model (a factory, a Hugging Face folder, + checkpoint values) and inputs (``load``) -> real fp32 run with
+every module's range and shadow error, real all-low run -> keep-set search -> verifying run (``search``) ->
+``TuneResult`` (``result``) -> report (``render``) and policy (``policy``). What "kept in fp32" means at run time is
+defined once, in ``keep``. torch is imported only inside functions.
+"""
+
+from __future__ import annotations
+
+from .keep import apply
+from .policy import policy_text
+from .result import SCHEMA, ModuleStats, TuneResult
+from .search import tune
+
+__all__ = ["tune", "apply", "policy_text", "TuneResult", "ModuleStats", "SCHEMA"]
