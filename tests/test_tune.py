@@ -132,34 +132,52 @@ def seeded(cls: type, *args: object) -> nn.Module:
 # -- references, written here: not the code under test ------------------------------------------------------------
 
 
-def error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
-    if not bool(torch.isfinite(out).all()):
-        return math.inf
-    return float((out - ref).abs().max() / ref.abs().max())
+def floats(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in floats(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in floats(v)]
+    return []
 
 
-def real_first_overflow(model: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> str | None:
+def real_first_overflow(model: nn.Module, inputs: object, dtype: torch.dtype) -> str | None:
     """The whole model in ``dtype``: the first module to finish with finite inputs and a non-finite output."""
     low = copy.deepcopy(model).to(dtype)
     found: list[str] = []
 
     def watch(name: str):  # noqa: ANN202
-        def hook(_m: nn.Module, args: tuple, out: torch.Tensor) -> None:
-            finite_in = all(bool(torch.isfinite(a).all()) for a in args if isinstance(a, torch.Tensor))
-            if not found and finite_in and not bool(torch.isfinite(out).all()):
+        def hook(_m: nn.Module, args: tuple, kwargs: dict, out: object) -> None:
+            finite_in = all(bool(torch.isfinite(a).all()) for a in floats((args, kwargs)))
+            if not found and finite_in and not all(bool(torch.isfinite(o).all()) for o in floats(out)):
                 found.append(name)
 
         return hook
 
     for name, m in low.named_modules():
-        m.register_forward_hook(watch(name))
+        m.register_forward_hook(watch(name), with_kwargs=True)
     with torch.no_grad():
-        low(x.to(dtype))
+        call(low, inputs, dtype)
     return found[0] if found else None
 
 
-def run_kept(model: nn.Module, keep: tuple[str, ...], dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+def call(model: nn.Module, inputs: object, dtype: torch.dtype) -> object:
+    """``model`` on ``inputs`` (a tensor or a dict of keywords), floating inputs cast to ``dtype``."""
+    if isinstance(inputs, dict):
+        return model(**{k: to_dtype(v, dtype) for k, v in inputs.items()})
+    return model(inputs.to(dtype))
+
+
+def to_dtype(value: object, dtype: torch.dtype) -> object:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        return tuple(to_dtype(v, dtype) for v in value)
+    return value
+
+
+def run_kept(model: nn.Module, keep: tuple[str, ...], dtype: torch.dtype, inputs: object) -> object:
     """The model in ``dtype`` with ``keep`` in fp32: tensors under a kept module fp32, its forward replaced by one that
     casts its input to fp32 and its output back."""
     run = copy.deepcopy(model)
@@ -170,18 +188,28 @@ def run_kept(model: nn.Module, keep: tuple[str, ...], dtype: torch.dtype, x: tor
         module = run.get_submodule(k)
         inner = module.forward
 
-        def forward(*args: torch.Tensor, _inner=inner) -> torch.Tensor:  # noqa: ANN001
-            return _inner(*(a.float() for a in args)).to(dtype)
+        def forward(*args: object, _inner=inner, **kwargs: object) -> object:  # noqa: ANN001
+            out = _inner(*to_dtype(args, torch.float32), **{n: to_dtype(v, torch.float32) for n, v in kwargs.items()})
+            return to_dtype(out, dtype)
 
         module.forward = forward
     with torch.no_grad():
-        return run(x.to(dtype))
+        return call(run, inputs, dtype)
 
 
-def reference_error(model: nn.Module, keep: tuple[str, ...], dtype: torch.dtype, x: torch.Tensor) -> float:
+def error(out: object, ref: object) -> float:
+    outs, refs = floats(out), floats(ref)
+    if not all(bool(torch.isfinite(o).all()) for o in outs):
+        return math.inf
+    return max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, refs, strict=True)) / max(
+        float(r.abs().max()) for r in refs
+    )
+
+
+def reference_error(model: nn.Module, keep: tuple[str, ...], dtype: torch.dtype, inputs: object) -> float:
     with torch.no_grad():
-        ref = model(x)
-    return error(run_kept(model, keep, dtype, x), ref)
+        ref = call(model, inputs, torch.float32)
+    return error(run_kept(model, keep, dtype, inputs), ref)
 
 
 # -- planted failures ---------------------------------------------------------------------------------------------
@@ -392,3 +420,116 @@ def test_a_keep_in_fp32_entry_must_be_a_module_path(tmp_path):
     bad.write_text("version: 1\nkeep_in_fp32: ['blocks.*']\n")
     with pytest.raises(PolicyError, match="dotted module paths"):
         load_policy(str(bad))
+
+
+# -- a Hugging Face model, and a factory with a checkpoint ---------------------------------------------------------
+
+
+def test_a_tiny_hugging_face_model_keeps_the_mlp_whose_inner_activation_overflows(tmp_path):
+    import dtypeaudit
+    from dtypeaudit.tuning.load import load_inputs, load_model
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2
+    )
+    torch.manual_seed(0)
+    planted = transformers.LlamaForCausalLM(config).eval()
+    mlp = planted.model.layers[1].mlp
+    with torch.no_grad():  # T5's pattern: an inner product over fp16's range, an output that fits
+        mlp.up_proj.weight.mul_(1e6)
+        mlp.down_proj.weight.div_(1e6)
+    planted.save_pretrained(tmp_path / "tiny")
+
+    model = load_model(str(tmp_path / "tiny"))
+    assert type(model).__name__ == "LlamaForCausalLM" and torch.equal(model.model.layers[1].mlp.up_proj.weight, mlp.up_proj.weight)
+    (args, kwargs), notes = load_inputs(model, specs=["input_ids=2x12"])
+    assert notes and "random" in notes[0] and int(kwargs["input_ids"].max()) < 64
+    result = dtypeaudit.tune(model, (args, kwargs), to="fp16", tolerance=2e-2, notes=notes)
+    inputs = {"input_ids": kwargs["input_ids"], "use_cache": False}
+    assert result.first_overflow == real_first_overflow(model, inputs, torch.float16) == "model.layers.1.mlp.up_proj"
+    assert result.keep == ("model.layers.1.mlp",)
+    assert reference_error(model, (), torch.float16, inputs) == math.inf
+    assert reference_error(model, result.keep, torch.float16, inputs) <= 2e-2
+    assert result.notes == notes
+
+
+FACTORY = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ff = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.LayerNorm(16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.ff(x))
+
+
+def build():
+    torch.manual_seed(0)
+    return Net()
+
+
+def batch():
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+"""
+
+
+@pytest.mark.parametrize("writer", ["torch", "safetensors"])
+def test_a_factory_with_a_checkpoint_tunes_the_checkpoints_values(tmp_path, writer):
+    import dtypeaudit
+    from dtypeaudit.tuning.load import load_inputs, load_model
+
+    (tmp_path / "net.py").write_text(FACTORY)
+    factory = f"{tmp_path / 'net.py'}:build"
+    initial = load_model(factory)
+    (args, kwargs), notes = load_inputs(initial, input_factory=f"{tmp_path / 'net.py'}:batch")
+    assert notes == () and args[0].shape == (8, 16)
+    assert dtypeaudit.tune(initial, (args, kwargs), to="fp16").keep == ()  # the factory's own values are clean
+
+    trained = load_model(factory)
+    with torch.no_grad():
+        trained.ff[0].weight.mul_(1e5)
+    if writer == "torch":
+        checkpoint = tmp_path / "trained.pt"
+        torch.save({"model_state_dict": trained.state_dict(), "epoch": 3}, checkpoint)
+    else:
+        from safetensors.torch import save_file
+
+        checkpoint = tmp_path / "trained.safetensors"
+        save_file(trained.state_dict(), str(checkpoint))
+    model = load_model(factory, str(checkpoint))
+    assert torch.equal(model.ff[0].weight, trained.ff[0].weight)
+    result = dtypeaudit.tune(model, (args, kwargs), to="fp16")
+    assert result.first_overflow == real_first_overflow(model, args[0], torch.float16) == "ff.0"
+    assert result.keep == ("ff",)
+    assert reference_error(model, result.keep, torch.float16, args[0]) <= result.tolerance
+
+
+def test_inputs_from_a_file_of_tensors(tmp_path):
+    from safetensors.torch import save_file
+
+    from dtypeaudit.tuning.load import load_inputs
+
+    x = batch()
+    torch.save((x,), tmp_path / "batch.pt")
+    save_file({"x": x}, str(tmp_path / "batch.safetensors"))
+    model = nn.Linear(D, 4)
+    (args, kwargs), _ = load_inputs(model, inputs_file=str(tmp_path / "batch.pt"))
+    assert torch.equal(args[0], x) and kwargs == {}
+    (args, kwargs), _ = load_inputs(model, inputs_file=str(tmp_path / "batch.safetensors"))
+    assert args == () and torch.equal(kwargs["x"], x)
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused(tmp_path):
+    from dtypeaudit.errors import UsageError
+    from dtypeaudit.tuning.load import load_model
+
+    (tmp_path / "net.py").write_text(FACTORY)
+    torch.save({"other.weight": torch.zeros(3, 3)}, tmp_path / "other.pt")
+    with pytest.raises(UsageError, match="does not fit the model"):
+        load_model(f"{tmp_path / 'net.py'}:build", str(tmp_path / "other.pt"))

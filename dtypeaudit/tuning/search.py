@@ -10,8 +10,8 @@ activations kept are the model's fp32 outputs, the reference.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .. import dtypes
@@ -129,10 +129,12 @@ def tune(
     tolerance: float | None = None,
     metric: str | metrics.Metric = "max-abs-rel",
     progress: Progress | None = None,
+    notes: Sequence[str] = (),
 ) -> TuneResult:
     """Which modules of ``model`` must run in fp32 for its outputs on ``inputs`` to stay within ``tolerance`` of
     fp32 when the rest runs in ``to`` (``fp16`` or ``bf16``). ``model`` is used as it is (fp32, eval mode) and is
-    not changed; ``inputs`` are a tensor, a tuple, a dict or ``(args, kwargs)``."""
+    not changed; ``inputs`` are a tensor, a tuple, a dict or ``(args, kwargs)``. ``progress`` is told each step;
+    ``notes`` (what the caller knows about the inputs) travel into the result."""
     import torch
 
     target = dtypes.canonical(to) if isinstance(to, str) else None
@@ -155,7 +157,8 @@ def tune(
         config.use_cache = False  # a cache object would be written by both runs of a shadowed attention
     try:
         with torch.no_grad():
-            return _tune(model, args, kwargs, target, low_dtype, tol, metric_name, measure, shadow_measure, say)
+            result = _tune(model, args, kwargs, target, low_dtype, tol, metric_name, measure, shadow_measure, say)
+            return replace(result, notes=(*notes, *result.notes))
     finally:
         model.train(was_training)
         if use_cache:
