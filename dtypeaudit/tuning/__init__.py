@@ -3,7 +3,7 @@ a policy that convert, scan and ``apply`` follow.
 
     import dtypeaudit
     result = dtypeaudit.tune(model, batch, to="fp16", tolerance=1e-2)   # TuneResult: keep, first_overflow, ...
-    text = dtypeaudit.tune_policy(result)                                # a policy in the existing language
+    text = dtypeaudit.tuning.policy_text(result)                         # a policy in the existing language
     model = dtypeaudit.apply(model, "tuned.yaml")                        # a live model that runs that way
 
 The flow: model (a factory, a Hugging Face folder, + checkpoint values) and inputs (``load``) -> real fp32 run with

@@ -49,16 +49,10 @@ def _call_factory(reference: str) -> torch.nn.Module:
     import torch
 
     from ..formats import factory
+    from .user import user_callable
 
-    module_name, _, attr = reference.rpartition(":")
-    try:
-        fn = getattr(factory.import_user_module(module_name), attr, None)
-    except FactoryError as exc:
-        raise FactoryError(exc.message, path=reference) from None
-    except Exception as exc:  # the user's module failed while importing
-        raise FactoryError(f"importing '{module_name}' failed: {type(exc).__name__}: {exc}", path=reference) from None
-    if fn is None or not callable(fn):
-        raise FactoryError(f"'{module_name}' has no callable '{attr}'", path=reference)
+    fn = user_callable(reference, "the model")
+    attr = reference.rpartition(":")[2]
     try:
         value = fn()  # for real, on the CPU: a tune runs the model
     except Exception as exc:

@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import FactoryError, UsageError
+from ..errors import UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -47,15 +47,19 @@ def _pairs(out: Any, ref: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None
     return [(x.detach().float(), y.detach().float()) for x, y in zip(a, b, strict=True)]
 
 
-def _finite(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+def _comparable(out: Any, ref: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The output pairs as float32, or None where they cannot be compared or ``out`` is not finite (an inf error)."""
     import torch
 
-    return all(bool(torch.isfinite(x).all()) for x, _ in pairs)
+    pairs = _pairs(out, ref)
+    if pairs is None or not all(bool(torch.isfinite(x).all()) for x, _ in pairs):
+        return None
+    return pairs
 
 
 def max_abs_rel(out: Any, ref: Any) -> float:
-    pairs = _pairs(out, ref)
-    if pairs is None or not _finite(pairs):
+    pairs = _comparable(out, ref)
+    if pairs is None:
         return math.inf
     if not pairs:
         return 0.0
@@ -67,8 +71,8 @@ def max_abs_rel(out: Any, ref: Any) -> float:
 def cosine(out: Any, ref: Any) -> float:
     import torch
 
-    pairs = _pairs(out, ref)
-    if pairs is None or not _finite(pairs):
+    pairs = _comparable(out, ref)
+    if pairs is None:
         return math.inf
     if not pairs:
         return 0.0
@@ -81,8 +85,8 @@ def cosine(out: Any, ref: Any) -> float:
 
 
 def sqnr(out: Any, ref: Any) -> float:
-    pairs = _pairs(out, ref)
-    if pairs is None or not _finite(pairs):
+    pairs = _comparable(out, ref)
+    if pairs is None:
         return math.inf
     noise = sum(float(((x.double() - y.double()) ** 2).sum()) for x, y in pairs)
     signal = sum(float((y.double() ** 2).sum()) for _, y in pairs)
@@ -98,20 +102,11 @@ def resolve(spec: str | Metric) -> tuple[str, Metric]:
         return getattr(spec, "__name__", "custom"), spec
     if spec in BUILTIN:
         return spec, BUILTIN[spec]
-    module_name, _, attr = spec.rpartition(":")
-    if not module_name or not attr.isidentifier():
+    if ":" not in spec:
         raise UsageError(f"--metric '{spec}': expected one of {', '.join(NAMES)}, or path/to/file.py:func")
-    from ..formats.factory import import_user_module
+    from .user import user_callable
 
-    try:
-        fn = getattr(import_user_module(module_name), attr, None)
-    except FactoryError:
-        raise
-    except Exception as exc:
-        raise FactoryError(f"importing '{module_name}' failed: {type(exc).__name__}: {exc}", path=spec) from None
-    if fn is None or not callable(fn):
-        raise FactoryError(f"'{module_name}' has no callable '{attr}'", path=spec)
-    user: Metric = fn
+    user: Metric = user_callable(spec, "--metric")
 
     def guarded(out: Any, ref: Any) -> float:
         value = float(user(out, ref))

@@ -78,9 +78,7 @@ class TuneResult:
     def why_kept(self, name: str) -> str:
         """One line on why ``name`` is kept: its range or its error."""
         m = self.module(name)
-        inner = [c for c in self.modules if c.name.startswith(name + ".") if name and c.calls and not c.fits] or [
-            c for c in self.modules if not name and c.name and c.calls and not c.fits
-        ]
+        inner = [c for c in self.modules if c.name.startswith(name + ".") and c.calls and not c.fits]
         parts = []
         if inner:
             worst = max(inner, key=lambda c: c.output_abs_max)
