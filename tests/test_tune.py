@@ -250,11 +250,17 @@ def test_the_overflowing_inner_layer_is_kept_through_its_smallest_enclosing_modu
     assert reference_error(model, ("ff.wi",), torch.float16, x) == math.inf  # keeping the inner layer alone overflows on exit
 
 
-def test_a_deep_stack_keeps_only_its_two_planted_blocks_in_few_passes():
+@pytest.fixture(scope="module")
+def deep_stack() -> tuple[nn.Module, torch.Tensor, object]:
+    """24 blocks, two with an inner overflow planted, and their tune (shared: it is the slowest)."""
     import dtypeaudit
 
     model, x = seeded(DeepStack, 24, (5, 17), 1e5), batch()
-    result = dtypeaudit.tune(model, x, to="fp16", tolerance=1e-2)
+    return model, x, dtypeaudit.tune(model, x, to="fp16", tolerance=1e-2)
+
+
+def test_a_deep_stack_keeps_only_its_two_planted_blocks_in_few_passes(deep_stack):
+    model, x, result = deep_stack
     assert result.first_overflow == real_first_overflow(model, x, torch.float16) == "blocks.5.ff.wi"
     assert len(result.keep) <= 2
     assert all(k.startswith(("blocks.5.", "blocks.17.")) or k in ("blocks.5", "blocks.17") for k in result.keep)
@@ -361,11 +367,10 @@ def test_the_json_report_has_the_schema_fields_and_no_infinities():
 # -- the policy: written, converted, scanned, applied ----------------------------------------------------------------
 
 
-def test_the_policy_round_trip_through_convert_scan_and_apply(tmp_path):
+def test_the_policy_round_trip_through_convert_scan_and_apply(tmp_path, deep_stack):
     import dtypeaudit
 
-    model, x = seeded(DeepStack, 24, (5, 17), 1e5), batch()
-    result = dtypeaudit.tune(model, x, to="fp16", tolerance=1e-2)
+    model, x, result = deep_stack
     policy = tmp_path / "tuned.yaml"
     policy.write_text(dtypeaudit.tuning.policy_text(result))
     assert all(f'"{k}"  # ' in policy.read_text() for k in result.keep)
