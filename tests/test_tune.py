@@ -298,7 +298,7 @@ def test_tune_leaves_the_model_as_it_was():
 
 def test_no_keep_set_passes_an_impossible_tolerance_and_says_which_modules_fail():
     import dtypeaudit
-    from dtypeaudit.tuning.render import to_text
+    from dtypeaudit.tuning.report import to_text
 
     model = seeded(OffsetModel)
     result = dtypeaudit.tune(model, batch(), to="bf16", tolerance=0.0)
@@ -340,7 +340,7 @@ def test_a_user_metric_from_a_file(tmp_path):
 
 def test_the_json_report_has_the_schema_fields_and_no_infinities():
     import dtypeaudit
-    from dtypeaudit.tuning.render import to_json, to_text
+    from dtypeaudit.tuning.report import to_html, to_json, to_text
 
     result = dtypeaudit.tune(seeded(FeedForwardModel, 1e5), batch(), to="fp16")
     doc = json.loads(to_json(result))
@@ -362,6 +362,8 @@ def test_the_json_report_has_the_schema_fields_and_no_infinities():
     assert wi["shadow_error"] is None and wi["headroom"] < 1 and wi["type"] == "Linear"
     text = to_text(result)
     assert "first overflow: ff.wi" in text and "keep in fp32: ff" in text and "✓ passes" in text
+    page = to_html(result)
+    assert page.startswith("<!DOCTYPE html>") and "ff <b>keep in fp32</b>" in page and "ff.wi" in page and "<script" not in page
 
 
 # -- the policy: written, converted, scanned, applied ----------------------------------------------------------------

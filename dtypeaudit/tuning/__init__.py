@@ -8,15 +8,15 @@ a policy that convert, scan and ``apply`` follow.
 
 The flow: model (a factory, a Hugging Face folder, + checkpoint values) and inputs (``load``) -> real fp32 run with
 every module's range and shadow error, real all-low run -> keep-set search -> verifying run (``search``) ->
-``TuneResult`` (``result``) -> report (``render``) and policy (``policy``). What "kept in fp32" means at run time is
+``TuneResult`` (``result``) -> report (``report``) and policy (``tuned_policy``). What "kept in fp32" means at run time is
 defined once, in ``keep``. torch is imported only inside functions.
 """
 
 from __future__ import annotations
 
 from .keep import apply
-from .policy import policy_text
 from .result import SCHEMA, ModuleStats, TuneResult
 from .search import tune
+from .tuned_policy import policy_text
 
 __all__ = ["tune", "apply", "policy_text", "TuneResult", "ModuleStats", "SCHEMA"]
