@@ -540,3 +540,26 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused(tmp_path):
     torch.save({"other.weight": torch.zeros(3, 3)}, tmp_path / "other.pt")
     with pytest.raises(UsageError, match="does not fit the model"):
         load_model(f"{tmp_path / 'net.py'}:build", str(tmp_path / "other.pt"))
+
+
+def test_keep_in_fp32_is_what_the_checks_and_extends_see(tmp_path):
+    import dtypeaudit
+    from dtypeaudit.policy import load_policy
+
+    model = seeded(FeedForwardModel, 1.0).half()
+    model.ff.float()
+    torch.save(model.state_dict(), tmp_path / "mixed.pt")
+    inventory = dtypeaudit.read(str(tmp_path / "mixed.pt"))
+    (tmp_path / "plain.yaml").write_text("version: 1\ndefault: float16\nrules:\n  - match: '^ff.*'\n    dtype: float32\n")
+    (tmp_path / "tuned.yaml").write_text('version: 1\ndefault: float16\nkeep_in_fp32:\n  - "ff"\n')
+    (tmp_path / "child.yaml").write_text("version: 1\nextends: tuned.yaml\n")
+    plain = dtypeaudit.check(inventory, load_policy(str(tmp_path / "plain.yaml")))
+    assert any(f.rule == "dtype-outlier" for f in plain)  # fp32 Linears beside fp16 ones: one side is an outlier
+    for name in ("tuned.yaml", "child.yaml"):
+        policy = load_policy(str(tmp_path / name))
+        assert policy.kept_in_fp32("ff") and policy.kept_in_fp32("ff.wi") and not policy.kept_in_fp32("ffx")
+        assert dtypeaudit.check(inventory, policy) == []  # it casts its input: no outlier, and its tensors are fp32
+    model.ff.half()
+    torch.save(model.state_dict(), tmp_path / "half.pt")
+    found = dtypeaudit.check(dtypeaudit.read(str(tmp_path / "half.pt")), load_policy(str(tmp_path / "tuned.yaml")))
+    assert {f.tensor for f in found if f.rule == "dtype-mismatch"} == {n for n in model.state_dict() if n.startswith("ff.")}
