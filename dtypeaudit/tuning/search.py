@@ -179,58 +179,14 @@ def _tune(
 ) -> TuneResult:
     say(f"copying the weights to {target}")
     low = low_copy(model, low_dtype).eval()
-    low_modules = dict(low.named_modules())
-    stats = {name: _Stats() for name, _ in model.named_modules()}
-    notes: list[str] = []
-
-    # 1. The fp32 reference: every module's range, and its shadow (its fp32 inputs through its low copy).
-    def observe(name: str) -> Callable[..., None]:
-        def hook(_module: Any, a: tuple[Any, ...], kw: dict[str, Any], output: Any) -> None:
-            s = stats[name]
-            s.calls += 1
-            s.input_abs_max = max(s.input_abs_max, _abs_range((a, kw))[0])
-            top, bottom = _abs_range(output)
-            s.output_abs_max, s.output_abs_min = max(s.output_abs_max, top), min(s.output_abs_min, bottom)
-            if name:  # the model's own shadow is the all-low run below
-                try:
-                    shadow = low_modules[name](*cast_floating(a, low_dtype), **cast_floating(kw, low_dtype))
-                    error = shadow_measure(shadow, output)
-                except Exception:  # an op without a kernel in the target dtype: it cannot run there
-                    error = math.inf
-                s.shadow_error = max(s.shadow_error, error)
-
-        return hook
-
     say("running in float32, each module shadowed in " + target)
-    handles = [m.register_forward_hook(observe(n), with_kwargs=True) for n, m in model.named_modules()]
-    try:
-        reference = model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    if _non_finite(reference):
-        raise UsageError("the model's fp32 outputs are not finite on these inputs: there is nothing to compare with")
+    stats, reference = _reference_run(model, low, low_dtype, args, kwargs, shadow_measure)
     passes = 1
-
-    # 2. The whole model in the target dtype: where it first overflows, and how far off it is.
-    first: list[str] = []
-
-    def watch(name: str) -> Callable[..., None]:
-        def hook(_module: Any, a: tuple[Any, ...], kw: dict[str, Any], output: Any) -> None:
-            if not first and not _non_finite((a, kw)) and _non_finite(output):
-                first.append(name)
-
-        return hook
-
     runner = _LowModel(model, low, low_dtype)
     say(f"running in {target}")
-    handles = [m.register_forward_hook(watch(n), with_kwargs=True) for n, m in low.named_modules()]
-    try:
-        all_low_error = _error(runner, args, kwargs, reference, measure)
-    finally:
-        for h in handles:
-            h.remove()
+    first, all_low_error = _all_low_run(runner, args, kwargs, reference, measure)
     passes += 1
+    notes: list[str] = []
     stats[""].shadow_error = all_low_error
     limit = MAX_FINITE[target]
     modules = tuple(
@@ -283,7 +239,7 @@ def _tune(
         tolerance=tol,
         metric=metric_name,
         modules=modules,
-        first_overflow=first[0] if first else None,
+        first_overflow=first,
         keep=tuple(keep),
         output_error=error,
         all_low_error=all_low_error,
@@ -292,6 +248,69 @@ def _tune(
         failing=failing,
         notes=tuple(notes),
     )
+
+
+def _reference_run(
+    model: torch.nn.Module,
+    low: torch.nn.Module,
+    low_dtype: torch.dtype,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    shadow_measure: metrics.Metric,
+) -> tuple[dict[str, _Stats], Any]:
+    """The fp32 run: every module's range, and its shadow (its fp32 inputs through its low copy); and the outputs."""
+    low_modules = dict(low.named_modules())
+    stats = {name: _Stats() for name, _ in model.named_modules()}
+
+    def observe(name: str) -> Callable[..., None]:
+        def hook(_module: Any, a: tuple[Any, ...], kw: dict[str, Any], output: Any) -> None:
+            s = stats[name]
+            s.calls += 1
+            s.input_abs_max = max(s.input_abs_max, _abs_range((a, kw))[0])
+            top, bottom = _abs_range(output)
+            s.output_abs_max, s.output_abs_min = max(s.output_abs_max, top), min(s.output_abs_min, bottom)
+            if name:  # the model's own shadow is the all-low run
+                try:
+                    shadow = low_modules[name](*cast_floating(a, low_dtype), **cast_floating(kw, low_dtype))
+                    error = shadow_measure(shadow, output)
+                except Exception:  # an op without a kernel in the target dtype: it cannot run there
+                    error = math.inf
+                s.shadow_error = max(s.shadow_error, error)
+
+        return hook
+
+    handles = [m.register_forward_hook(observe(n), with_kwargs=True) for n, m in model.named_modules()]
+    try:
+        reference = model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    if _non_finite(reference):
+        raise UsageError("the model's fp32 outputs are not finite on these inputs: there is nothing to compare with")
+    return stats, reference
+
+
+def _all_low_run(
+    runner: _LowModel, args: tuple[Any, ...], kwargs: dict[str, Any], reference: Any, measure: metrics.Metric
+) -> tuple[str | None, float]:
+    """The whole model in the target dtype: the first module to finish with finite floating inputs and a non-finite
+    output (children finish before their parents, so it is the innermost), and the model's error."""
+    first: list[str] = []
+
+    def watch(name: str) -> Callable[..., None]:
+        def hook(_module: Any, a: tuple[Any, ...], kw: dict[str, Any], output: Any) -> None:
+            if not first and not _non_finite((a, kw)) and _non_finite(output):
+                first.append(name)
+
+        return hook
+
+    handles = [m.register_forward_hook(watch(n), with_kwargs=True) for n, m in runner.low.named_modules()]
+    try:
+        error = _error(runner, args, kwargs, reference, measure)
+    finally:
+        for h in handles:
+            h.remove()
+    return (first[0] if first else None), error
 
 
 def _error(runner: _LowModel, args: tuple[Any, ...], kwargs: dict[str, Any], reference: Any, measure: metrics.Metric) -> float:
