@@ -511,7 +511,7 @@ def test_a_factory_with_a_checkpoint_tunes_the_checkpoints_values(tmp_path, writ
         save_file(trained.state_dict(), str(checkpoint))
     model = load_model(factory, str(checkpoint))
     assert torch.equal(model.ff[0].weight, trained.ff[0].weight)
-    result = dtypeaudit.tune(model, (args, kwargs), to="fp16")
+    result = dtypeaudit.tuning.tune_from(factory, to="fp16", checkpoint=str(checkpoint), input_factory=f"{tmp_path / 'net.py'}:batch")
     assert result.first_overflow == real_first_overflow(model, args[0], torch.float16) == "ff.0"
     assert result.keep == ("ff",)
     assert reference_error(model, result.keep, torch.float16, args[0]) <= result.tolerance

@@ -21,6 +21,8 @@ from ..errors import FactoryError, UsageError
 if TYPE_CHECKING:
     import torch
 
+    from .result import TuneResult
+
 RANDOM_NOTE = "inputs are seeded random data (--input); a real batch (--input-factory, --inputs) finds what real data does"
 SEED = 0
 
@@ -173,3 +175,27 @@ def load_inputs(
         else:
             args_list.append(t)
     return (tuple(args_list), named), (RANDOM_NOTE,)
+
+
+def tune_from(
+    reference: str,
+    *,
+    to: str,
+    checkpoint: str | None = None,
+    input_factory: str | None = None,
+    inputs_file: str | None = None,
+    specs: Sequence[str] = (),
+    tolerance: float | None = None,
+    metric: str = "max-abs-rel",
+    progress: Any = None,
+) -> TuneResult:
+    """What ``dtypeaudit tune MODEL`` does before it renders: the model and inputs as the command names them, tuned.
+
+    Raises ``DtypeAuditError`` (``UsageError``, ``FactoryError``, ``CheckpointError``) for input that cannot be tuned
+    (exit 2); the command exits 0 when ``TuneResult.passed``, else 1.
+    """
+    from .search import tune
+
+    model = load_model(reference, checkpoint)
+    inputs, notes = load_inputs(model, input_factory=input_factory, inputs_file=inputs_file, specs=specs)
+    return tune(model, inputs, to=to, tolerance=tolerance, metric=metric, progress=progress, notes=notes)
