@@ -44,6 +44,8 @@ _LAZY = {
     "convert": ("conversion", "convert"),
     "audit": ("live", "audit"),
     "Auditor": ("live", "Auditor"),
+    "tune": ("tuning", "tune"),
+    "apply": ("tuning", "apply"),
 }
 
 
@@ -70,6 +72,8 @@ __all__ = [
     "convert",
     "audit",
     "Auditor",
+    "tune",
+    "apply",
     "CheckpointError",
     "ConversionError",
     "DtypeAuditError",

@@ -390,9 +390,15 @@ def _outlier_finding(m: Module, dominant: str | None, modules: list[Module]) -> 
     )
 
 
-def _module_findings(inv: Inventory, *, mixes: bool = True, outliers: bool = True) -> list[Finding]:
+def _module_findings(inv: Inventory, *, mixes: bool = True, outliers: bool = True, policy: Policy | None = None) -> list[Finding]:
     modules = structure.modules_of(inv)  # annotate's, where ``inv`` is the inventory it returned
-    dominant = structure.dominant_dtype(inv, modules)
+    voters = modules
+    if policy is not None and policy.keep_in_fp32:
+        # A policy's keep_in_fp32 modules cast their input to fp32 on entry (dtypeaudit.apply): they run as they are,
+        # and the model's dtype is the one the others hold.
+        modules = [replace(m, input_cast=True) if policy.kept_in_fp32(m.name) else m for m in modules]
+        voters = [m for m in modules if not policy.kept_in_fp32(m.name)] or modules
+    dominant = structure.dominant_dtype(inv, voters)
     out: list[Finding] = []
     for m in modules:
         mix = _mix_finding(m, dominant) if mixes else None
@@ -411,12 +417,13 @@ def dtype_outliers(inv: Inventory) -> list[Finding]:
     return _module_findings(inv, mixes=False)
 
 
-def module_consistency(inv: Inventory) -> list[Finding]:
+def module_consistency(inv: Inventory, policy: Policy | None = None) -> list[Finding]:
     """``module-dtype-mix`` and ``dtype-outlier``, over one inference of the model's structure (of the logical
-    weights: a quantized Linear computes in the dtype it dequantizes to, not in its storage's)."""
+    weights: a quantized Linear computes in the dtype it dequantizes to, not in its storage's); a policy's
+    ``keep_in_fp32`` modules run in fp32 by design."""
     if inv.format == Format.GGUF:
         return []  # llama.cpp computes each op in its tensors' own types; transformers' GGUF loader casts all to one dtype
-    return _module_findings(logical(inv))
+    return _module_findings(logical(inv), policy=policy)
 
 
 def loaded_dtype(inv: Inventory) -> dict[str, str]:
@@ -493,7 +500,8 @@ def quant_consistency(inv: Inventory) -> list[Finding]:
 
 def checks_for(policy: Policy | None) -> list[Check]:
     """Every check to run: the policy-free ones, plus the policy's when there is one (and its hardware ``target``)."""
-    checks: list[Check] = [module_consistency, config_dtype, loaded_dtype_findings, quant_consistency]
+    consistency = partial(module_consistency, policy=policy) if policy is not None and policy.keep_in_fp32 else module_consistency
+    checks: list[Check] = [consistency, config_dtype, loaded_dtype_findings, quant_consistency]
     if policy is not None:
         # partials, not closures: checks travel to worker processes and Dask workers (fleet.py) by pickle
         checks += [partial(policy_findings, policy=policy), partial(tied_conflicts, policy=policy)]

@@ -11,6 +11,8 @@ A policy says which dtype each tensor should have::
       fail_on: warning           # the trace's failing severity (--fail-on wins; else the policy's fail_on)
       allow_promotion: ["head*"] # module paths whose implicit promotion is meant (as --allow-promotion)
     ignore: ["optimizer.*"]      # never checked
+    keep_in_fp32: [blocks.5.ff]  # modules that run in fp32 (parameters fp32, floating inputs cast to fp32 on entry,
+                                 # floating outputs cast back on exit): what `dtypeaudit tune` writes, `apply` follows
     rules:                       # first match wins
       - match: "*norm*"          # glob, or "re:<regex>"; a list means any of them
         ndim: "<=1"              # also: kind, module, region, scheme
@@ -373,6 +375,32 @@ class Rule:
         return self.dtypes is None or dtype in self.dtypes
 
 
+def _inside(m: Matcher, module: str) -> bool:
+    """Whether an ancestor of ``module`` (a dotted path) matches ``m``."""
+    while "." in module:
+        module = module.rpartition(".")[0]
+        if m(module):
+            return True
+    return False
+
+
+KEEP_IN_FP32 = "keep-in-fp32"
+KEPT_REASON = "kept in fp32 (keep_in_fp32): it runs in fp32, its inputs cast to fp32 on entry and its outputs cast back on exit"
+
+
+def _kept_rule(path: str, index: int, source: str) -> Rule:
+    """The rule a ``keep_in_fp32`` entry implies: every floating tensor under the module is float32."""
+    return Rule(
+        index=index,
+        source=source,
+        name=f"{KEEP_IN_FP32} {path}",
+        match=(compile_matcher(f"{path}.*"),),
+        dtypes=frozenset({"float32"}),
+        reason=KEPT_REASON,
+        optional=True,  # a kept module may hold no tensor of its own (attention's score arithmetic, a residual add)
+    )
+
+
 def _dtype_text(expected: frozenset[str] | None) -> str:
     return "any dtype" if expected is None else " or ".join(sorted(expected))
 
@@ -419,6 +447,14 @@ class Policy:
     """The chain of sources this policy extends, nearest first."""
     optional_ignores: frozenset[int] = frozenset()
     """Indices into ``ignore`` of patterns that come from a shipped preset (no ``unused-rule`` for them)."""
+    keep_in_fp32: tuple[Matcher, ...] = ()
+    """Module paths kept in fp32 (``keep_in_fp32:``): their floating tensors expect float32 (a rule of their own,
+    ahead of the others), and at run time they cast their floating inputs to fp32 on entry and their floating outputs
+    back on exit (``dtypeaudit.apply``), so the checks do not count them as outliers of a half model."""
+
+    def kept_in_fp32(self, module: str) -> bool:
+        """Whether the module at dotted path ``module`` is one of ``keep_in_fp32`` or inside one."""
+        return any(m(module) or _inside(m, module) for m in self.keep_in_fp32)
 
     def unused_rules(self, inventories: Iterable[Inventory]) -> list[Finding]:
         """``unused-rule`` warnings: each rule and ignore pattern that decides no tensor of any inventory.
@@ -614,6 +650,7 @@ def _load(path: Path, chain: tuple[str, ...]) -> Policy:
         ignore=own.ignore + parent.ignore,
         optional_ignores=own.optional_ignores | {i + len(own.ignore) for i in parent.optional_ignores},
         rules=rules,
+        keep_in_fp32=own.keep_in_fp32 + parent.keep_in_fp32,
         fail_on=own.fail_on if own.fail_on is not None else parent.fail_on,
         strict=own.strict if "strict" in raw else parent.strict,
         target=own.target if "target" in raw else parent.target,
@@ -884,6 +921,16 @@ def _dtypes(value: Any, where: tuple[object, ...], fail: Fail, *, allow_none: bo
     return frozenset(out)
 
 
+def _module_paths(value: Any, where: Where, fail: Fail) -> tuple[str, ...]:
+    """``keep_in_fp32``: a list of dotted module paths (``blocks.5.ff``), no wildcards."""
+    items = value if isinstance(value, list) else [value]
+    for i, item in enumerate(items):
+        at = where + (i,) if isinstance(value, list) else where
+        if not isinstance(item, str) or not re.fullmatch(r"[\w.-]+", item) or item.startswith(".") or item.endswith("."):
+            raise fail(at, f"keep_in_fp32 takes dotted module paths (blocks.5.ff), not {item!r}")
+    return tuple(items)
+
+
 def _severity(value: Any, where: tuple[object, ...], fail: Fail) -> Severity:
     if value not in SEVERITIES:
         raise fail(where, f"unknown severity {value!r}", hint=did_you_mean(value, SEVERITIES) + "valid: error, warning, info")
@@ -945,6 +992,7 @@ TOP = PolicySection(
         PolicyField("default", _default, default=(None, "error")),
         PolicyField("check_integers", _boolean, default=False),
         PolicyField("ignore", _matchers, default=()),
+        PolicyField("keep_in_fp32", _module_paths, default=()),
         PolicyField("rules", _rules, default=()),
         PolicyField("fail_on", _severity),
         PolicyField("strict", _boolean, default=False),
@@ -964,8 +1012,16 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool =
         return PolicyError(message, path=source, line=line, hint=hint)
 
     top = _walk(TOP, raw, (), fail)
-    rules = tuple(
-        Rule(index=i, source=f"{Path(source).name}:{lines.get(where, '?')}", **{**fields, "optional": fields["optional"] or builtin})
+    kept = tuple(
+        _kept_rule(path, i, f"{Path(source).name}:{lines.get(('keep_in_fp32', i), lines.get(('keep_in_fp32',), '?'))}")
+        for i, path in enumerate(top["keep_in_fp32"])
+    )
+    rules = kept + tuple(
+        Rule(
+            index=len(kept) + i,
+            source=f"{Path(source).name}:{lines.get(where, '?')}",
+            **{**fields, "optional": fields["optional"] or builtin},
+        )
         for i, (where, fields) in enumerate(top["rules"])
     )
     default, default_severity = top["default"]
@@ -983,4 +1039,5 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool =
         target=top["target"],
         default_dtype=top["default_dtype"],
         trace=top["trace"],
+        keep_in_fp32=tuple(compile_matcher(p) for p in top["keep_in_fp32"]),
     )
