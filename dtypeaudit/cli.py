@@ -28,6 +28,7 @@ from .cli_commands import (
     say,
     scan_progress,
     terminal_width,
+    tune_progress,
 )
 from .cli_commands import default_format as default_format  # where callers found it
 from .errors import UsageError
@@ -726,6 +727,130 @@ def trace(
     )
     emit(trace_renderer_for(chosen_format(fmt, output), width=terminal_width(), verbose=verbose)(report), output)
     return exitcodes.for_report(report)
+
+
+@app.command()
+@exits
+def tune(
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="The model: a factory (path/to/file.py:func or package.module:func; it runs, it is your code) or a "
+            "Hugging Face folder (built with its class, weights from the folder).",
+            metavar="MODEL",
+            show_default=False,
+        ),
+    ],
+    to: Annotated[str, typer.Option("--to", "-t", help="The low precision to tune for: fp16 or bf16.", show_default=False)],
+    checkpoint: Annotated[
+        Optional[str],
+        typer.Option(
+            "--checkpoint",
+            "-c",
+            help="The factory's weights: a safetensors file or a torch.save file (read with weights_only=True; no code from it "
+            "runs). Tuning measures real values, so the weights you ship matter.",
+        ),
+    ] = None,
+    input_factory: Annotated[
+        Optional[str],
+        typer.Option("--input-factory", help="file.py:func returning a real batch: a tensor, a tuple, a dict or (args, kwargs)."),
+    ] = None,
+    inputs_file: Annotated[
+        Optional[str],
+        typer.Option("--inputs", help="A file of input tensors, saved with torch.save or safetensors."),
+    ] = None,
+    specs: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--input",
+            "-i",
+            help="An input as [NAME=]SHAPE[:DTYPE], filled with seeded random data (real data is better). Repeatable.",
+        ),
+    ] = None,
+    tolerance: Annotated[
+        Optional[float],
+        typer.Option(
+            "--tolerance",
+            help="How far the model's outputs may move from fp32, by --metric. Default: 1e-2 for fp16, 4e-2 for bf16.",
+            show_default=False,
+        ),
+    ] = None,
+    metric: Annotated[
+        str,
+        typer.Option(
+            "--metric",
+            help="max-abs-rel (the largest absolute difference over the largest fp32 output), cosine, sqnr, or your own "
+            "file.py:func(out, ref) -> float.",
+        ),
+    ] = "max-abs-rel",
+    policy_out: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--output",
+            "-o",
+            help="Write the keep set as a policy (the target dtype for everything, fp32 for the kept modules): "
+            "convert --policy writes a checkpoint that follows it, scan --policy checks one, dtypeaudit.apply runs a model so.",
+        ),
+    ] = None,
+    fmt: Annotated[
+        Optional[OutputFormat],
+        typer.Option("--format", "-f", help="table or plain (the modules that matter and the verdict), json (dtypeaudit.tune/1) or html."),
+    ] = None,
+    all_modules: Annotated[bool, typer.Option("--all", help="List every module called, not only those that matter.")] = False,
+    debug: Debug = False,
+) -> int:
+    """Find what must stay in fp32 for MODEL to compute the same thing in fp16 or bf16, by real runs on the CPU.
+
+    Runs the model in fp32 and in the target dtype on your inputs; measures each module's range and its own error
+    (its fp32 inputs fed to its low-precision copy); finds the innermost module that overflows first; then
+    searches the smallest set of modules to keep in fp32 for the outputs to stay within --tolerance, and
+    verifies it by a final run. A kept module computes in fp32: its inputs are cast to fp32 on entry and its
+    outputs back on exit. Exit codes: 0 a keep set passes, 1 none does (the report says which modules still
+    fail), 2 bad input.
+
+    \b
+    Examples:
+      dtypeaudit tune net.py:build --checkpoint model.safetensors --input-factory data.py:batch --to fp16 -o keep.yaml
+      dtypeaudit convert model.safetensors --to fp16 --policy keep.yaml
+      dtypeaudit tune ./my-hf-model/ --to bf16 --input input_ids=1x128:int64 --format json
+    """
+    from .extras import require
+
+    require("torch", "dtypeaudit tune")
+    from . import dtypes
+    from .tuning import report as tune_report
+    from .tuning.load import tune_from
+    from .tuning.tuned_policy import policy_text
+
+    target = dtypes.conversion_target(to)
+    if target not in ("float16", "bfloat16"):
+        raise UsageError(f"--to must be fp16 or bf16, not '{to}'")
+    if fmt not in (None, OutputFormat.table, OutputFormat.plain, OutputFormat.json, OutputFormat.html):
+        raise UsageError(f"tune writes table, plain, json or html, not {fmt.value}")
+    if tolerance is not None and not tolerance > 0:
+        raise UsageError(f"--tolerance must be a number > 0, not {tolerance}")
+    with tune_progress() as progress:
+        result = tune_from(
+            model,
+            to=target,
+            checkpoint=checkpoint,
+            input_factory=input_factory,
+            inputs_file=inputs_file,
+            specs=tuple(specs or ()),
+            tolerance=tolerance,
+            metric=metric,
+            progress=progress,
+        )
+    chosen = chosen_format(fmt, None)
+    if chosen is OutputFormat.json:
+        emit(tune_report.to_json(result), None)
+    elif chosen is OutputFormat.html:
+        emit(tune_report.to_html(result), None)
+    else:
+        emit(tune_report.to_text(result, all_modules=all_modules), None)
+    if policy_out is not None:
+        emit(policy_text(result), policy_out, what="policy")
+    return exitcodes.for_tune(result.passed)
 
 
 @policy_app.command("init")

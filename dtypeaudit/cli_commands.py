@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -291,6 +292,19 @@ def _output_name(source: TargetRef, target: str) -> str:
     if not last:
         raise UsageError("names no file or folder to name its output after; convert it alone with -o", path=redact(source.text))
     return default_output(Path(last), target).name
+
+
+@contextmanager
+def tune_progress() -> Iterator[Callable[[str], None] | None]:
+    """Each step of a tune (the fp32 run, the low-precision run, each try of the search) as a spinner's text on a
+    terminal's stderr; nothing where stderr is not one."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status("tuning") as status:
+        yield lambda text: status.update(f"tuning: {text}")
 
 
 class ByteProgress:

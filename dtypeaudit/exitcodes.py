@@ -49,6 +49,11 @@ def for_diff(diff: InventoryDiff) -> int:
     return FINDINGS if diff.differs else CLEAN
 
 
+def for_tune(passed: bool) -> int:
+    """``tune``: 1 where no keep set brings the outputs within the tolerance."""
+    return CLEAN if passed else FINDINGS
+
+
 def for_explained(passed: Iterable[bool]) -> int:
     """``scan --explain``: 1 where the policy's decision fails the tensor in any checkpoint."""
     return CLEAN if all(passed) else FINDINGS

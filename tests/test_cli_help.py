@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from dtypeaudit.cli import app
 
 GOLDEN = Path(__file__).parent / "golden" / "help"
-COMMANDS = [[], ["scan"], ["convert"], ["diff"], ["trace"], ["targets"], ["policy"]]
+COMMANDS = [[], ["scan"], ["convert"], ["diff"], ["trace"], ["tune"], ["targets"], ["policy"]]
 COMMANDS += [["policy", "init"], ["policy", "validate"], ["policy", "presets"]]
 
 

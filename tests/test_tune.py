@@ -563,3 +563,47 @@ def test_keep_in_fp32_is_what_the_checks_and_extends_see(tmp_path):
     torch.save(model.state_dict(), tmp_path / "half.pt")
     found = dtypeaudit.check(dtypeaudit.read(str(tmp_path / "half.pt")), load_policy(str(tmp_path / "tuned.yaml")))
     assert {f.tensor for f in found if f.rule == "dtype-mismatch"} == {n for n in model.state_dict() if n.startswith("ff.")}
+
+
+def test_the_tune_command_reports_writes_the_policy_and_convert_and_scan_honour_it(tmp_path):
+    """The command as a user runs it: the report on stdout, the policy with -o, exit 0; convert --policy keeps the
+    kept module's tensors in fp32 and scan --policy passes the output."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from .helpers import run_cli
+
+    (tmp_path / "net.py").write_text(FACTORY)
+    factory, batch_fn = f"{tmp_path / 'net.py'}:build", f"{tmp_path / 'net.py'}:batch"
+    from dtypeaudit.tuning.load import load_model
+
+    trained = load_model(factory)
+    with torch.no_grad():
+        trained.ff[0].weight.mul_(1e5)
+    checkpoint = tmp_path / "trained.safetensors"
+    save_file(trained.state_dict(), str(checkpoint))
+    policy = tmp_path / "keep.yaml"
+    args = ("tune", factory, "--checkpoint", str(checkpoint), "--input-factory", batch_fn, "--to", "fp16")
+    r = run_cli(*args, "-o", str(policy), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["schema"] == "dtypeaudit.tune/1" and doc["keep"] == ["ff"] and doc["first_overflow"] == "ff.0" and doc["passed"]
+    assert r.stderr.strip() == f"dtypeaudit: policy written to {policy}"
+    assert "ff" in policy.read_text()
+
+    text = run_cli(*args, "--format", "plain")
+    assert text.returncode == 0 and "ff" in text.stdout
+
+    out = tmp_path / "trained.fp16.safetensors"
+    conv = run_cli("convert", str(checkpoint), "--to", "fp16", "--policy", str(policy), "-o", str(out))
+    assert conv.returncode == 0, conv.stderr
+    with safe_open(str(out), "pt") as f:
+        dtypes = {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}
+    assert dtypes == {k: ("F32" if k.startswith("ff.") else "F16") for k in trained.state_dict()}
+    assert run_cli("scan", str(out), "--policy", str(policy), "-q").returncode == 0
+
+    impossible = run_cli(*args, "--tolerance", "1e-12", "--format", "json")
+    assert impossible.returncode == 1 and not json.loads(impossible.stdout)["passed"]
+    assert run_cli("tune", factory, "--to", "fp32", "--input", "8x16").returncode == 2
+    bad = run_cli("tune", factory, "--to", "fp16", "--input", "8x16", "--format", "sarif")
+    assert bad.returncode == 2 and "table, plain, json or html" in bad.stderr
