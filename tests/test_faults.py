@@ -62,3 +62,45 @@ def test_one_json_cap_for_every_reader_of_config_json(tmp_path: Path) -> None:
         r = run_cli(*args, "-q", process=True)
         assert r.returncode == 2, (args, r.stderr)
         assert r.stderr.strip().splitlines() == [f"dtypeaudit: error: {why}"], args
+
+
+# The child rewrites its own source in place (same size, other bytes, as a `torch.save` over it does to a file
+# of the same layout) when it first opens its finished temporary to verify it: after every byte was read.
+REWRITE_CHILD = """
+import os, runpy, sys
+source = sys.argv[1]
+done = []
+def hook(event, args):
+    if event != "open" or done:
+        return
+    name = os.path.basename(str(args[0]))
+    if ".dtypeaudit-" in name and name.endswith(".tmp") and args[1] == "r":
+        done.append(1)
+        fd = os.open(source, os.O_WRONLY)
+        os.pwrite(fd, b"\\x01" * 64, os.path.getsize(source) - 64)
+        os.close(fd)
+sys.addaudithook(hook)
+sys.argv = ["dtypeaudit", *sys.argv[2:]]
+runpy.run_module("dtypeaudit", run_name="__main__")
+"""
+
+
+def test_a_source_rewritten_during_convert_is_refused_and_nothing_is_left(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    from .helpers import ROOT
+
+    source = tmp_path / "model.safetensors"
+    save_file({f"w{i}": torch.randn(64, 64) for i in range(4)}, str(source))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1"}
+    args = [sys.executable, "-c", REWRITE_CHILD, str(source), "convert", str(source), "--to", "fp16"]
+    r = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"dtypeaudit: error: {source}: the source changed while it was being converted (rewritten, replaced or removed); "
+        "nothing was written: convert it again once it is written"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no output, no temporary

@@ -333,8 +333,13 @@ def _written_and_verified(
     records.clear()  # a speculative write abandoned before this one left its files' records
     total = sum(p.tensor.nbytes for p in plan.tensors if p.action != "drop")
     progress = progress_factory("writing", total) if progress_factory else None
+
+    def unchanged() -> None:
+        for src in sources.values():
+            src.check_unchanged()
+
     if out_format == Format.HF_DIRECTORY:
-        with atomic_output(dest, mode_from=src_path, is_dir=True) as tmp:
+        with atomic_output(dest, mode_from=src_path, is_dir=True, sources_unchanged=unchanged) as tmp:
             records.update(
                 write_directory(
                     plan,
@@ -349,7 +354,7 @@ def _written_and_verified(
             yield
     else:
         ((label, src),) = sources.items()
-        with atomic_output(dest, mode_from=src_path) as tmp:
+        with atomic_output(dest, mode_from=src_path, sources_unchanged=unchanged) as tmp:
             record = write_file(
                 plan,
                 src,

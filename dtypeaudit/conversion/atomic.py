@@ -8,7 +8,7 @@ import shutil
 import stat
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -55,8 +55,12 @@ def check_destination(source: Path, dest: Path, *, force: bool, in_place: bool) 
 
 
 @contextmanager
-def atomic_output(dest: Path, *, mode_from: Path | None, is_dir: bool = False) -> Iterator[Path]:
+def atomic_output(
+    dest: Path, *, mode_from: Path | None, is_dir: bool = False, sources_unchanged: Callable[[], None] | None = None
+) -> Iterator[Path]:
     """Yield a temporary path beside ``dest``; on success fsync it and rename it into place, else remove it.
+    ``sources_unchanged`` raises where a source changed while it was read: it runs last before the rename, and
+    first where the body failed (a verification that fails on a changed source should say that it changed).
 
     The name carries this host and process (see ``temporaries``): what a killed run left here is removed first.
     The output takes ``mode_from``'s permission bits; None (a remote source, which has none): the umask's.
@@ -73,12 +77,16 @@ def atomic_output(dest: Path, *, mode_from: Path | None, is_dir: bool = False) -
                     os.fsync(fh.fileno())
         if mode_from is not None:
             os.chmod(tmp, stat.S_IMODE(mode_from.stat().st_mode))  # a directory's files got theirs as they were written
+        if sources_unchanged is not None:
+            sources_unchanged()
         swap_into_place(tmp, dest)
     except BaseException as exc:
         if is_dir:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
+        if sources_unchanged is not None and isinstance(exc, ConversionError):
+            sources_unchanged()
         if isinstance(exc, OSError):  # a full disk, a file-size limit, a vanished directory: not a bug of ours
             where = f" ({exc.filename})" if exc.filename and Path(exc.filename) != tmp else ""
             raise ConversionError(f"could not write the output: {exc.strerror or exc}{where}; nothing was written", path=str(dest)) from exc

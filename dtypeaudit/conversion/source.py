@@ -10,6 +10,7 @@ its bytes where the reader noted its storage types (``Layout.storage_sites``); i
 from __future__ import annotations
 
 import mmap
+import os
 from collections.abc import Callable
 from contextlib import ExitStack
 from functools import cached_property
@@ -32,6 +33,12 @@ LEGACY_EXTRAS = {"byteorder": b"little", "version": b"3\n", ".format_version": b
 """The small records a zip archive written by torch.save holds, for legacy files converted to one."""
 
 
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What tells one version of a file from another without reading it: a rewrite in place changes the times
+    (the change time even under ``touch -r``), a replacement the inode."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 class MappedCheckpoint:
     """One checkpoint file mapped read-only, with the inventory its reader made of it.
 
@@ -43,6 +50,7 @@ class MappedCheckpoint:
         self.path = path
         self.inv = inv
         fh = stack.enter_context(path.open("rb"))
+        self.opened = _identity(os.fstat(fh.fileno()))
         self.mm: mmap.mmap | bytes = b""
         if path.stat().st_size:
             self.mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
@@ -52,6 +60,20 @@ class MappedCheckpoint:
         if inv.metadata.get("byteorder", "little") != "little":
             raise ConversionError("big-endian archives are not supported for conversion", path=str(path))
         self.spans: dict[str, Span] = dict(inv.layout.storages) if inv.layout is not None else {}
+
+    def check_unchanged(self) -> None:
+        """Raise where the file at ``path`` is no longer the one mapped: replaced, or rewritten in place (its size,
+        modification or change time). A conversion of bytes that changed under it would be neither version's."""
+        try:
+            now = _identity(os.stat(self.path))
+        except OSError:
+            now = None
+        if now != self.opened:
+            raise ConversionError(
+                "the source changed while it was being converted (rewritten, replaced or removed); nothing was written: "
+                "convert it again once it is written",
+                path=str(self.path),
+            )
 
     @property
     def layout(self) -> Layout:
