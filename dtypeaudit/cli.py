@@ -352,7 +352,15 @@ def diff(
     no_values: Annotated[
         bool, typer.Option("--no-values", help="Compare names, dtypes, shapes and ties only; read no tensor bytes.")
     ] = False,
-    fmt: Annotated[str, typer.Option("--format", "-f", help="text, json or html (both dtype maps side by side).")] = "text",
+    fmt: Annotated[
+        Optional[str],
+        typer.Option(
+            "--format",
+            "-f",
+            help="table or plain (the changes as text; text is an alias of plain), json, or html (both dtype maps side by "
+            "side). Default: table on a terminal, plain when piped.",
+        ),
+    ] = None,
     output: ReportFile = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every tensor; by default repeated layers are folded.")] = False,
     debug: Debug = False,
@@ -380,8 +388,8 @@ def diff(
 
     before, after = parse_target(a), parse_target(b)
     require_torch_for_factories([before, after], None, "diff")
-    if fmt not in ("text", "json", "html"):
-        raise UsageError(f"--format must be text, json or html, not '{fmt}'")
+    if fmt not in (None, "table", "plain", "text", "json", "html"):
+        raise UsageError(f"diff writes table, plain, json or html, not '{fmt}'")
     if tolerance is not None and not (tolerance >= 0 and math.isfinite(tolerance)):
         raise UsageError(f"--tolerance must be a finite number >= 0, not {tolerance}")
     if tolerance is not None and no_values:
@@ -686,6 +694,9 @@ def trace(
         ),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every module and every operation.")] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Each model's headline and findings only, then the verdict: for CI logs.")
+    ] = False,
     debug: Debug = False,
 ) -> int:
     """Predict the dtype of every operation of a forward (and backward) pass, on fake tensors: no weights, no memory.
@@ -725,7 +736,9 @@ def trace(
         policy=chosen.policy,
         target=chosen.target,
     )
-    emit(trace_renderer_for(chosen_format(fmt, output), width=terminal_width(), verbose=verbose)(report), output)
+    if quiet and verbose:
+        raise UsageError("give --quiet or --verbose, not both")
+    emit(trace_renderer_for(chosen_format(fmt, output), width=terminal_width(), verbose=verbose, quiet=quiet)(report), output)
     return exitcodes.for_report(report)
 
 

@@ -126,3 +126,14 @@ def test_policy_init_says_it_wrote_a_policy(tmp_path: Path) -> None:
     assert r.returncode == 0 and r.stdout == ""
     assert r.stderr.strip() == f"dtypeaudit: policy written to {out}"
     assert run_cli("scan", "sample_models/cnn_fp32.pt", "--policy", str(out), "-q").returncode == 0
+
+
+def test_diff_takes_scans_format_names(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save({"w": torch.ones(2)}, a)
+    torch.save({"w": torch.ones(2).half()}, b)
+    texts = {fmt: run_cli("diff", str(a), str(b), "-f", fmt) for fmt in ("table", "plain", "text")}
+    assert {r.returncode for r in texts.values()} == {1}
+    assert texts["table"].stdout == texts["plain"].stdout == texts["text"].stdout and "float32 -> float16" in texts["plain"].stdout
+    bad = run_cli("diff", str(a), str(b), "-f", "sarif")
+    assert bad.returncode == 2 and "diff writes table, plain, json or html, not 'sarif'" in bad.stderr

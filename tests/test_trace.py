@@ -454,6 +454,17 @@ def test_as_a_ci_step(tmp_path: Path) -> None:
     assert json.loads(proc.stdout)["checkpoints"][0]["findings"][0]["rule"] == "runtime-dtype-error"
 
 
+def test_quiet_shows_the_headline_findings_and_verdict_only() -> None:
+    full = run_cli("trace", f"{ZOO}:cnn_fp32_bias", "--input", "2x3x8x8:float16", "-f", "plain")
+    quiet = run_cli("trace", f"{ZOO}:cnn_fp32_bias", "--input", "2x3x8x8:float16", "-f", "plain", "--quiet")
+    assert quiet.returncode == full.returncode == 1
+    assert "Modules" in full.stdout and "Modules" not in quiet.stdout and "Parameters and buffers" not in quiet.stdout
+    assert "runtime-dtype-error" in quiet.stdout
+    assert quiet.stdout.splitlines()[0] == full.stdout.splitlines()[0] and quiet.stdout.splitlines()[-1] == full.stdout.splitlines()[-1]
+    both = run_cli("trace", f"{ZOO}:cnn_fp32_bias", "--input", "2x3x8x8:float16", "-q", "-v")
+    assert both.returncode == 2 and "not both" in both.stderr
+
+
 def test_scan_and_import_stay_free_of_torch() -> None:
     code = "import sys, dtypeaudit.trace, dtypeaudit.render.trace; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout

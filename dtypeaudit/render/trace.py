@@ -24,12 +24,14 @@ FULL_LISTING_LIMIT = 60
 _LAYER = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
 
 
-def renderer_for(fmt: OutputFormat, *, width: int = 120, verbose: bool = False) -> Renderer:
+def renderer_for(fmt: OutputFormat, *, width: int = 120, verbose: bool = False, quiet: bool = False) -> Renderer:
+    """``quiet``: each model's headline and findings only, then the verdict (the text formats; the others are
+    for machines and stay whole)."""
     if fmt is OutputFormat.json:
         return render_json
     if fmt in (OutputFormat.table, OutputFormat.plain):
         color = fmt is OutputFormat.table
-        return lambda r: render_text(r, color=color, width=width, verbose=verbose)
+        return lambda r: render_text(r, color=color, width=width, verbose=verbose, quiet=quiet)
     if fmt is OutputFormat.markdown:
         return lambda r: render_markdown(r, verbose=verbose)
     return scan_renderer_for(fmt, width=width, verbose=verbose)
@@ -76,7 +78,7 @@ def _section(d: dict[str, object], indent: str) -> str:
 # -- text ------------------------------------------------------------------------------------------
 
 
-def render_text(report: Report, *, color: bool = True, width: int = 120, verbose: bool = False) -> str:
+def render_text(report: Report, *, color: bool = True, width: int = 120, verbose: bool = False, quiet: bool = False) -> str:
     from rich import box
     from rich.table import Table
     from rich.text import Text
@@ -99,6 +101,8 @@ def render_text(report: Report, *, color: bool = True, width: int = 120, verbose
         if c.findings:
             console.print()
             text.findings_section(console, c, verbose=verbose)
+        if quiet:
+            continue
         rows = module_rows(summary.modules, verbose)
         if rows:
             console.print()
