@@ -18,7 +18,7 @@ from dtypeaudit.pipeline import scan
 from dtypeaudit.policy import load_policy
 from dtypeaudit.render import OutputFormat, renderer_for
 
-from .helpers import ROOT
+from .helpers import ROOT, run_cli
 
 GOLDEN = Path(__file__).parent / "golden"
 SUFFIX = {
@@ -164,3 +164,29 @@ def test_every_verdict_is_the_reports_own_failing(fail_on: str) -> None:
     assert renderer_for(OutputFormat.plain)(report).rstrip().splitlines()[-1].startswith("✗" if failed else "✓")
     assert trace_render.verdict(report).startswith("✗" if failed else "✓")
     assert exitcodes.for_report(report) == (exitcodes.FINDINGS if failed else exitcodes.CLEAN)
+
+
+def test_annotations_name_the_shard_that_holds_the_tensor(tmp_path: Path) -> None:
+    """A folder's finding points at the file that holds its tensor (SARIF's artifact, GitHub's file=), not at the
+    folder; findings spread over several files point at the folder."""
+    import json as jsonlib
+
+    import torch
+
+    from .helpers import write_sharded
+
+    state = {f"layers.{i}.weight": torch.ones(4, 4, dtype=torch.float16) for i in range(4)}
+    state["layers.3.weight"] = torch.ones(4, 4)  # float32, in the second shard
+    folder = write_sharded(tmp_path / "model", state, 2)
+    shard = f"{folder}/model-00002-of-00002.safetensors"
+    github = run_cli("scan", str(folder), "--preset", "fp16", "-f", "github")
+    assert github.returncode == 1
+    # config.json says float32, so from_pretrained loads every tensor as float32: three mismatch in both shards
+    # (one annotation, on the folder), layers.3.weight in the second shard alone (one, on that shard)
+    lines = sorted(x for x in github.stdout.splitlines() if "title=dtypeaudit dtype-mismatch" in x)
+    assert [x.split(",", 1)[0] for x in lines] == [f"::error file={folder}", f"::error file={shard}"]
+    assert "layers.3.weight" in lines[1] and "layers.3.weight" not in lines[0]
+    sarif = jsonlib.loads(run_cli("scan", str(folder), "--preset", "fp16", "-f", "sarif").stdout)
+    results = [r for r in sarif["runs"][0]["results"] if r["ruleId"] == "dtype-mismatch"]
+    uris = {r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] for r in results}
+    assert uris == {Path(f"{folder}/model-0000{i}-of-00002.safetensors").as_uri() for i in (1, 2)}

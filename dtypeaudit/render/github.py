@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..inventory import Report
-from .humanize import group_findings
+from .humanize import group_findings, located
 
 _COMMAND = {"error": "error", "warning": "warning", "info": "notice"}
 
@@ -26,7 +26,8 @@ def render(report: Report) -> str:
             title = _prop(f"dtypeaudit {g.rule}" + (f" ({g.count})" if g.count > 1 else ""))
             places = g.places()
             text = f"{places}: {g.message()}" if places else g.message()
-            lines.append(f"::{_COMMAND[g.severity]} file={_prop(c.path)},title={title}::{_data(text)}")
+            where = located(c, g.subjects)  # the file that holds the tensors, inside a folder
+            lines.append(f"::{_COMMAND[g.severity]} file={_prop(where)},title={title}::{_data(text)}")
     readable = [c for c in report.checkpoints if not c.error]
     lines.append(f"dtypeaudit: {len(report.checkpoints)} checkpoint(s), {len(readable)} readable, {len(report.findings)} finding(s)")
     return "\n".join(lines) + "\n"

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..inventory import Finding, TensorRecord
+from ..inventory import CheckpointReport, Finding, TensorRecord
 
 if TYPE_CHECKING:
     from ..diff import Change
@@ -306,3 +306,16 @@ def _fold_pickled_modules(groups: list[FindingGroup]) -> list[FindingGroup]:
     if folded:
         out = [FindingGroup(g.severity, g.rule, g.cause, g.subjects, ("unsafe-global",)) if g.rule == "pickled-module" else g for g in out]
     return out
+
+
+def located(c: CheckpointReport, names: Iterable[str | None], file: str | None = None) -> str:
+    """The path an annotation points at: the one file inside a folder that holds ``names`` (or ``file``, where a
+    finding names it), else the checkpoint's own path (a single file, or names spread over several files)."""
+    if file:
+        files = {file}
+    else:
+        holder = {t.name: t.file for t in (c.inventory.tensors if c.inventory is not None else ())}
+        files = {holder.get(n or "", "") for n in names}
+    if len(files) != 1 or not (only := files.pop()):
+        return c.path
+    return f"{c.path.rstrip('/')}/{only}"

@@ -9,6 +9,7 @@ from typing import Any
 from .._version import __version__
 from ..inventory import Report
 from ..rules import rule
+from .humanize import located
 
 _LEVEL = {"error": "error", "warning": "warning", "info": "note"}
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
@@ -40,7 +41,7 @@ def render(report: Report) -> str:
                 }
             )
         for f in c.findings:
-            artifact = _uri(str(Path(c.path) / f.file)) if f.file and Path(c.path).is_dir() else _uri(c.path)
+            artifact = _uri(located(c, [f.tensor], f.file))  # inside a folder, the file that holds the tensor
             location: dict[str, Any] = {"physicalLocation": {"artifactLocation": {"uri": artifact}}}
             if f.tensor:
                 location["logicalLocations"] = [{"fullyQualifiedName": f.tensor, "name": f.tensor.rsplit(".", 1)[-1], "kind": "member"}]
