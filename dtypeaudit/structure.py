@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from . import dtypes
@@ -100,9 +100,17 @@ def split_name(name: str) -> tuple[str, str]:
     return prefix, leaf
 
 
-@dataclass(frozen=True)
+_DTYPE_SETS: dict[frozenset[str], frozenset[str]] = {}
+_FLOATING = frozenset(name for name in dtypes.DTYPES if dtypes.is_floating(name))
+
+
+@dataclass(frozen=True, slots=True)
 class Module:
-    """The tensors directly under one dotted prefix, and what kind of module they look like."""
+    """The tensors directly under one dotted prefix, and what kind of module they look like.
+
+    What every check asks of every module (``kernel_dtypes``, ``weight``) is worked out once, when it is made, and
+    it has slots, not a ``__dict__``: a header may hold a million modules.
+    """
 
     prefix: str
     """The prefix as the checkpoint spells it (``model.layer1.0.bn1``); ``""`` for tensors at the root."""
@@ -124,6 +132,15 @@ class Module:
     input_cast: bool = False
     """Whether its parent's forward casts its input to its weight's dtype, as ``--model``'s factory measured
     (T5's ``wo``): it runs in its own dtype whatever the model's."""
+    kernel_dtypes: frozenset[str] = field(init=False, repr=False, compare=False)
+    """The dtypes of its ``kernel_tensors``."""
+    weight: TensorRecord | None = field(init=False, repr=False, compare=False)
+    """Its ``weight`` (an RNN's first input weight, ``weight_ih_l0``)."""
+
+    def __post_init__(self) -> None:
+        found = frozenset(t.dtype for t in self.kernel_tensors)
+        object.__setattr__(self, "kernel_dtypes", _DTYPE_SETS.setdefault(found, found))  # one set per combination
+        object.__setattr__(self, "weight", self.leaf("weight_ih_l0" if self.kind == "rnn" else "weight"))
 
     @property
     def name(self) -> str:
@@ -133,7 +150,7 @@ class Module:
     @property
     def floating(self) -> tuple[TensorRecord, ...]:
         """The tensors a floating-dtype rule applies to: integer and bool buffers (``num_batches_tracked``) never are."""
-        return tuple(t for t in self.tensors if dtypes.is_floating(t.dtype) and not t.layout.startswith("sparse"))
+        return tuple(t for t in self.tensors if t.dtype in _FLOATING and not t.layout.startswith("sparse"))
 
     @property
     def floating_dtypes(self) -> frozenset[str]:
@@ -151,11 +168,7 @@ class Module:
         if self.kind == "rnn":
             return tuple(t for t in self.floating if _RNN_LEAF.match(split_name(t.name)[1]))
         leaves = ("weight", "bias", *_STATS) if self.kind == "batchnorm" else ("weight", "bias")
-        return tuple(t for t in self.floating if split_name(t.name)[1] in leaves)
-
-    @property
-    def kernel_dtypes(self) -> frozenset[str]:
-        return frozenset(t.dtype for t in self.kernel_tensors)
+        return tuple(t for t in self.floating if t.name.rpartition(".")[2] in leaves)
 
     @property
     def dtype(self) -> str | None:
@@ -164,19 +177,15 @@ class Module:
         return next(iter(found)) if len(found) == 1 else None
 
     @property
-    def weight(self) -> TensorRecord | None:
-        """Its ``weight`` (an RNN's first input weight, ``weight_ih_l0``)."""
-        return self.leaf("weight_ih_l0" if self.kind == "rnn" else "weight")
-
-    @property
     def file(self) -> str | None:
         """The file holding it inside a directory checkpoint, if all its tensors sit in one."""
         files = {t.file for t in self.tensors}
         return next(iter(files)) or None if len(files) == 1 else None
 
     def leaf(self, leaf: str) -> TensorRecord | None:
+        """Its first tensor named ``leaf`` after the prefix."""
         for t in self.tensors:
-            if split_name(t.name)[1] == leaf:
+            if t.name.rpartition(".")[2] == leaf:
                 return t
         return None
 
@@ -271,10 +280,10 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
     groups: dict[str, list[TensorRecord]] = {}
     for t in tensors:
         if t.region == "model":
-            groups.setdefault(split_name(t.name)[0], []).append(t)
+            groups.setdefault(t.name.rpartition(".")[0], []).append(t)
     out = []
     for prefix, members in groups.items():
-        leaves = {split_name(t.name)[1]: t for t in members}
+        leaves = {t.name.rpartition(".")[2]: t for t in members}
         type_name = next((t.module for t in members if t.module), None)
         fact = _TYPE_KINDS.get(type_name) if type_name else None
         guessed: str | None = None
@@ -330,14 +339,26 @@ def annotate(inv: Inventory) -> Inventory:
     if _known(inv) is not None:
         return inv
     modules = infer_modules(inv)
-    guesses = {t.name: m.guessed_type for m in modules for t in m.tensors}
-    tensors = tuple(t if t.module_guess == guesses.get(t.name) else t.with_(module_guess=guesses.get(t.name)) for t in inv.tensors)
+    records = list(inv.tensors)
+    place = {id(t): i for i, t in enumerate(records)}
+    for k, m in enumerate(modules):
+        # the same module over the annotated records (inference reads ``module``, never ``module_guess``)
+        g = m.guessed_type
+        if any(t.module_guess != g for t in m.tensors):
+            tagged = tuple(t if t.module_guess == g else t.with_(module_guess=g) for t in m.tensors)
+            for old, new in zip(m.tensors, tagged, strict=True):
+                records[place[id(old)]] = new
+            modules[k] = Module(m.prefix, m.kind, m.type_name, m.confidence, tagged, g, m.forward, m.input_cast)
+    if any(t.region != "model" for t in inv.tensors):
+        # a tensor outside the model (optimizer state) takes the guess of a model tensor of its name, if any
+        guesses = {t.name: m.guessed_type for m in modules for t in m.tensors}
+        records = [
+            t if t.region == "model" or t.module_guess == guesses.get(t.name) else t.with_(module_guess=guesses.get(t.name))
+            for t in records
+        ]
     out = inv
-    if not all(a is b for a, b in zip(tensors, inv.tensors, strict=True)):
-        out = replace(inv, tensors=tensors)
-        # the same modules over the annotated records (inference reads ``module``, never ``module_guess``)
-        swap = {id(a): b for a, b in zip(inv.tensors, tensors, strict=True)}
-        modules = [replace(m, tensors=tuple(swap.get(id(t), t) for t in m.tensors)) for m in modules]
+    if any(a is not b for a, b in zip(records, inv.tensors, strict=True)):
+        out = replace(inv, tensors=tuple(records))
     return replace(out, inferred=Inferred(out.tensors, out.metadata, tuple(modules)))
 
 
