@@ -104,6 +104,19 @@ _DTYPE_SETS: dict[frozenset[str], frozenset[str]] = {}
 _FLOATING = frozenset(name for name in dtypes.DTYPES if dtypes.is_floating(name))
 
 
+_KERNEL_LEAVES = {"batchnorm": frozenset(("weight", "bias", *_STATS))}
+_WEIGHT_AND_BIAS = frozenset(("weight", "bias"))
+
+
+def _in_kernel(kind: ModuleKind, leaf: str) -> bool:
+    """Whether a floating tensor called ``leaf`` in a module of ``kind`` is one its kernel reads."""
+    if kind == "unknown":
+        return True
+    if kind == "rnn":
+        return _RNN_LEAF.match(leaf) is not None
+    return leaf in _KERNEL_LEAVES.get(kind, _WEIGHT_AND_BIAS)
+
+
 @dataclass(frozen=True, slots=True)
 class Module:
     """The tensors directly under one dotted prefix, and what kind of module they look like.
@@ -138,9 +151,19 @@ class Module:
     """Its ``weight`` (an RNN's first input weight, ``weight_ih_l0``)."""
 
     def __post_init__(self) -> None:
-        found = frozenset(t.dtype for t in self.kernel_tensors)
-        object.__setattr__(self, "kernel_dtypes", _DTYPE_SETS.setdefault(found, found))  # one set per combination
-        object.__setattr__(self, "weight", self.leaf("weight_ih_l0" if self.kind == "rnn" else "weight"))
+        # one pass over its tensors (``kernel_tensors`` and ``leaf`` in one): this runs once per module
+        wanted = "weight_ih_l0" if self.kind == "rnn" else "weight"
+        weight = None
+        found = set()
+        for t in self.tensors:
+            leaf = t.name.rpartition(".")[2]
+            if weight is None and leaf == wanted:
+                weight = t
+            if t.dtype in _FLOATING and not t.layout.startswith("sparse") and _in_kernel(self.kind, leaf):
+                found.add(t.dtype)
+        dtypes_found = frozenset(found)
+        object.__setattr__(self, "kernel_dtypes", _DTYPE_SETS.setdefault(dtypes_found, dtypes_found))  # one set per mix
+        object.__setattr__(self, "weight", weight)
 
     @property
     def name(self) -> str:
@@ -163,12 +186,7 @@ class Module:
         Other tensors under the prefix (an fp8 checkpoint's ``weight_scale``) are not held to the kernel's dtype
         rules; for a module of unknown kind every floating tensor is.
         """
-        if self.kind == "unknown":
-            return self.floating
-        if self.kind == "rnn":
-            return tuple(t for t in self.floating if _RNN_LEAF.match(split_name(t.name)[1]))
-        leaves = ("weight", "bias", *_STATS) if self.kind == "batchnorm" else ("weight", "bias")
-        return tuple(t for t in self.floating if t.name.rpartition(".")[2] in leaves)
+        return tuple(t for t in self.floating if _in_kernel(self.kind, t.name.rpartition(".")[2]))
 
     @property
     def dtype(self) -> str | None:
@@ -264,6 +282,10 @@ def _type_guess(kind: ModuleKind, leaves: dict[str, TensorRecord]) -> str | None
     return {"batchnorm": "BatchNorm", "linear": "Linear", "embedding": "Embedding"}.get(kind)
 
 
+_SIGNATURES = 1 << 16
+"""At most this many module signatures remembered per inference: a header of a million different ones costs no more."""
+
+
 def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
     """Every module of the model region, in the order its first tensor appears.
 
@@ -277,6 +299,7 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
     probes: Mapping[str, Mapping[str, str]] = measured if isinstance(measured, Mapping) else {}
     cast_list = inv.metadata.get("input_casts") if isinstance(inv, Inventory) else None
     casts = frozenset(cast_list) if isinstance(cast_list, list) else frozenset()
+    seen: dict[tuple[object, ...], tuple[ModuleKind, Confidence, str | None]] = {}
     groups: dict[str, list[TensorRecord]] = {}
     for t in tensors:
         if t.region == "model":
@@ -292,10 +315,18 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
             kind: ModuleKind = fact
             conf: Confidence = "fact"
         else:
-            kind, conf = _guess(prefix, leaves)
+            # what names and shapes say depends on the prefix's last part and the tensors' leaves, dtypes and
+            # shapes alone, which repeat layer after layer: guessed once per signature
+            signature = (prefix.rpartition(".")[2], *((leaf, t.dtype, t.shape) for leaf, t in leaves.items()))
+            known = seen.get(signature)
+            if known is None:
+                kind, conf = _guess(prefix, leaves)
+                known = kind, conf, _type_guess(kind, leaves) if conf == "high" else None
+                if len(seen) < _SIGNATURES:
+                    seen[signature] = known
+            kind, conf, guessed = known
             if type_name and kind == "norm" and "norm" in type_name.lower() and conf == "low":
                 conf = "high"  # the factory says it is a norm of its own making (LlamaRMSNorm)
-            if conf == "high":
                 guessed = _type_guess(kind, leaves)
             table = probes.get(type_name) if type_name else None
             if kind == "norm" and isinstance(table, Mapping) and set(leaves) == {"weight"}:
@@ -344,11 +375,15 @@ def annotate(inv: Inventory) -> Inventory:
     for k, m in enumerate(modules):
         # the same module over the annotated records (inference reads ``module``, never ``module_guess``)
         g = m.guessed_type
-        if any(t.module_guess != g for t in m.tensors):
-            tagged = tuple(t if t.module_guess == g else t.with_(module_guess=g) for t in m.tensors)
-            for old, new in zip(m.tensors, tagged, strict=True):
-                records[place[id(old)]] = new
-            modules[k] = Module(m.prefix, m.kind, m.type_name, m.confidence, tagged, g, m.forward, m.input_cast)
+        for t in m.tensors:
+            if t.module_guess != g:
+                break
+        else:
+            continue  # every tensor already carries the guess
+        tagged = tuple(t if t.module_guess == g else t.with_(module_guess=g) for t in m.tensors)
+        for old, new in zip(m.tensors, tagged, strict=True):
+            records[place[id(old)]] = new
+        modules[k] = Module(m.prefix, m.kind, m.type_name, m.confidence, tagged, g, m.forward, m.input_cast)
     if any(t.region != "model" for t in inv.tensors):
         # a tensor outside the model (optimizer state) takes the guess of a model tensor of its name, if any
         guesses = {t.name: m.guessed_type for m in modules for t in m.tensors}
