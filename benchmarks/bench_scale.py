@@ -35,21 +35,20 @@ _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
 
 
 def _module_tensors(i: int) -> list[tuple[str, str, list[int]]]:
-    """The tensors of module ``i``: (name, dtype code, shape), named and shaped as a Llama layer's are."""
+    """The tensors of module ``i``: (name, dtype code, shape), named as a Llama layer's parts are (short names, so
+    that a million of them stay under the crate's 100 MB header cap)."""
     layer, slot = divmod(i, 1000)
-    p = f"model.layers.{layer}"
+    p = f"layers.{layer}.{slot}"
     kind = slot % 8
     if kind < 4:
-        proj = ("q_proj", "k_proj", "v_proj", "o_proj")[kind]
-        name = f"{p}.block{slot}.self_attn.{proj}"
-        out = [(f"{name}.weight", "F16", [1, 1])]
+        name = f"{p}.{('q_proj', 'k_proj', 'v_proj', 'o_proj')[kind]}"
         # one module in 50 carries a float32 bias: a Linear that mixes dtypes (an error per module)
-        return out + [(f"{name}.bias", "F32" if slot % 50 == 0 else "F16", [1])]
+        return [(f"{name}.weight", "F16", [1, 1]), (f"{name}.bias", "F32" if slot % 50 == 0 else "F16", [1])]
     if kind < 6:
-        return [(f"{p}.block{slot}.input_layernorm.weight", "F32", [1])]
+        return [(f"{p}.input_layernorm.weight", "F32", [1])]
     if kind == 6:
-        return [(f"{p}.block{slot}.embed_tokens.weight", "BF16", [1, 1])]
-    return [(f"{p}.block{slot}.mlp.down_proj.weight", "F16", [1, 1])]
+        return [(f"{p}.embed_tokens.weight", "BF16", [1, 1])]
+    return [(f"{p}.down_proj.weight", "F16", [1, 1])]
 
 
 def tensor_names(count: int) -> list[tuple[str, str, list[int]]]:
