@@ -89,10 +89,11 @@ def make_inputs(root: Path, count: int) -> tuple[Path, Path]:
     if not index.exists():
         folder.mkdir(exist_ok=True)
         (folder / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "float16"}))
-        write_safetensors(folder / "model-00001-of-00001.safetensors", tensors[:1000])
-        weight_map = {name: "model-00001-of-00001.safetensors" for name, _, _ in tensors}
+        # a short shard name: a million entries then stay under the 64 MiB cap on JSON files
+        write_safetensors(folder / "w.safetensors", tensors[:1000])
+        weight_map = {name: "w.safetensors" for name, _, _ in tensors}
         tmp = index.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+        tmp.write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}, separators=(",", ":")))
         tmp.rename(index)
     return big, folder
 
@@ -131,7 +132,9 @@ Measured {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, Python {sys.versi
 
 {table}
 """
-    (Path(__file__).parent / "SCALE.md").write_text(text)
+    out_md = Path(__file__).parent / "SCALE.md"
+    kept = out_md.read_text().partition("\n## Notes")[1:] if out_md.exists() else ()
+    out_md.write_text(text + "".join(kept))  # the hand-written notes below the figures stay
 
 
 if __name__ == "__main__":
