@@ -341,7 +341,42 @@ def _outlier_reason(m: Module, p: str, d: str) -> str | None:
     return f"it hands {result} activations on, and the next {d} layer fails"
 
 
-def _promoted_back(m: Module, p: str, d: str, modules: list[Module]) -> str | None:
+class _Promoters:
+    """What may promote an embedding's output back to the model's dtype (``_promoted_back``), found once per dtype
+    rather than by a walk over every module for each outlier (which made a header of many embeddings quadratic)."""
+
+    def __init__(self, modules: list[Module]) -> None:
+        self.modules = modules
+        self._embeddings: dict[str, list[Module]] = {}
+        self._norms: dict[tuple[str, str], Module | None] = {}
+
+    def embeddings(self, d: str) -> list[Module]:
+        """The first two embeddings all in ``d``: one that is not a given module is among them."""
+        if d not in self._embeddings:
+            found: list[Module] = []
+            for m in self.modules:
+                if m.kind == "embedding" and m.dtype == d:
+                    found.append(m)
+                    if len(found) == 2:
+                        break
+            self._embeddings[d] = found
+        return self._embeddings[d]
+
+    def norm(self, p: str, d: str) -> Module | None:
+        """The first norm that multiplies by its ``d`` weight and returns ``d`` for ``p`` input."""
+        if (p, d) not in self._norms:
+            self._norms[p, d] = next(
+                (
+                    n
+                    for n in self.modules
+                    if n.kind == "norm" and n.dtype == d and semantics(n) in ("measured", "promote") and forward_dtype(n, p) == d
+                ),
+                None,
+            )
+        return self._norms[p, d]
+
+
+def _promoted_back(m: Module, p: str, d: str, promoters: _Promoters) -> str | None:
     """Where an embedding's narrower output (``p`` in a ``d`` model) is promoted back to ``d`` before a kernel that
     needs ``d``: what promotes it, or None.
 
@@ -352,16 +387,16 @@ def _promoted_back(m: Module, p: str, d: str, modules: list[Module]) -> str | No
     """
     if m.kind != "embedding" or _promote(p, d) != d:
         return None
-    for other in modules:
-        if other is not m and other.kind == "embedding" and other.dtype == d:
+    for other in promoters.embeddings(d):
+        if other is not m:
             return f"another {d} embedding ({other.name}) it may be added to"
-    for n in modules:
-        if n.kind == "norm" and n.dtype == d and semantics(n) in ("measured", "promote") and forward_dtype(n, p) == d:
-            return f"a norm that multiplies by its {d} weight ({n.label} {n.name}) and returns {d}"
+    n = promoters.norm(p, d)
+    if n is not None:
+        return f"a norm that multiplies by its {d} weight ({n.label} {n.name}) and returns {d}"
     return None
 
 
-def _outlier_finding(m: Module, dominant: str | None, modules: list[Module]) -> Finding | None:
+def _outlier_finding(m: Module, dominant: str | None, promoters: _Promoters) -> Finding | None:
     """A module, all in one dtype, that does not take the model's dominant dtype or hands on another one."""
     p = m.dtype
     if dominant not in _MEASURED or p is None or p == dominant:
@@ -373,7 +408,7 @@ def _outlier_finding(m: Module, dominant: str | None, modules: list[Module]) -> 
         return None
     sure = certain(m, dominant)
     hint = "" if sure or m.type_name else "; give --model to know the module types"
-    promoted = _promoted_back(m, p, dominant, modules)
+    promoted = _promoted_back(m, p, dominant, promoters)
     if promoted is not None:
         sure = False
         hint = (
@@ -400,9 +435,10 @@ def _module_findings(inv: Inventory, *, mixes: bool = True, outliers: bool = Tru
         voters = [m for m in modules if not policy.kept_in_fp32(m.name)] or modules
     dominant = structure.dominant_dtype(inv, voters)
     out: list[Finding] = []
+    promoters = _Promoters(modules)
     for m in modules:
         mix = _mix_finding(m, dominant) if mixes else None
-        outlier = _outlier_finding(m, dominant, modules) if outliers else None
+        outlier = _outlier_finding(m, dominant, promoters) if outliers else None
         out.extend(f for f in (mix, outlier) if f is not None)
     return out
 

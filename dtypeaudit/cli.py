@@ -32,7 +32,7 @@ from .cli_commands import (
 )
 from .cli_commands import default_format as default_format  # where callers found it
 from .errors import UsageError
-from .render import OutputFormat, renderer_for
+from .render import OutputFormat, writer_for
 
 app = typer.Typer(
     name="dtypeaudit",
@@ -233,6 +233,14 @@ def scan(
             "the pre-commit hook's default). Findings that share a rule and a cause are one row either way.",
         ),
     ] = False,
+    all_rows: Annotated[
+        bool,
+        typer.Option(
+            "--all",
+            help="Show every row of the text tables. By default the findings and tensor tables show their first 40 rows "
+            "(the worst findings first) and say how many more there are; machine formats always carry everything.",
+        ),
+    ] = False,
     debug: Debug = False,
 ) -> int:
     """List every tensor's dtype, shape and kind, reading only metadata, and check it against a policy.
@@ -291,7 +299,7 @@ def scan(
     # The report lives until exit: the collector need not walk it again each time the renderer allocates
     # (a tenth of a 10,000-checkpoint scan's time went to that).
     gc.freeze()
-    emit(renderer_for(shown, width=terminal_width(), verbose=verbose, quiet=quiet)(report), output)
+    emit(writer_for(shown, width=terminal_width(), verbose=verbose, quiet=quiet, all_rows=all_rows)(report), output)
     log_unreadable(report, shown, output)
     return exitcodes.for_report(report)
 

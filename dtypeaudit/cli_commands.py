@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -54,17 +54,22 @@ def terminal_width() -> int:
     return max(80, min(shutil.get_terminal_size((120, 24)).columns, 200))
 
 
-def emit(text: str, output: Optional[Path], what: str = "report") -> None:
-    """Write the report (or ``what`` else it is: a policy) to ``-o FILE`` or stdout; stdout carries nothing else."""
+def emit(text: str | Iterable[str], output: Optional[Path], what: str = "report") -> None:
+    """Write the report (or ``what`` else it is: a policy) to ``-o FILE`` or stdout; stdout carries nothing else.
+    ``text`` may come in pieces, each written as it is made (a million-tensor JSON report is never one string)."""
+    pieces = (text,) if isinstance(text, str) else text
     if output is None:
         from .render.humanize import for_encoding
 
         # A console that cannot show the report's symbols (cp1252, ascii) gets them in ASCII, not a crash.
-        sys.stdout.write(for_encoding(text, getattr(sys.stdout, "encoding", None)))
+        encoding = getattr(sys.stdout, "encoding", None)
+        for piece in pieces:
+            sys.stdout.write(for_encoding(piece, encoding))
         sys.stdout.flush()
         return
     try:
-        output.write_text(text, encoding="utf-8")
+        with output.open("w", encoding="utf-8") as fh:
+            fh.writelines(pieces)
     except OSError as exc:
         raise UsageError(f"cannot write the {what} ({exc.strerror or exc})", path=str(output)) from None
     say(f"dtypeaudit: {what} written to {output}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from . import dtypes
@@ -100,9 +100,30 @@ def split_name(name: str) -> tuple[str, str]:
     return prefix, leaf
 
 
-@dataclass(frozen=True)
+_DTYPE_SETS: dict[frozenset[str], frozenset[str]] = {}
+_FLOATING = frozenset(name for name in dtypes.DTYPES if dtypes.is_floating(name))
+
+
+_KERNEL_LEAVES = {"batchnorm": frozenset(("weight", "bias", *_STATS))}
+_WEIGHT_AND_BIAS = frozenset(("weight", "bias"))
+
+
+def _in_kernel(kind: ModuleKind, leaf: str) -> bool:
+    """Whether a floating tensor called ``leaf`` in a module of ``kind`` is one its kernel reads."""
+    if kind == "unknown":
+        return True
+    if kind == "rnn":
+        return _RNN_LEAF.match(leaf) is not None
+    return leaf in _KERNEL_LEAVES.get(kind, _WEIGHT_AND_BIAS)
+
+
+@dataclass(frozen=True, slots=True)
 class Module:
-    """The tensors directly under one dotted prefix, and what kind of module they look like."""
+    """The tensors directly under one dotted prefix, and what kind of module they look like.
+
+    What every check asks of every module (``kernel_dtypes``, ``weight``) is worked out once, when it is made, and
+    it has slots, not a ``__dict__``: a header may hold a million modules.
+    """
 
     prefix: str
     """The prefix as the checkpoint spells it (``model.layer1.0.bn1``); ``""`` for tensors at the root."""
@@ -124,6 +145,25 @@ class Module:
     input_cast: bool = False
     """Whether its parent's forward casts its input to its weight's dtype, as ``--model``'s factory measured
     (T5's ``wo``): it runs in its own dtype whatever the model's."""
+    kernel_dtypes: frozenset[str] = field(init=False, repr=False, compare=False)
+    """The dtypes of its ``kernel_tensors``."""
+    weight: TensorRecord | None = field(init=False, repr=False, compare=False)
+    """Its ``weight`` (an RNN's first input weight, ``weight_ih_l0``)."""
+
+    def __post_init__(self) -> None:
+        # one pass over its tensors (``kernel_tensors`` and ``leaf`` in one): this runs once per module
+        wanted = "weight_ih_l0" if self.kind == "rnn" else "weight"
+        weight = None
+        found = set()
+        for t in self.tensors:
+            leaf = t.name.rpartition(".")[2]
+            if weight is None and leaf == wanted:
+                weight = t
+            if t.dtype in _FLOATING and not t.layout.startswith("sparse") and _in_kernel(self.kind, leaf):
+                found.add(t.dtype)
+        dtypes_found = frozenset(found)
+        object.__setattr__(self, "kernel_dtypes", _DTYPE_SETS.setdefault(dtypes_found, dtypes_found))  # one set per mix
+        object.__setattr__(self, "weight", weight)
 
     @property
     def name(self) -> str:
@@ -133,7 +173,7 @@ class Module:
     @property
     def floating(self) -> tuple[TensorRecord, ...]:
         """The tensors a floating-dtype rule applies to: integer and bool buffers (``num_batches_tracked``) never are."""
-        return tuple(t for t in self.tensors if dtypes.is_floating(t.dtype) and not t.layout.startswith("sparse"))
+        return tuple(t for t in self.tensors if t.dtype in _FLOATING and not t.layout.startswith("sparse"))
 
     @property
     def floating_dtypes(self) -> frozenset[str]:
@@ -146,16 +186,7 @@ class Module:
         Other tensors under the prefix (an fp8 checkpoint's ``weight_scale``) are not held to the kernel's dtype
         rules; for a module of unknown kind every floating tensor is.
         """
-        if self.kind == "unknown":
-            return self.floating
-        if self.kind == "rnn":
-            return tuple(t for t in self.floating if _RNN_LEAF.match(split_name(t.name)[1]))
-        leaves = ("weight", "bias", *_STATS) if self.kind == "batchnorm" else ("weight", "bias")
-        return tuple(t for t in self.floating if split_name(t.name)[1] in leaves)
-
-    @property
-    def kernel_dtypes(self) -> frozenset[str]:
-        return frozenset(t.dtype for t in self.kernel_tensors)
+        return tuple(t for t in self.floating if _in_kernel(self.kind, t.name.rpartition(".")[2]))
 
     @property
     def dtype(self) -> str | None:
@@ -164,19 +195,15 @@ class Module:
         return next(iter(found)) if len(found) == 1 else None
 
     @property
-    def weight(self) -> TensorRecord | None:
-        """Its ``weight`` (an RNN's first input weight, ``weight_ih_l0``)."""
-        return self.leaf("weight_ih_l0" if self.kind == "rnn" else "weight")
-
-    @property
     def file(self) -> str | None:
         """The file holding it inside a directory checkpoint, if all its tensors sit in one."""
         files = {t.file for t in self.tensors}
         return next(iter(files)) or None if len(files) == 1 else None
 
     def leaf(self, leaf: str) -> TensorRecord | None:
+        """Its first tensor named ``leaf`` after the prefix."""
         for t in self.tensors:
-            if split_name(t.name)[1] == leaf:
+            if t.name.rpartition(".")[2] == leaf:
                 return t
         return None
 
@@ -255,6 +282,10 @@ def _type_guess(kind: ModuleKind, leaves: dict[str, TensorRecord]) -> str | None
     return {"batchnorm": "BatchNorm", "linear": "Linear", "embedding": "Embedding"}.get(kind)
 
 
+_SIGNATURES = 1 << 16
+"""At most this many module signatures remembered per inference: a header of a million different ones costs no more."""
+
+
 def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
     """Every module of the model region, in the order its first tensor appears.
 
@@ -268,13 +299,14 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
     probes: Mapping[str, Mapping[str, str]] = measured if isinstance(measured, Mapping) else {}
     cast_list = inv.metadata.get("input_casts") if isinstance(inv, Inventory) else None
     casts = frozenset(cast_list) if isinstance(cast_list, list) else frozenset()
+    seen: dict[tuple[object, ...], tuple[ModuleKind, Confidence, str | None]] = {}
     groups: dict[str, list[TensorRecord]] = {}
     for t in tensors:
         if t.region == "model":
-            groups.setdefault(split_name(t.name)[0], []).append(t)
+            groups.setdefault(t.name.rpartition(".")[0], []).append(t)
     out = []
     for prefix, members in groups.items():
-        leaves = {split_name(t.name)[1]: t for t in members}
+        leaves = {t.name.rpartition(".")[2]: t for t in members}
         type_name = next((t.module for t in members if t.module), None)
         fact = _TYPE_KINDS.get(type_name) if type_name else None
         guessed: str | None = None
@@ -283,10 +315,18 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
             kind: ModuleKind = fact
             conf: Confidence = "fact"
         else:
-            kind, conf = _guess(prefix, leaves)
+            # what names and shapes say depends on the prefix's last part and the tensors' leaves, dtypes and
+            # shapes alone, which repeat layer after layer: guessed once per signature
+            signature = (prefix.rpartition(".")[2], *((leaf, t.dtype, t.shape) for leaf, t in leaves.items()))
+            known = seen.get(signature)
+            if known is None:
+                kind, conf = _guess(prefix, leaves)
+                known = kind, conf, _type_guess(kind, leaves) if conf == "high" else None
+                if len(seen) < _SIGNATURES:
+                    seen[signature] = known
+            kind, conf, guessed = known
             if type_name and kind == "norm" and "norm" in type_name.lower() and conf == "low":
                 conf = "high"  # the factory says it is a norm of its own making (LlamaRMSNorm)
-            if conf == "high":
                 guessed = _type_guess(kind, leaves)
             table = probes.get(type_name) if type_name else None
             if kind == "norm" and isinstance(table, Mapping) and set(leaves) == {"weight"}:
@@ -330,14 +370,30 @@ def annotate(inv: Inventory) -> Inventory:
     if _known(inv) is not None:
         return inv
     modules = infer_modules(inv)
-    guesses = {t.name: m.guessed_type for m in modules for t in m.tensors}
-    tensors = tuple(t if t.module_guess == guesses.get(t.name) else t.with_(module_guess=guesses.get(t.name)) for t in inv.tensors)
+    records = list(inv.tensors)
+    place = {id(t): i for i, t in enumerate(records)}
+    for k, m in enumerate(modules):
+        # the same module over the annotated records (inference reads ``module``, never ``module_guess``)
+        g = m.guessed_type
+        for t in m.tensors:
+            if t.module_guess != g:
+                break
+        else:
+            continue  # every tensor already carries the guess
+        tagged = tuple(t if t.module_guess == g else t.with_(module_guess=g) for t in m.tensors)
+        for old, new in zip(m.tensors, tagged, strict=True):
+            records[place[id(old)]] = new
+        modules[k] = Module(m.prefix, m.kind, m.type_name, m.confidence, tagged, g, m.forward, m.input_cast)
+    if any(t.region != "model" for t in inv.tensors):
+        # a tensor outside the model (optimizer state) takes the guess of a model tensor of its name, if any
+        guesses = {t.name: m.guessed_type for m in modules for t in m.tensors}
+        records = [
+            t if t.region == "model" or t.module_guess == guesses.get(t.name) else t.with_(module_guess=guesses.get(t.name))
+            for t in records
+        ]
     out = inv
-    if not all(a is b for a, b in zip(tensors, inv.tensors, strict=True)):
-        out = replace(inv, tensors=tensors)
-        # the same modules over the annotated records (inference reads ``module``, never ``module_guess``)
-        swap = {id(a): b for a, b in zip(inv.tensors, tensors, strict=True)}
-        modules = [replace(m, tensors=tuple(swap.get(id(t), t) for t in m.tensors)) for m in modules]
+    if any(a is not b for a, b in zip(records, inv.tensors, strict=True)):
+        out = replace(inv, tensors=tuple(records))
     return replace(out, inferred=Inferred(out.tensors, out.metadata, tuple(modules)))
 
 

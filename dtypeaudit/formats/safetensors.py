@@ -14,6 +14,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from .. import dtypes
@@ -33,6 +34,8 @@ _MAX_DEPTH = 127
 """serde_json refuses the 128th nested array or object."""
 _FIELDS = ("dtype", "shape", "data_offsets")
 _ESCAPED_SURROGATE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+_ONLY_INT = frozenset({int})
+_KNOWN_CODES = frozenset(dtypes.SAFETENSORS_CODES) | dtypes.SAFETENSORS_TORCHLESS
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -40,7 +43,7 @@ class _Refused(ValueError):
     """The header is not one the crate accepts; the message says why."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class HeaderEntry:
     """One tensor as the header describes it, checked as the crate checks it."""
 
@@ -124,10 +127,21 @@ def _has_surrogate(value: Any) -> bool:
     return False
 
 
-def _loads(text: str) -> Any:
-    """JSON as serde_json accepts it: no NaN, no number beyond f64, no lone surrogate escape."""
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``unique_pairs`` where a key repeats (it names the key), else one C call: this runs once per tensor."""
+    out = dict(pairs)
+    return out if len(out) == len(pairs) else unique_pairs(pairs)
+
+
+def _loads(text: str, *, careful: bool = True) -> Any:
+    """JSON as serde_json accepts it: no NaN, no number beyond f64, no lone surrogate escape.
+
+    ``careful=False`` reads integers as Python does, without a call per number: ``-0`` and integers beyond
+    i64/u64 read differently, so what it gives is only good where every integer is then found in range.
+    """
     # The crate keeps the last of two equal tensor names; other JSON readers keep the first: refused.
-    value = json.loads(text, object_pairs_hook=unique_pairs, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+    parse_int = _parse_int if careful or "-0" in text else None
+    value = json.loads(text, object_pairs_hook=_unique, parse_int=parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
     # Python decodes a lone surrogate escape (\ud800) to a lone code point; serde_json refuses it.
     if _ESCAPED_SURROGATE.search(text) and _has_surrogate(value):
         raise _Refused("the header holds a lone UTF-16 surrogate escape, which the safetensors crate refuses")
@@ -137,7 +151,7 @@ def _loads(text: str) -> Any:
 # -- the header -----------------------------------------------------------------------------------
 
 
-def _read_header(src: Source) -> tuple[dict[str, Any], int]:
+def _read_header(src: Source, *, careful: bool = True) -> tuple[dict[str, Any], int]:
     """The parsed header and the offset where the data area starts: 8 bytes, then the header, nothing else."""
     path = src.name
     size = src.size
@@ -151,11 +165,12 @@ def _read_header(src: Source) -> tuple[dict[str, Any], int]:
         raise CheckpointError(
             f"safetensors header claims {n} bytes but the file has {size - 8} after the length (truncated?)", path=str(path)
         )
-    text = src.read(8, n)
     try:
-        header = _loads(text.decode("utf-8"))
+        text = src.read(8, n).decode("utf-8")  # the bytes freed before parsing: a header may be 100 MB
     except UnicodeDecodeError:
         raise CheckpointError("safetensors header is not UTF-8", path=str(path)) from None
+    try:
+        header = _loads(text, careful=careful)
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"safetensors header is not JSON ({exc.msg} at char {exc.pos})", path=str(path)) from None
     except DuplicateKey as exc:
@@ -184,7 +199,33 @@ def _code(name: str, raw: Any, path: str) -> str:
     return raw
 
 
-def _entry(name: str, raw: Any, path: str) -> HeaderEntry:
+def _usizes(values: list[Any]) -> bool:
+    """``all(_usize(v) for v in values)``, in C calls: what nearly every shape and offset pair takes."""
+    return not values or (_ONLY_INT.issuperset(map(type, values)) and min(values) >= 0 and max(values) <= _U64_MAX)
+
+
+class _NotQuick(ValueError):
+    """A header read the quick way (``_loads(careful=False)``) holds an entry that is not the usual kind."""
+
+
+def _entry(name: str, raw: Any, path: str, *, quick: bool = False) -> HeaderEntry:
+    if type(raw) is dict and len(raw) == 3:
+        # The usual entry, checked in a few C calls: exactly the three fields (so nothing else to parse for
+        # depth), a known code, usize lists. Anything else takes the full path below, which says what is wrong,
+        # or, in a header read the quick way, whose other fields may hold numbers read differently, is read again.
+        code, shape, offsets = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
+        if (
+            type(code) is str
+            and code in _KNOWN_CODES
+            and type(shape) is list
+            and _usizes(shape)
+            and type(offsets) is list
+            and len(offsets) == 2
+            and _usizes(offsets)
+        ):
+            return HeaderEntry(name, code, tuple(shape), offsets[0], offsets[1])
+    if quick:
+        raise _NotQuick(name)
     if isinstance(raw, list):
         # serde reads a struct from an array of its fields, in order: [dtype, shape, data_offsets].
         if len(raw) != len(_FIELDS):
@@ -211,15 +252,23 @@ def _entry(name: str, raw: Any, path: str) -> HeaderEntry:
     return HeaderEntry(name, code, tuple(shape), offsets[0], offsets[1])
 
 
+_PLAIN_CODES = {code: dtype for code, dtype in dtypes.SAFETENSORS_CODES.items() if code not in dtypes.SAFETENSORS_PACKED}
+"""Codes whose header shape is torch's shape."""
+_BITS = {code: dtypes.safetensors_bits(code) for code in _KNOWN_CODES}
+
+
 def _check_size(entry: HeaderEntry, path: str) -> None:
     # The crate multiplies the shape left to right in u64 and refuses on overflow, even when a later 0
-    # would make the product 0; then the bits, which must fill whole bytes.
-    numel = 1
-    for dim in entry.shape:
-        numel *= dim
-        if numel > _U64_MAX:
-            break
-    nbits = numel * dtypes.safetensors_bits(entry.code)
+    # would make the product 0; then the bits, which must fill whole bytes. Without a 0, no partial product
+    # exceeds the whole one, so that one product says whether any overflows.
+    numel = math.prod(entry.shape)
+    if numel == 0:
+        numel = 1
+        for dim in entry.shape:
+            numel *= dim
+            if numel > _U64_MAX:
+                break
+    nbits = numel * _BITS[entry.code]
     span = entry.end - entry.begin
     if numel > _U64_MAX or nbits > _U64_MAX:
         raise CheckpointError(
@@ -244,17 +293,30 @@ def parse(path: AnyPath | Source) -> Header:
 
 
 def _parse(src: Source) -> Header:
+    # First with integers read the quick way, and only the usual entries; where that header is not accepted as it
+    # stands, again the careful way, whose refusal is the one reported. The two readings differ only for -0 (a
+    # float to serde_json, refused in a shape; ``_loads`` reads it carefully anyway) and for integers beyond u64,
+    # which a header read the quick way cannot hold once accepted: every number in it is then a shape or an
+    # offset, checked to be a usize (no field of other names), and the metadata holds only strings.
+    try:
+        return _checked(src, *_read_header(src, careful=False), quick=True)
+    except (CheckpointError, ValueError):
+        pass
+    return _checked(src, *_read_header(src), quick=False)
+
+
+def _checked(src: Source, header: dict[str, Any], start: int, *, quick: bool) -> Header:
     path = src.name
-    header, start = _read_header(src)
     data_size = src.size - start
     metadata = header.pop("__metadata__", None)
     if metadata is not None and (
         not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
     ):
         raise CheckpointError("safetensors __metadata__ must map strings to strings", path=str(path))
-    entries = [_entry(name, raw, path) for name, raw in header.items()]
+    # each raw entry dropped as soon as it is checked: the parsed JSON and the entries are never held whole together
+    entries = [_entry(name, header.pop(name), path, quick=quick) for name in list(header)]
     # Metadata::validate: sorted by offsets, each tensor starts where the one before ended.
-    entries.sort(key=lambda e: (e.begin, e.end))
+    entries.sort(key=attrgetter("begin", "end"))
     cursor = 0
     for e in entries:
         if e.end < e.begin:
@@ -285,35 +347,35 @@ def accepts(path: AnyPath | Source) -> bool:
 # -- tensors as torch gets them -------------------------------------------------------------------
 
 
-def _record(entry: HeaderEntry, path: str) -> TensorRecord:
+def _record(entry: HeaderEntry, path: str, file: str) -> TensorRecord:
+    nbytes = entry.end - entry.begin
+    shape = entry.shape
+    if entry.code in _PLAIN_CODES and (not shape or max(shape) <= _I64_MAX):  # nearly every tensor
+        return TensorRecord(entry.name, _PLAIN_CODES[entry.code], shape, nbytes, file=file, offset=entry.begin)
     if entry.code in dtypes.SAFETENSORS_TORCHLESS:
         raise CheckpointError(
             f"tensor '{entry.name}' is {entry.code}, which safetensors can store but torch has no dtype for", path=str(path)
         )
-    shape = list(entry.shape)
     if any(d > _I64_MAX for d in shape):
         raise CheckpointError(f"tensor '{entry.name}' has a dimension over 2**63 - 1, which torch cannot hold", path=str(path))
-    per_byte = dtypes.SAFETENSORS_PACKED.get(entry.code)
-    if per_byte:
-        # safetensors' torch binding divides the last dimension by the values per byte, and refuses
-        # the tensor when it does not divide evenly.
-        if not shape or shape[-1] % per_byte:
-            raise CheckpointError(
-                f"tensor '{entry.name}' is {entry.code}{shape}: torch's float4_e2m1fn_x2 needs an even last dimension",
-                path=str(path),
-            )
-        shape[-1] //= per_byte
+    # F4: safetensors' torch binding divides the last dimension by the values per byte, and refuses the tensor
+    # when it does not divide evenly.
+    per_byte = dtypes.SAFETENSORS_PACKED[entry.code]
+    if not shape or shape[-1] % per_byte:
+        raise CheckpointError(
+            f"tensor '{entry.name}' is {entry.code}{list(shape)}: torch's float4_e2m1fn_x2 needs an even last dimension",
+            path=str(path),
+        )
     dtype = dtypes.SAFETENSORS_CODES[entry.code]
-    return TensorRecord(name=entry.name, dtype=dtype, shape=tuple(shape), nbytes=entry.end - entry.begin, offset=entry.begin, stride=None)
+    return TensorRecord(entry.name, dtype, (*shape[:-1], shape[-1] // per_byte), nbytes, file=file, offset=entry.begin)
 
 
 def read(path: AnyPath | Source, *, file_label: str = "") -> Inventory:
     with locate.opened(path) as src:
         header = _parse(src)
         name = src.name
-    tensors = [_record(e, name) for e in header.entries]
-    layout = Layout("safetensors", {t.name: Span(header.start + t.offset, t.nbytes) for t in tensors})
+    tensors = tuple(_record(e, name, file_label) for e in header.entries)
+    start = header.start
+    layout = Layout("safetensors", {e.name: Span(start + e.begin, e.end - e.begin) for e in header.entries})
     meta: dict[str, object] = {"safetensors_metadata": header.metadata}
-    if file_label:
-        tensors = [t.with_(file=file_label) for t in tensors]
-    return Inventory(name, "safetensors", tuple(tensors), (), meta, layout=layout)
+    return Inventory(name, "safetensors", tensors, (), meta, layout=layout)

@@ -20,6 +20,10 @@ SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 DTYPE_STYLE = {"float32": "blue", "float16": "green", "bfloat16": "magenta", "float64": "bright_blue"}
 FULL_LISTING_LIMIT = 60
 """Up to this many tensors every one is listed; above it, layers that repeat are folded into one row."""
+TABLE_ROWS = 40
+"""A table (findings, tensors) shows this many rows and says how many more there are, unless ``--all`` or
+``--verbose``: a header of a million tensors is a million rows, which no terminal wants and Rich takes minutes
+to lay out."""
 GAP = 3
 """Columns between two cells of a table below: a cell's right padding, the rule's blank, the next one's left padding."""
 MIN_NAME_WIDTH = 24
@@ -69,21 +73,22 @@ def _spans(*texts: str) -> tuple[Styled, ...]:
     return tuple(Styled(t) for t in texts)
 
 
-def report_blocks(report: Report, *, width: int, verbose: bool, quiet: bool) -> list[Block]:
-    """The report; ``quiet`` shows only the checkpoints with findings or errors, and no tensor tables."""
+def report_blocks(report: Report, *, width: int, verbose: bool, quiet: bool, all_rows: bool = True) -> list[Block]:
+    """The report; ``quiet`` shows only the checkpoints with findings or errors, and no tensor tables; without
+    ``all_rows`` (or ``verbose``) each table its first ``TABLE_ROWS`` rows."""
     blocks: list[Block] = []
     shown = [c for c in report.checkpoints if not quiet or c.error or c.findings]
     for i, checkpoint in enumerate(shown):
         if i:
             blocks.append(BLANK)
-        blocks += checkpoint_blocks(checkpoint, width=width, verbose=verbose, quiet=quiet)
+        blocks += checkpoint_blocks(checkpoint, width=width, verbose=verbose, quiet=quiet, all_rows=all_rows)
     if shown and (len(report.checkpoints) > 1 or report.findings):
         blocks.append(BLANK)
     blocks.append(verdict(report))
     return blocks
 
 
-def checkpoint_blocks(c: CheckpointReport, *, width: int, verbose: bool, quiet: bool = False) -> list[Block]:
+def checkpoint_blocks(c: CheckpointReport, *, width: int, verbose: bool, quiet: bool = False, all_rows: bool = True) -> list[Block]:
     title = Styled(c.path, "bold")
     if c.error:
         return [line(title, "  ", Styled("unreadable", "bold red")), line(Styled(f"  {c.error}", "red"))]
@@ -93,23 +98,37 @@ def checkpoint_blocks(c: CheckpointReport, *, width: int, verbose: bool, quiet: 
     size = f"{human_count(sum(t.numel for t in unique))} elements · {human_bytes(sum(t.nbytes for t in unique))}"
     blocks: list[Block] = [line(title, Styled(f"  {c.format}", "dim"), f"  {len(tensors)} tensors · {size}", Styled(read, "dim"))]
     if c.findings:
-        blocks += [BLANK, *findings_blocks(c, width=width, verbose=verbose)]
+        blocks += [BLANK, *findings_blocks(c, width=width, verbose=verbose, all_rows=all_rows)]
     if tensors and not quiet:
         quant = quant_view(c.inventory)
         blocks += [BLANK, _summary(c)]
         if quant:
             blocks += [BLANK, _scheme_summary(c, quant)]
-        blocks += [BLANK, _tensors(c, width=width, verbose=verbose, quant=quant)]
+        blocks += [BLANK, *_tensors(c, width=width, verbose=verbose, quant=quant, all_rows=all_rows)]
     return blocks
 
 
-def findings_blocks(c: CheckpointReport, *, width: int, verbose: bool) -> list[Block]:
+def _shown(rows: int, *, verbose: bool, all_rows: bool) -> int:
+    """How many of a table's ``rows`` to show."""
+    return rows if all_rows or verbose else min(rows, TABLE_ROWS)
+
+
+def _more(hidden: int, of: str = "") -> list[Block]:
+    """The line under a table that shows only its first rows."""
+    rows = "row" if hidden == 1 else "rows"
+    return [line(Styled(f"… {hidden} more {rows}{of} (--all shows every one)", "dim"))] if hidden else []
+
+
+def findings_blocks(c: CheckpointReport, *, width: int, verbose: bool, all_rows: bool = True) -> list[Block]:
     """Findings, worst first; findings that share a rule and a cause share one row, with a count and the first names.
+    Without ``all_rows`` (or ``verbose``), the first ``TABLE_ROWS`` rows: the worst.
 
     A table where the names' longest dotted component fits its column; on a terminal too narrow for that, a list
     (the finding's line, then its names indented), so that no name is cut inside a component.
     """
-    groups = group_findings(c.findings)
+    every = group_findings(c.findings)
+    groups = every[: _shown(len(every), verbose=verbose, all_rows=all_rows)]
+    hidden = _more(len(every) - len(groups), " of findings")
     places = {g: g.first(every=verbose) for g in groups}
     severity_w = max(len("severity"), *(len(g.severity) for g in groups))
     rule_w = max(len("rule"), *(len(_rule_cell(g)) for g in groups))
@@ -119,7 +138,7 @@ def findings_blocks(c: CheckpointReport, *, width: int, verbose: bool) -> list[B
     full = max((len(n) for names, _ in places.values() for n in names), default=0)
     where_w = max(len("where"), min(full, max(rest * 2 // 5, min(longest, rest - MIN_MESSAGE_WIDTH))))
     if longest > where_w:
-        return _findings_list(groups, places, width)
+        return _findings_list(groups, places, width) + hidden
     columns = (
         Column("severity", no_wrap=True),
         Column("rule", no_wrap=True),
@@ -131,7 +150,7 @@ def findings_blocks(c: CheckpointReport, *, width: int, verbose: bool) -> list[B
         names, more = places[g]
         where = "\n".join([*(wrap_name(n, where_w) for n in names), *([f"and {more} more"] if more else [])])
         rows.append((Styled(g.severity, SEVERITY_STYLE[g.severity]), Styled(_rule_cell(g)), Styled(where), Styled(g.message())))
-    return [Grid("Findings", columns, rows)]
+    return [Grid("Findings", columns, rows), *hidden]
 
 
 def _rule_cell(g: FindingGroup) -> str:
@@ -189,7 +208,7 @@ def _logical_rows(c: CheckpointReport, quant: QuantView) -> list[TensorRecord]:
     return out
 
 
-def _tensors(c: CheckpointReport, *, width: int, verbose: bool, quant: QuantView | None = None) -> Grid:
+def _tensors(c: CheckpointReport, *, width: int, verbose: bool, quant: QuantView | None = None, all_rows: bool = True) -> list[Block]:
     tensors: tuple[TensorRecord, ...] | list[TensorRecord] = _logical_rows(c, quant) if quant else c.tensors
     fold = not verbose and len(tensors) > FULL_LISTING_LIMIT
     groups = group_tensors(tensors) if fold else None
@@ -198,12 +217,14 @@ def _tensors(c: CheckpointReport, *, width: int, verbose: bool, quant: QuantView
     )
     show_file = any(t.file for t in tensors)
     rows: list[tuple[str, str, str, str, str, str]] = []
+    total = len(groups) if groups is not None else len(tensors)
+    shown = _shown(total, verbose=verbose, all_rows=all_rows)
     if groups is not None:
-        for g in groups:
+        for g in groups[:shown]:
             label = f"{g.label}  ×{g.count}" if g.count > 1 else g.label
             rows.append((label, g.dtype, shape_text(g.shape), g.kind, human_bytes(g.nbytes), g.members[0].file or ""))
     else:
-        for t in tensors:
+        for t in tensors[:shown]:
             name = t.name + (f"  (shares storage with {', '.join(t.shares_with)})" if t.shares_with and verbose else "")
             rows.append((name, t.dtype, shape_text(t.shape), t.kind, human_bytes(t.nbytes), t.file or ""))
     headers = ("name", "dtype", "shape", "kind", "size", "file")[: 6 if show_file else 5]
@@ -222,7 +243,7 @@ def _tensors(c: CheckpointReport, *, width: int, verbose: bool, quant: QuantView
         (Styled(wrap_name(name, name_w)), Styled(dtype, DTYPE_STYLE.get(dtype, "")), *_spans(shape, kind, size, file))[: len(columns)]
         for name, dtype, shape, kind, size, file in rows
     ]
-    return Grid(title, columns, cells)
+    return [Grid(title, columns, cells), *_more(total - shown)]
 
 
 def verdict(report: Report) -> Line:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -102,22 +103,37 @@ def _quant_fields(c: CheckpointReport, quant: Optional[QuantView]) -> dict[str, 
     }
 
 
-def _tensor_dicts(tensors: tuple[TensorRecord, ...], quant: Optional[QuantView]) -> list[dict[str, Any]]:
+def _tensor_dicts(tensors: tuple[TensorRecord, ...], quant: Optional[QuantView]) -> Iterator[dict[str, Any]]:
     if not quant:
-        return [tensor_dict(t) for t in tensors]
+        yield from map(tensor_dict, tensors)
+        return
     owner = quant.by_storage()
-    out = []
     for t in tensors:
         d = tensor_dict(t)
         w = owner.get(t.name)
         if w is not None:
             role = next(r for r, n in w.storage.items() if n == t.name)
             d["quant"] = {"weight": w.name, "role": role, "scheme": w.scheme.name}
-        out.append(d)
-    return out
+        yield d
+
+
+class _Later:
+    """A list the writer makes item by item as it writes it (``chunks``): a million tensors' dicts, never all at once."""
+
+    def __init__(self, count: int, items: Callable[[], Iterable[Any]]) -> None:
+        self.count = count
+        self.items = items
 
 
 def checkpoint_dict(c: CheckpointReport) -> dict[str, Any]:
+    """The checkpoint's part of the report, every list made."""
+    out = _checkpoint_doc(c)
+    later: _Later = out["tensors"]
+    out["tensors"] = list(later.items())
+    return out
+
+
+def _checkpoint_doc(c: CheckpointReport) -> dict[str, Any]:
     tensors = c.tensors
     unique = unique_tensors(tensors)
     quant = quant_view(c.inventory)
@@ -135,7 +151,7 @@ def checkpoint_dict(c: CheckpointReport) -> dict[str, Any]:
                 for r in dtype_summary(tensors)
             ],
         },
-        "tensors": _tensor_dicts(tensors, quant),
+        "tensors": _Later(len(tensors), lambda: _tensor_dicts(tensors, quant)),
         **_quant_fields(c, quant),
         "findings": [finding_dict(f) for f in c.findings],
         "metadata": _jsonable(dict(c.inventory.metadata)) if c.inventory else {},
@@ -161,27 +177,60 @@ _encode = json.JSONEncoder(ensure_ascii=False).encode
 
 def dumps(value: Any, indent: str = "") -> str:
     """JSON with two-space indentation, except that items of ONE_PER_LINE lists stay on one line each."""
+    return "".join(_pieces(value, indent))
+
+
+def _pieces(value: Any, indent: str) -> Iterator[str]:
+    """``dumps(value, indent)`` in pieces, a ``_Later`` list's items made one by one."""
     inner = indent + "  "
     if isinstance(value, dict) and value:
-        items = []
-        for key, item in value.items():
-            if key in ONE_PER_LINE and isinstance(item, list) and item:
-                body = ",\n".join(inner + "  " + _encode(x) for x in item)
-                items.append(f"{inner}{_encode(key)}: [\n{body}\n{inner}]")
+        for i, (key, item) in enumerate(value.items()):
+            yield f",\n{inner}{_encode(key)}: " if i else f"{{\n{inner}{_encode(key)}: "
+            if isinstance(item, _Later):
+                rows: Iterable[Any] | None = item.items() if item.count else None
+                item = []
             else:
-                items.append(f"{inner}{_encode(key)}: {dumps(item, inner)}")
-        return "{\n" + ",\n".join(items) + "\n" + indent + "}"
-    if isinstance(value, list) and value:
-        return "[\n" + ",\n".join(inner + dumps(x, inner) for x in value) + "\n" + indent + "]"
-    return _encode(value)
+                rows = item if key in ONE_PER_LINE and isinstance(item, list) and item else None
+            if rows is not None:
+                yield "[\n"
+                for j, x in enumerate(rows):
+                    yield f",\n{inner}  {_encode(x)}" if j else f"{inner}  {_encode(x)}"
+                yield f"\n{inner}]"
+            else:
+                yield from _pieces(item, inner)
+        yield "\n" + indent + "}"
+    elif isinstance(value, list) and value:
+        for i, x in enumerate(value):
+            yield f",\n{inner}" if i else f"[\n{inner}"
+            yield from _pieces(x, inner)
+        yield "\n" + indent + "]"
+    else:
+        yield _encode(value)
 
 
 def render(report: Report) -> str:
-    """``dumps(report_dict(report))``, made a checkpoint at a time: the dicts of a 10,000-checkpoint report
-    would take five times the memory of the text they become."""
+    """The whole report as one string (``chunks`` joined)."""
+    return "".join(chunks(report))
+
+
+def chunks(report: Report, *, size: int = 1 << 20) -> Iterator[str]:
+    """The report in pieces of about ``size`` characters, made as they are written: a checkpoint at a time (the
+    dicts of a 10,000-checkpoint report would take five times the memory of the text they become), and a
+    checkpoint's tensors a line at a time (a million-tensor header's would take gigabytes)."""
     head = report_dict(replace(report, checkpoints=()))
     if not report.checkpoints or list(head)[-1] != "checkpoints":
-        return dumps(report_dict(report)) + "\n"
+        yield dumps(report_dict(report)) + "\n"
+        return
     del head["checkpoints"]
-    body = ",\n".join("    " + dumps(checkpoint_dict(c), "    ") for c in report.checkpoints)
-    return dumps(head)[:-2] + ',\n  "checkpoints": [\n' + body + "\n  ]\n}\n"
+    pending: list[str] = [dumps(head)[:-2], ',\n  "checkpoints": [\n']
+    held = 0
+    for i, c in enumerate(report.checkpoints):
+        pending.append(",\n    " if i else "    ")
+        for piece in _pieces(_checkpoint_doc(c), "    "):
+            pending.append(piece)
+            held += len(piece)
+            if held >= size:
+                yield "".join(pending)
+                pending, held = [], 0
+    pending.append("\n  ]\n}\n")
+    yield "".join(pending)

@@ -28,11 +28,14 @@ def console_for(buffer: io.StringIO, *, color: bool, width: int) -> Console:
     )
 
 
-def render(report: Report, *, color: bool = True, width: int = 120, verbose: bool = False, quiet: bool = False) -> str:
-    """The report; ``quiet`` shows only the checkpoints with findings or errors, and no tensor tables."""
+def render(
+    report: Report, *, color: bool = True, width: int = 120, verbose: bool = False, quiet: bool = False, all_rows: bool = True
+) -> str:
+    """The report; ``quiet`` shows only the checkpoints with findings or errors, and no tensor tables; without
+    ``all_rows``, each table its first rows and how many more (``blocks.TABLE_ROWS``)."""
     buffer = io.StringIO()
     console = console_for(buffer, color=color, width=width)
-    draw(console, report_blocks(report, width=width, verbose=verbose, quiet=quiet))
+    draw(console, report_blocks(report, width=width, verbose=verbose, quiet=quiet, all_rows=all_rows))
     text = buffer.getvalue()
     return text if color else "".join(line.rstrip() + "\n" for line in text.splitlines())
 

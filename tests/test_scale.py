@@ -1,0 +1,131 @@
+"""Big inputs (issue 31): the behaviour that keeps a million-tensor header cheap. Its cost is measured by
+benchmarks/bench_scale.py, not asserted here: these tests hold what the report says and that its bytes do not change."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import string
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtypeaudit.formats import read_checkpoint
+from dtypeaudit.inventory import CheckpointReport, Finding, Report
+from dtypeaudit.pipeline import scan
+from dtypeaudit.render import json as json_render
+from dtypeaudit.render import text
+from dtypeaudit.render.blocks import TABLE_ROWS
+from dtypeaudit.structure import annotate, infer_modules, modules_of
+
+from .helpers import run_cli
+
+ROWS = TABLE_ROWS + 25
+
+
+def _names(count: int) -> list[str]:
+    """Names with no number in them, so that the tensor table folds none of them into one row."""
+    words = ("".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2))
+    return [f"{w}.weight" for w in itertools.islice(words, count)]
+
+
+@pytest.fixture
+def wide_file(tmp_path: Path) -> Path:
+    """ROWS tensors, each its own row of the table, in safetensors' real writer."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "wide.safetensors"
+    save_file({name: torch.zeros(3) for name in _names(ROWS)}, str(path))
+    return path
+
+
+def test_the_table_shows_its_first_rows_and_how_many_more(wide_file: Path) -> None:
+    proc = run_cli("scan", str(wide_file), "-f", "plain")
+    assert proc.returncode == 0, proc.stderr
+    names = _names(ROWS)
+    listed = [n for n in names if n in proc.stdout]
+    assert listed == names[:TABLE_ROWS]
+    assert f"… {ROWS - TABLE_ROWS} more rows (--all shows every one)" in proc.stdout
+    assert f"{ROWS} tensors" in proc.stdout  # the header line still counts them all
+
+
+def test_all_shows_every_row(wide_file: Path) -> None:
+    proc = run_cli("scan", str(wide_file), "-f", "plain", "--all")
+    assert proc.returncode == 0, proc.stderr
+    assert all(n in proc.stdout for n in _names(ROWS))
+    assert "more rows" not in proc.stdout
+
+
+def test_a_table_at_the_limit_says_nothing_more(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path = tmp_path / "just.safetensors"
+    save_file({name: torch.zeros(3) for name in _names(TABLE_ROWS)}, str(path))
+    proc = run_cli("scan", str(path), "-f", "plain")
+    assert all(n in proc.stdout for n in _names(TABLE_ROWS))
+    assert "more row" not in proc.stdout
+
+
+def _report_of_findings(count: int) -> Report:
+    # One finding group per rule: what the findings table folds into rows; the errors sort first.
+    findings = tuple(Finding(f"rule-{i:03d}", "error" if i >= count - 3 else "warning", f"cause {i}", tensor=f"t{i}") for i in range(count))
+    return Report((CheckpointReport("x.safetensors", "safetensors", None, None, findings),))
+
+
+def test_the_findings_table_shows_the_worst_rows_first() -> None:
+    count = TABLE_ROWS + 7
+    out = text.render(_report_of_findings(count), color=False, all_rows=False)
+    shown = [i for i in range(count) if f"rule-{i:03d}" in out]
+    assert len(shown) == TABLE_ROWS
+    assert set(range(count - 3, count)) <= set(shown)  # the three errors, whatever their place in the list
+    assert "… 7 more rows of findings (--all shows every one)" in out
+    assert "1 checkpoint: 3 errors, 44 warnings" in out  # the verdict counts every finding
+    every = text.render(_report_of_findings(count), color=False)
+    assert all(f"rule-{i:03d}" in every for i in range(count)) and "more rows" not in every
+
+
+def test_verbose_lists_every_tensor_as_it_says(wide_file: Path) -> None:
+    proc = run_cli("scan", str(wide_file), "-f", "plain", "-v")
+    assert all(n in proc.stdout for n in _names(ROWS))
+
+
+def test_json_written_in_pieces_is_the_report(wide_file: Path, tmp_path: Path) -> None:
+    """The pieces the CLI writes as they come are byte for byte the report's one string, and the CLI's output."""
+    other = tmp_path / "other.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"a.weight": torch.zeros(2, dtype=torch.float16), "a.bias": torch.zeros(2)}, str(other))
+    report = scan([str(wide_file), str(other), str(tmp_path / "missing.safetensors")], jobs=1)
+    whole = json_render.render(report)
+    assert "".join(json_render.chunks(report, size=100)) == whole
+    assert whole == json_render.dumps(json_render.report_dict(report)) + "\n"
+    doc = json.loads(whole)
+    assert [len(c["tensors"]) for c in doc["checkpoints"]] == [ROWS, 2, 0]
+    proc = run_cli("scan", str(wide_file), str(other), str(tmp_path / "missing.safetensors"), "--format", "json")
+    assert [c["tensors"] for c in json.loads(proc.stdout)["checkpoints"]] == [c["tensors"] for c in doc["checkpoints"]]
+
+
+def test_annotate_over_many_modules_matches_inference_alone(tmp_path: Path) -> None:
+    """annotate's records carry each module's guess, and its modules are inference's over those records."""
+    from safetensors.torch import save_file
+
+    state: dict[str, torch.Tensor] = {}
+    for i in range(30):
+        state[f"layers.{i}.proj.weight"] = torch.zeros(4, 4, dtype=torch.float16)
+        state[f"layers.{i}.proj.bias"] = torch.zeros(4, dtype=torch.float32 if i % 7 == 0 else torch.float16)
+        state[f"layers.{i}.norm.weight"] = torch.zeros(4)
+    path = tmp_path / "m.safetensors"
+    save_file(state, str(path))
+    inv = read_checkpoint(path)
+    done = annotate(inv)
+    plain = infer_modules(inv)
+    assert [(m.prefix, m.kind, m.guessed_type, m.kernel_dtypes) for m in infer_modules(done)] == [
+        (m.prefix, m.kind, m.guessed_type, m.kernel_dtypes) for m in plain
+    ]
+    guesses = {t.name: m.guessed_type for m in plain for t in m.tensors}
+    assert [t.module_guess for t in done.tensors] == [guesses[t.name] for t in inv.tensors]
+    assert guesses["layers.0.proj.weight"] == "Linear" and guesses["layers.0.norm.weight"] == "RMSNorm"
+    by_name = done.by_name()
+    for m in modules_of(done):  # what annotate carries: its modules hold the annotated records themselves
+        assert all(by_name[t.name] is t for t in m.tensors)
