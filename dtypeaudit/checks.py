@@ -542,7 +542,7 @@ def checks_for(policy: Policy | None) -> list[Check]:
         # partials, not closures: checks travel to worker processes and Dask workers (fleet.py) by pickle
         checks += [partial(policy_findings, policy=policy), partial(tied_conflicts, policy=policy)]
         if policy.target is not None:
-            from .targets import check_for
+            from .hardware import check_for
 
             checks.append(check_for(policy.target))
     return checks

@@ -329,7 +329,7 @@ def targets(
     """
     import json
 
-    from . import targets as table
+    from . import hardware as table
 
     if fmt not in ("text", "markdown", "json"):
         raise UsageError(f"--format must be text, markdown or json, not '{fmt}'")
@@ -596,14 +596,14 @@ def convert(
     if fmt == "json":
         section = None
         if checked is not None:
-            from .targets import plan_json
+            from .hardware import plan_json
 
             section, unfit = plan_json(result.plan.output_inventory(), checked, fail_on=chosen.fail_on)
         emit(render_json(result, hardware_target=section), None)
     else:
         text = render_text(result, verbose=verbose)
         if checked is not None:
-            from .targets import plan_report
+            from .hardware import plan_report
 
             text, unfit = plan_report(text, result.plan.output_inventory(), checked, fail_on=chosen.fail_on)
         emit(text, None)

@@ -15,8 +15,8 @@ from .inventory import SEVERITIES, Severity
 
 if TYPE_CHECKING:
     from .checks import Check
+    from .hardware import Target
     from .policy import Policy
-    from .targets import Target
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Effective:
 
         if self.target is None:
             return checks_for(self.policy_alone)
-        from .targets import check_for
+        from .hardware import check_for
 
         return [*checks_for(self.policy_alone), check_for(self.target)]
 
@@ -90,7 +90,7 @@ def effective(
     loaded = policy
     chosen = target if target is not None else (loaded.target if loaded is not None else None)
     if isinstance(chosen, str):
-        from .targets import resolve
+        from .hardware import resolve
 
         chosen = resolve(chosen)
     return Effective(loaded, chosen, fail_on_for(loaded, fail_on), fail_on_for(loaded, fail_on, trace=True))

@@ -879,7 +879,7 @@ def _rule_dtypes(value: Any, where: Where, fail: Fail) -> frozenset[str] | None:
 def _target(value: Any, where: Where, fail: Fail) -> str:
     """A hardware target's name, as ``--target`` takes it; its canonical name."""
     from .errors import UsageError
-    from .targets import names, resolve
+    from .hardware import names, resolve
 
     if not isinstance(value, str):
         raise fail(where, "target must be a hardware target's name", hint=f"valid: {', '.join(names())}; or sm_XY")

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
+    from .hardware import Target
     from .inventory import Finding, Severity
     from .policy import Policy
-    from .targets import Target
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -28,7 +28,7 @@ needs_transformers = pytest.mark.skipif(
 def test_importing_the_integrations_loads_no_framework() -> None:
     """Each integration imports its framework when its class is first asked for, not before."""
     code = (
-        "import sys, dtypeaudit, dtypeaudit.live, dtypeaudit.targets, dtypeaudit.lightning, dtypeaudit.transformers, "
+        "import sys, dtypeaudit, dtypeaudit.live, dtypeaudit.hardware, dtypeaudit.lightning, dtypeaudit.transformers, "
         "dtypeaudit.pytest_plugin\n"
         "print(sorted(m for m in ('torch', 'yaml', 'lightning', 'pytorch_lightning', 'transformers') if m in sys.modules))"
     )

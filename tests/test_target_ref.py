@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dtypeaudit import targets
+from dtypeaudit import hardware
 from dtypeaudit.checks import checks_for, run_checks
 from dtypeaudit.conversion import convert
 from dtypeaudit.errors import ConversionError, UsageError
@@ -162,9 +162,9 @@ def test_target_option_wins_over_the_policy_and_the_policy_target_applies_otherw
     policy_file = tmp_path / "p.yaml"
     policy_file.write_text("version: 1\nextends: fp16\ntarget: t4\n")
     own = effective(str(policy_file))
-    assert own.policy is not None and own.policy.target == "t4" and own.target is targets.resolve("t4")
+    assert own.policy is not None and own.policy.target == "t4" and own.target is hardware.resolve("t4")
     chosen = effective(str(policy_file), target="a100")
-    assert chosen.target is targets.resolve("a100") and chosen.policy is not None and chosen.policy.target == "t4"
+    assert chosen.target is hardware.resolve("a100") and chosen.policy is not None and chosen.policy.target == "t4"
     assert effective(preset="fp16").target is None and effective().policy is None
     loaded = load_policy("fp16")
     assert effective(loaded).policy is loaded  # a Policy object as given

@@ -13,9 +13,9 @@ from .findings import Snapshot, batch_findings, default_dtype_findings, drift_fi
 from .verdict import render_findings
 
 if TYPE_CHECKING:
+    from ..hardware import Target
     from ..policy import Policy
     from ..render.humanize import FindingGroup
-    from ..targets import Target
 
 
 def as_policy(policy: Policy | str | None) -> Policy | None:
@@ -28,8 +28,8 @@ def findings_for(live: LiveInventory, chosen: Effective) -> list[Finding]:
     for a scanned checkpoint) on its model and optimizer tensors under the policy, the policy on its batch, the
     effective target (``options.effective``) on everything, the batch against the first layer, the default dtype,
     and unused policy rules."""
+    from ..hardware import target_findings
     from ..pipeline import audit_inventory  # the pipeline a scanned checkpoint goes through, after its read
-    from ..targets import target_findings
 
     model = live.part(batch=False)
     batch = live.part(batch=True)

@@ -13,8 +13,8 @@ from .findings import batch_findings
 from .verdict import AuditFailed, render_findings
 
 if TYPE_CHECKING:
+    from ..hardware import Target
     from ..policy import Policy
-    from ..targets import Target
 
 
 def parse_when(when: str) -> int | None:
@@ -96,7 +96,7 @@ class TrainingAudit:
         if a.policy is not None and batch.tensors:
             found += policy_findings(batch, a.policy)
         if a.target is not None:
-            from ..targets import target_findings
+            from ..hardware import target_findings
 
             found += target_findings(batch, a.target)
         a.history.append(("the first batch", found))

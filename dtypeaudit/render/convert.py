@@ -150,7 +150,7 @@ def convert_doc(result: Result) -> dict[str, Any]:
 
 
 def render_json(result: Result, *, hardware_target: dict[str, object] | None = None) -> str:
-    """``convert --format json``; ``hardware_target``: ``convert --dry-run --target``'s section (``targets.plan_json``)."""
+    """``convert --format json``; ``hardware_target``: ``convert --dry-run --target``'s section (``hardware.plan_json``)."""
     doc = convert_doc(result)
     if hardware_target is not None:
         doc["hardware_target"] = hardware_target

@@ -31,8 +31,8 @@ from .record import LOSSES, TraceStopped
 from .result import TraceCheckpointReport, TraceSummary
 
 if TYPE_CHECKING:
+    from ..hardware import Target
     from ..policy import Matcher, Policy
-    from ..targets import Target
 
 AUTOCAST_DTYPES = {"float16": "float16", "bfloat16": "bfloat16"}
 DEVICES = ("cpu",)
@@ -194,7 +194,7 @@ def trace_module(
     ]
     inventory = model_inventory(model, label)
     if hardware is not None:
-        from ..targets import target_findings
+        from ..hardware import target_findings
 
         found += checks.target_findings(rec.ops, hardware)
         found += target_findings(inventory, hardware)  # parameters and buffers live on the device too

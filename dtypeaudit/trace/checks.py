@@ -23,7 +23,7 @@ from ..inventory import Finding
 from .result import LOSS, LOW_PRECISION, NOT_PROMOTION, ROOT, GradRecord, ModuleCall, ModuleSummary, OpRecord, unique
 
 if TYPE_CHECKING:
-    from ..targets import Target
+    from ..hardware import Target
 
 REDUCTIONS = frozenset(
     {
@@ -300,7 +300,7 @@ def target_findings(ops: Iterable[OpRecord], target: Target, *, shown: int = 3) 
     An operation computes in the floating dtypes of its results. Views, conversions (``.to()``, autocast's casts),
     copies and fills compute nothing, and neither do operations that failed (those are ``runtime-dtype-error``).
     """
-    from ..targets import finding_for
+    from ..hardware import finding_for
 
     ops_at: dict[tuple[str, str], list[str]] = {}
     for o in ops:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dtypeaudit import dtypes, targets
+from dtypeaudit import dtypes, hardware
 from dtypeaudit.errors import UsageError
 from dtypeaudit.inventory import Inventory, TensorRecord
 
@@ -22,7 +22,7 @@ def _inv(*pairs: tuple[str, str]) -> Inventory:
 
 
 def _rules(target: str, dtype: str) -> list[str]:
-    return [f.rule for f in targets.target_findings(_inv(("w", dtype)), target)]
+    return [f.rule for f in hardware.target_findings(_inv(("w", dtype)), target)]
 
 
 # Each finding on each target class. AMD's and Apple's rows emulate nothing: each floating type is computed
@@ -56,10 +56,10 @@ def _rules(target: str, dtype: str) -> list[str]:
 )
 def test_finding_on_each_target_class(target: str, dtype: str, rule: str) -> None:
     assert _rules(target, dtype) == [rule]
-    f = targets.target_findings(_inv(("w", dtype)), target)[0]
+    f = hardware.target_findings(_inv(("w", dtype)), target)[0]
     assert f.severity == ("error" if rule == "unsupported-dtype" else "warning")
     assert f.tensor == "w" and f.actual == dtype and dtype not in (f.expected or ())
-    assert f.message.startswith(f"{dtype} ") and targets.resolve(target).name in f.message
+    assert f.message.startswith(f"{dtype} ") and hardware.resolve(target).name in f.message
 
 
 @pytest.mark.parametrize(
@@ -86,20 +86,20 @@ def test_native_dtypes_raise_nothing(target: str, dtype: str) -> None:
 
 @pytest.mark.parametrize("vendor", ["amd", "apple"])
 def test_amd_and_apple_rows_emulate_nothing(vendor: str) -> None:
-    rows = [t for t in targets.TARGETS if t.vendor == vendor]
+    rows = [t for t in hardware.TARGETS if t.vendor == vendor]
     assert rows
     for t in rows:
         assert all(_rules(t.name, d) != ["emulated-dtype"] for d in FLOATING), t.name
 
 
 def test_every_vendor_class_has_rows() -> None:
-    assert {t.vendor for t in targets.TARGETS} == set(targets.VENDORS)
+    assert {t.vendor for t in hardware.TARGETS} == set(hardware.VENDORS)
 
 
 def test_fp8_follows_compute_capability() -> None:
     """fp8 before compute capability 8.9 is an error, from 8.9 native; bf16 before 8.0 is emulated."""
     for cc in ((7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)):
-        t = targets.resolve(f"sm_{cc[0]}{cc[1]}")
+        t = hardware.resolve(f"sm_{cc[0]}{cc[1]}")
         assert t.compute_capability == cc
         assert t.supports("float8_e4m3fn") == ("native" if cc >= (8, 9) else "unsupported")
         assert t.supports("bfloat16") == ("native" if cc >= (8, 0) else "emulated")
@@ -107,13 +107,13 @@ def test_fp8_follows_compute_capability() -> None:
 
 
 def test_integers_and_integral_types_are_not_judged() -> None:
-    assert targets.target_findings(_inv(("ids", "int64"), ("mask", "bool"), ("c", "complex64")), "mps") == []
+    assert hardware.target_findings(_inv(("ids", "int64"), ("mask", "bool"), ("c", "complex64")), "mps") == []
 
 
 def test_every_floating_dtype_has_a_column_and_every_refusal_a_reason() -> None:
-    assert set(targets.COLUMN_OF) == set(FLOATING)
-    for t in targets.TARGETS:
-        assert set(t.support) == {label for label, _ in targets.COLUMNS}
+    assert set(hardware.COLUMN_OF) == set(FLOATING)
+    for t in hardware.TARGETS:
+        assert set(t.support) == {label for label, _ in hardware.COLUMNS}
         for label, support in t.support.items():
             if support != "native":
                 assert t.notes.get(label), (t.name, label)
@@ -122,9 +122,9 @@ def test_every_floating_dtype_has_a_column_and_every_refusal_a_reason() -> None:
 
 def test_every_row_cites_vendor_documentation_in_a_comment() -> None:
     """Each row (a Target or _nvidia call) has a comment above it naming the vendor documentation."""
-    source = (ROOT / "dtypeaudit" / "targets.py").read_text(encoding="utf-8").splitlines()
+    source = (ROOT / "dtypeaudit" / "hardware.py").read_text(encoding="utf-8").splitlines()
     calls = [i for i, line in enumerate(source) if re.match(r"\s+(Target\(|_nvidia\(\")", line)]
-    assert len(calls) == len(targets.TARGETS)
+    assert len(calls) == len(hardware.TARGETS)
     for i in calls:
         above = source[i - 1].strip()
         assert above.startswith("#"), source[i]
@@ -142,30 +142,30 @@ def test_every_row_cites_vendor_documentation_in_a_comment() -> None:
     [("V100", "v100"), ("sm_86", "a10"), ("cc8.9", "l4"), ("9.0", "h100"), ("MI300X", "mi300"), ("avx512_bf16", "cpu-avx512bf16")],
 )
 def test_names_aliases_and_compute_capabilities(spelling: str, name: str) -> None:
-    assert targets.resolve(spelling).name == name
+    assert hardware.resolve(spelling).name == name
 
 
 def test_unknown_targets_say_what_exists() -> None:
     with pytest.raises(UsageError, match="v100, t4, a100"):
-        targets.resolve("k80")
+        hardware.resolve("k80")
     with pytest.raises(UsageError, match="below 7.0"):
-        targets.resolve("sm_61")
+        hardware.resolve("sm_61")
 
 
 def test_suggestions_point_to_a_native_dtype() -> None:
-    assert targets.suggestion(targets.resolve("t4"), "bfloat16") == "float16"
-    assert targets.suggestion(targets.resolve("mi300"), "float8_e4m3fn") == "float8_e4m3fnuz"
-    assert targets.suggestion(targets.resolve("mps"), "float64") == "float32"
-    assert targets.suggestion(targets.resolve("a100"), "float8_e5m2") == "float16"
-    for t in targets.TARGETS:
+    assert hardware.suggestion(hardware.resolve("t4"), "bfloat16") == "float16"
+    assert hardware.suggestion(hardware.resolve("mi300"), "float8_e4m3fn") == "float8_e4m3fnuz"
+    assert hardware.suggestion(hardware.resolve("mps"), "float64") == "float32"
+    assert hardware.suggestion(hardware.resolve("a100"), "float8_e5m2") == "float16"
+    for t in hardware.TARGETS:
         for d in FLOATING:
-            s = targets.suggestion(t, d)
+            s = hardware.suggestion(t, d)
             assert s is None or t.supports(s) == "native"
 
 
 def test_readme_shows_the_table() -> None:
     page = (ROOT / "docs" / "targets.md").read_text(encoding="utf-8")
-    assert targets.render_markdown() in page
+    assert hardware.render_markdown() in page
 
 
 # -- the command line -----------------------------------------------------------------------------------------------
@@ -174,12 +174,12 @@ def test_readme_shows_the_table() -> None:
 def test_targets_command_lists_the_table() -> None:
     r = run_cli("targets")
     assert r.returncode == 0, r.stderr
-    for t in targets.TARGETS:
+    for t in hardware.TARGETS:
         assert re.search(rf"^{re.escape(t.name)}\s", r.stdout, re.M)
     detail = run_cli("targets", "t4")
     assert "bf16      emulated" in detail.stdout and "source:" in detail.stdout
     doc = json.loads(run_cli("targets", "--format", "json").stdout)
-    assert {d["name"] for d in doc} == set(targets.names())
+    assert {d["name"] for d in doc} == set(hardware.names())
     assert run_cli("targets", "k80").returncode == 2
 
 
@@ -224,10 +224,10 @@ def test_convert_dry_run_checks_the_planned_output(tmp_path: Path) -> None:
 
 def test_plan_report_fails_a_plan_the_target_cannot_run() -> None:
     planned = _inv(("w", "float64"), ("b", "float32"))
-    text, unfit = targets.plan_report("plan: x\n", planned, targets.resolve("mps"))
+    text, unfit = hardware.plan_report("plan: x\n", planned, hardware.resolve("mps"))
     assert unfit and "error: unsupported-dtype: 1 tensor (w): float64 cannot be computed on mps" in text
-    section, unfit = targets.plan_json(planned, targets.resolve("h100"))
-    assert not unfit and section == {"name": "h100", "device": targets.resolve("h100").label, "findings": []}
+    section, unfit = hardware.plan_json(planned, hardware.resolve("h100"))
+    assert not unfit and section == {"name": "h100", "device": hardware.resolve("h100").label, "findings": []}
 
 
 def test_policy_target_holds_every_checkpoint_to_the_device(tmp_path: Path) -> None:
