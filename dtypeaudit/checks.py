@@ -525,11 +525,11 @@ def quantized_storage(inv: Inventory) -> frozenset[str]:
 
 
 def quant_consistency(inv: Inventory) -> list[Finding]:
-    """The quantization consistency findings (``quant.checks.quant_consistency``); none, without importing quant/,
+    """The quantization consistency findings (``quant.consistency.quant_consistency``); none, without importing quant/,
     where nothing hints at quantization."""
     if not might_be_quantized(inv):
         return []
-    from .quant.checks import quant_consistency as consistency
+    from .quant.consistency import quant_consistency as consistency
 
     return consistency(inv)
 

@@ -247,7 +247,7 @@ class Workers:
     """The threads making ``Job``s piece by piece, each with a ``Maker`` of its own for one ``run``.
 
     ``checks``: the statistics each checked unit folds into (``Job.unit``), every piece's merged in; ``claim``
-    says which checked unit, if any, a job's source bytes are exactly (once: see ``conversion.checks.ValueChecks``).
+    says which checked unit, if any, a job's source bytes are exactly (once: see ``conversion.value_policy.ValueChecks``).
     ``view`` gives the bytes of a source (``MappedCheckpoint.bytes_at``, the conversion's one way to them);
     ``threads``: how many make pieces (one: the calling thread alone).
     """

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import dtypeaudit.conversion.checks as conversion_checks
+import dtypeaudit.conversion.value_policy as conversion_checks
 from dtypeaudit import crc, pieces
 from dtypeaudit.conversion import convert
 from dtypeaudit.errors import ConversionError

@@ -330,7 +330,7 @@ NOT_FOR_A_FILE_SCAN = (
     # an unquantized checkpoint: quant/hints.py says so without the grouping, its records or its checks
     "dtypeaudit.quant.group",
     "dtypeaudit.quant.model",
-    "dtypeaudit.quant.checks",
+    "dtypeaudit.quant.consistency",
     "dtypeaudit.quant.dequant",
 )
 

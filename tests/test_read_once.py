@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from dtypeaudit.conversion import convert
-from dtypeaudit.conversion import source as mapped
+from dtypeaudit.conversion import convert, mapped
 from dtypeaudit.formats import locate, read_checkpoint, ziparchive
 from dtypeaudit.formats.picklevm import PickleVM
 from dtypeaudit.formats.source import LocalSource

@@ -24,7 +24,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from dtypeaudit.conversion import convert, remote
+from dtypeaudit.conversion import convert
+from dtypeaudit.conversion import remote_sources as remote
 from dtypeaudit.errors import ConversionError, UsageError
 
 from .helpers import run_cli, write_sharded

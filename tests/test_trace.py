@@ -142,8 +142,8 @@ def test_implicit_promotion_and_allow_promotion() -> None:
 def test_target_findings_count_computing_operations_only() -> None:
     """Views, conversions, fills and failed operations compute nothing; one finding per module and dtype."""
     from dtypeaudit.hardware import resolve
-    from dtypeaudit.trace.checks import target_findings
     from dtypeaudit.trace.result import OpRecord
+    from dtypeaudit.trace.verdicts import target_findings
 
     def op(module: str, name: str, out: str, **kw: Any) -> OpRecord:
         return OpRecord(0, "forward", module, f"{name}.default", (out,), (out,), **kw)

@@ -25,7 +25,10 @@ from ..policy import Policy
 from ..torchcast import load_torch, one_thread
 from ..values import measures_errors
 from .atomic import atomic_output, check_destination, default_output, flushing
-from .checks import (
+from .mapped import MappedCheckpoint, Progress, open_sources
+from .plan import Plan, TensorPlan, make_plan, unit_of, with_findings
+from .result import Result, pickled_module_files, refusals
+from .value_policy import (
     ValueChecks,
     apply_value_policy,
     blocking_values,
@@ -35,9 +38,6 @@ from .checks import (
     value_findings,
     workers_for,
 )
-from .plan import Plan, TensorPlan, make_plan, unit_of, with_findings
-from .result import Result, pickled_module_files, refusals
-from .source import MappedCheckpoint, Progress, open_sources
 from .verify import Written, verify_written
 from .write import (
     casts_need_torch,
@@ -105,7 +105,7 @@ def convert(
     # Parsed once: a URL or a local path (convert takes no factory or bare hub id: there ``org/name`` is a path).
     named = as_target(source, models=False)
     if named.is_remote:
-        from .remote import convert_remote
+        from .remote_sources import convert_remote
 
         return convert_remote(
             named,

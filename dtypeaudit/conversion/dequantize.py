@@ -38,9 +38,9 @@ if TYPE_CHECKING:
     import torch
 
     from ..policy import Policy
+    from .mapped import MappedCheckpoint, Progress
     from .plan import Plan
     from .result import Result
-    from .source import MappedCheckpoint, Progress
     from .verify import Written
 
 DEQUANTIZE = "dequantize"
@@ -98,7 +98,7 @@ class Reading:
 
 def _raw(src: MappedCheckpoint, t: TensorRecord) -> torch.Tensor:
     """A storage tensor as the dtype its file declares (GGUF's quantized blocks as bytes)."""
-    from .source import materialize
+    from .mapped import materialize
 
     if src.inv.format == Format.GGUF or t.dtype not in dtypes.DTYPES:
         start = src.spans[t.name].offset if t.name in src.spans else t.offset
@@ -177,7 +177,7 @@ def make_dequant_plan(inv: Inventory, view: qm.QuantView, target: str, reading: 
     return plan, list(shards.values())
 
 
-# -- value checks: the same figures, and the same verdict (conversion/checks.py), as a cast's --------------------
+# -- value checks: the same figures, and the same verdict (conversion/value_policy.py), as a cast's --------------------
 
 
 _THREAD = threading.local()
@@ -357,7 +357,7 @@ def _pieces(e: _Entry, reading: Reading) -> tuple[Iterator[Task], bool]:
         if fp8 is not None:
             return iter(fp8), False
         return iter([(partial(_dequantized, e.weight, e.shape, e.target, reading), 8 * _numel(e.shape))]), True
-    from .source import contiguous_span
+    from .mapped import contiguous_span
 
     t = e.tensor
     assert t is not None
@@ -382,7 +382,7 @@ def _dequantized(w: qm.LogicalWeight, shape: tuple[int, ...], target: str, readi
 
 def _gathered(src: MappedCheckpoint, t: TensorRecord, target: str, clamp: bool) -> Computed:
     """A tensor that is a view into its storage (torch.save), gathered and cast by torch, as bytes."""
-    from .source import materialize
+    from .mapped import materialize
 
     return _cast(materialize(src, t), target, t.name, clamp)
 
@@ -537,7 +537,7 @@ def _write_directory(
 
 
 def _blocking(found: dict[str, ValueStats], clamp: bool) -> bool:
-    from .checks import blocking_values
+    from .value_policy import blocking_values
 
     return bool(blocking_values(found, clamp=clamp))
 
@@ -562,10 +562,10 @@ def convert_quantized(
     output checked as a cast's (``plan.with_findings``, ``strict`` as the caller decided), its values too, with
     the same verdict (``checks.apply_value_policy``: unsafe values refuse the write, ``--clamp`` saturates)."""
     from .atomic import atomic_output, check_destination, default_output
-    from .checks import apply_value_policy
+    from .mapped import open_sources
     from .plan import unit_of, with_findings
     from .result import Result
-    from .source import open_sources
+    from .value_policy import apply_value_policy
     from .verify import verify_written
 
     target = dtypes.conversion_target(to)

@@ -17,8 +17,8 @@ from ..crc import crc32
 from ..errors import CheckpointError, ConversionError
 from ..formats import read_checkpoint
 from ..inventory import Span, TensorRecord
+from .mapped import MappedCheckpoint, materialize
 from .plan import Plan
-from .source import MappedCheckpoint, materialize
 
 CRC_CHUNK_BYTES = 8 << 20
 SAMPLE_BYTES = 64 << 10

@@ -24,10 +24,10 @@ from ..inventory import Format, Inventory, Span, TensorRecord
 from ..pieces import Job, Workers, write_at
 from ..values import CHUNK_BYTES, ValueStats, measures_errors
 from .atomic import flushing
-from .checks import is_training_state, workers_for
+from .mapped import MappedCheckpoint, Progress, contiguous_span, materialize
 from .modeldir import config_with_dtype, copy_beside_weights, file_mode, output_index, write_index
 from .plan import Plan, TensorPlan, unit_of
-from .source import MappedCheckpoint, Progress, contiguous_span, materialize
+from .value_policy import is_training_state, workers_for
 from .verify import Origin, Written, verify_written
 
 

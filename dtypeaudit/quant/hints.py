@@ -16,6 +16,6 @@ def hints_quantization(t: TensorRecord) -> bool:
 
 
 def might_be_quantized(inv: Inventory) -> bool:
-    """False only where group.view finds no logical weight and quant/checks.py no finding: no
+    """False only where group.view finds no logical weight and quant/consistency.py no finding: no
     ``quantization_config`` key at all, not GGUF, and no tensor that hints at quantization."""
     return "quantization_config" in inv.metadata or inv.format == Format.GGUF or any(hints_quantization(t) for t in inv.tensors)

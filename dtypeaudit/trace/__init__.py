@@ -26,7 +26,7 @@ from .. import dtypes
 from ..errors import UsageError
 from ..inventory import Finding, Report, Severity
 from ..options import effective
-from . import checks
+from . import verdicts
 from .record import LOSSES, TraceStopped
 from .result import TraceCheckpointReport, TraceSummary
 
@@ -159,7 +159,7 @@ def trace_module(
         grad = contextlib.nullcontext() if backward else torch.no_grad()
         with grad:
             rec = record.run(model, args, kwargs, autocast=ac, device=device, backward=backward, loss=loss, probe=True)
-    modules, activations, copies = checks.summarize(rec.ops, rec.calls, list(rec.types), rec.types)
+    modules, activations, copies = verdicts.summarize(rec.ops, rec.calls, list(rec.types), rec.types)
     summary = TraceSummary(
         model=type(model).__name__,
         device=device,
@@ -181,7 +181,7 @@ def trace_module(
     )
     found = [
         *extra_findings,
-        *checks.findings(
+        *verdicts.findings(
             rec.ops,
             grads=rec.grads,
             loss=rec.loss,
@@ -196,7 +196,7 @@ def trace_module(
     if hardware is not None:
         from ..hardware import target_findings
 
-        found += checks.target_findings(rec.ops, hardware)
+        found += verdicts.target_findings(rec.ops, hardware)
         found += target_findings(inventory, hardware)  # parameters and buffers live on the device too
     metadata = {**inventory.metadata, "device": device, "autocast": summary.autocast, "backward": backward}
     inventory = type(inventory)(inventory.path, "trace", inventory.tensors, (), metadata)
@@ -216,4 +216,4 @@ def _matchers(patterns: Sequence[str], from_policy: Sequence[Matcher] = ()) -> C
             compiled.append(compile_matcher(p))
         except ValueError as exc:
             raise UsageError(f"--allow-promotion '{p}': {exc}") from None
-    return lambda module: any(m(module) or m(checks.where(module)) for m in compiled)
+    return lambda module: any(m(module) or m(verdicts.where(module)) for m in compiled)

@@ -12,8 +12,8 @@ from ..inventory import Finding, Inventory, Severity, Span, TensorRecord, format
 from ..pieces import Job, Workers
 from ..torchcast import TorchCaster, chunks, load_torch, one_thread
 from ..values import UNDERFLOW_BLOCK_FRACTION, ValueStats, count_nonfinite, measures_errors
+from .mapped import MappedCheckpoint, Progress, open_sources
 from .plan import Plan, TensorPlan, make_plan, unit_of
-from .source import MappedCheckpoint, Progress, open_sources
 
 # Top-level keys under which training code keeps its own state beside the weights: Lightning's ``callbacks``
 # (ModelCheckpoint's ``kth_value`` and ``best_model_score`` start as inf), ``loops`` and ``lr_schedulers``; a
