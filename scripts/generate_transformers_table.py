@@ -19,22 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import re
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-OUT = Path(__file__).resolve().parent.parent / "dtypeaudit" / "data" / "transformers.json"
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this tree's dtypeaudit, whose reader the layout is for
+
+from dtypeaudit.formats.hftable import SHARED, TABLE, template  # noqa: E402
+
+OUT = TABLE
 BUILD_DTYPE = "float16"
 """Built in float16: a parameter that is not float16 then has a dtype of its own (``pinned``)."""
-
-_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
-
-
-def template(name: str) -> str:
-    """A state-dict name with its index segments as ``*``: one template for every layer."""
-    return _INDEX.sub("*", name)
 
 
 def candidates() -> list[str]:
@@ -189,10 +186,13 @@ class _Nodes:
 
 
 def compact(raw: dict[str, dict[str, Any]], version: str) -> dict[str, Any]:
-    """The shipped document: name templates in a shared trie, transforms and transform lists stored once."""
+    """The shipped document: name templates in a shared trie, transforms, transform lists and the other shared
+    fields stored once: fewer and smaller objects to parse at a scan's start."""
     nodes = _Nodes()
     transforms: list[dict[str, Any]] = []
     transform_ids: dict[str, int] = {}
+    values: list[Any] = []
+    value_ids: dict[str, int] = {}
     classes: dict[str, Any] = {}
     for name, e in raw.items():
         c = without_empty(e)
@@ -207,14 +207,22 @@ def compact(raw: dict[str, dict[str, Any]], version: str) -> dict[str, Any]:
                     transforms.append(t)
                 ids.append(transform_ids[key])
             c["mapping"] = ids
+        for k in sorted(SHARED):
+            if k in c:
+                key = json.dumps(c[k], sort_keys=True)
+                if key not in value_ids:
+                    value_ids[key] = len(values)
+                    values.append(c[k])
+                c[k] = value_ids[key]
         classes[name] = c
     return {
-        "format": 1,
+        "format": 2,
         "transformers_version": version,
         "generated_by": "scripts/generate_transformers_table.py",
         "build_dtype": BUILD_DTYPE,
         "transforms": transforms,
         "nodes": nodes.nodes,
+        "values": values,
         "classes": classes,
     }
 
@@ -230,6 +238,9 @@ def expanded(doc: dict[str, Any], name: str) -> dict[str, Any]:
         return out
 
     c = dict(doc["classes"][name])
+    for k in SHARED:
+        if k in c:
+            c[k] = doc["values"][c[k]]
     if "names" in c:
         c["names"] = sorted(names(c["names"]))
     if "mapping" in c:

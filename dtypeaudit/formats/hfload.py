@@ -394,7 +394,7 @@ def name_findings(load: LoadDtype, *, file: str = "config.json") -> list[Finding
     """``load-renamed`` (info): stored names the loaded model knows by others, a few shown stored -> loaded (all of
     them in the report's metadata); ``load-conversion-unmodelled`` (warning) per WeightConverter target: stored
     tensors from_pretrained merges or splits into a tensor of another name and shape, which is not modelled;
-    ``load-names-unknown`` (info) where the class is named but cannot be built here."""
+    ``load-names-unknown`` (info) where the table has no built model of the class named (or its names for this config)."""
     what = f"class {load.model_class}" if load.model_class else "the model class"
     out = []
     if load.renamed:

@@ -24,6 +24,9 @@ from typing import Any
 
 TABLE = Path(__file__).resolve().parent.parent / "data" / "transformers.json"
 
+SHARED = frozenset({"keep", "strict", "own_keep", "own_strict", "tied", "pinned", "sub_configs", "mapping"})
+"""The fields a class names by index into the table's ``values`` (scripts/generate_transformers_table.py)."""
+
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
 
 
@@ -142,11 +145,12 @@ class ClassInfo:
 
 
 @dataclass(frozen=True, eq=False)
-class Table:
+class ModelTable:
     transformers_version: str
     classes: Mapping[str, Any]
     nodes: Sequence[Mapping[str, int]]
     transforms: Sequence[dict[str, Any]]
+    values: Sequence[Any]
 
     def names_of(self, node: int, prefix: str = "") -> Iterable[str]:
         children = self.nodes[node]
@@ -158,10 +162,11 @@ class Table:
     @functools.cache  # noqa: B019 - the table lives as long as the process
     def get(self, arch: str) -> ClassInfo | str:
         """The record of class ``arch``; a sentence saying why there is none."""
-        raw = self.classes.get(arch)
+        found = self.classes.get(arch)
         version = f"transformers {self.transformers_version}"
-        if raw is None:
+        if found is None:
             return f"the table of {version}'s classes has no {arch}"
+        raw = self.record(found)
         if "error" in raw:
             return f"{version} cannot build {arch} from its default config ({str(raw['error']).rstrip(': ')})"
         mapping = tuple(self.transforms[i] for i in raw["mapping"]) if "mapping" in raw else None
@@ -181,20 +186,24 @@ class Table:
             raw.get("mapping_unknown") if mapping is None else None,
         )
 
+    def record(self, found: Mapping[str, Any]) -> dict[str, Any]:
+        """A class's fields with the shared ones (``SHARED``, stored once in ``values``) looked up."""
+        return {k: self.values[v] if k in SHARED else v for k, v in found.items()}
+
     def keep_of_type(self, model_type: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
         """The keep-in-fp32 lists every class of ``model_type`` agrees on; None where they differ or none is built."""
         found = {
             (tuple(c.get("keep", ())), tuple(c.get("strict", ())))
-            for c in self.classes.values()
+            for c in map(self.record, self.classes.values())
             if c.get("model_type") == model_type and "error" not in c
         }
         return found.pop() if len(found) == 1 else None
 
 
 @functools.cache
-def table(path: Path = TABLE) -> Table:
+def table(path: Path = TABLE) -> ModelTable:
     doc = json.loads(path.read_text(encoding="utf-8"))
-    return Table(str(doc["transformers_version"]), doc["classes"], doc["nodes"], doc["transforms"])
+    return ModelTable(str(doc["transformers_version"]), doc["classes"], doc["nodes"], doc["transforms"], doc["values"])
 
 
 def rename_source_key(key: str, renamings: Sequence[Transform], converters: Sequence[Transform], info: ClassInfo) -> tuple[str, str | None]:
