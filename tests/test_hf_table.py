@@ -193,6 +193,31 @@ def test_an_architecture_the_table_lacks_says_so_with_the_version() -> None:
     assert view == f"the table of transformers {hftable.table().transformers_version}'s classes has no NotAModelForCausalLM"
 
 
+def test_a_class_whose_default_config_does_not_build_keeps_its_own_lists_and_says_why(tmp_path: Path) -> None:
+    """AutoformerForPrediction refuses its own defaults (no prediction_length): the table records the error; a
+    folder naming it is judged with the class's own keep lists and a note that its names are not known."""
+    import transformers
+
+    from dtypeaudit.checks import check
+    from dtypeaudit.formats import read_checkpoint
+
+    info = hftable.table().get("AutoformerForPrediction")
+    assert isinstance(info, str) and "cannot build AutoformerForPrediction from its default config" in info
+    assert "prediction_length" in info and transformers.__version__ in info
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    d = tmp_path / "m"
+    d.mkdir()
+    save_file({"model.encoder.w": np.zeros(2, np.float16)}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps({"architectures": ["AutoformerForPrediction"], "dtype": "float16"}))
+    inv = read_checkpoint(d)
+    meta = inv.metadata["from_pretrained_dtype"]
+    assert meta["keep_in_fp32_modules"] == list(transformers.AutoformerForPrediction._keep_in_fp32_modules or ())  # type: ignore[index]
+    found = {f.rule: f for f in check(inv)}
+    assert "cannot build AutoformerForPrediction" in found["load-names-unknown"].message
+
+
 def test_the_table_is_small(doc: dict[str, Any]) -> None:
     """Shared names and transforms keep the shipped file small for some two thousand classes."""
     assert len(doc["classes"]) > 1000

@@ -171,9 +171,11 @@ def keep_in_fp32(cfg: Mapping[str, Any]) -> tuple[tuple[str, ...] | None, tuple[
     arch = _arch(cfg)
     if arch is None:
         return (), (), None  # no class named: from_pretrained's caller names it, and it is unknown
-    raw = hftable.table().classes.get(arch)
-    if raw is None:
+    tab = hftable.table()
+    found = tab.classes.get(arch)
+    if found is None:
         return None, None, arch
+    raw = tab.record(found)
     return tuple(raw.get("own_keep", ())), tuple(raw.get("own_strict", ())), arch
 
 

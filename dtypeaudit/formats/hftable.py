@@ -216,13 +216,12 @@ def rename_source_key(key: str, renamings: Sequence[Transform], converters: Sequ
         key, pattern = c.rename(key)
         if pattern is not None:
             break
-    prefix = info.prefix
-    if prefix:
-        stripped = re.sub(f"^{prefix}.", "", key, count=1)
-        if key.startswith(prefix) and info.has(stripped):
-            key = stripped
-        elif info.has(f"{prefix}.{key}"):
-            key = f"{prefix}.{key}"
+    prefix = info.prefix  # "" too, as transformers does (its regex then strips a first character)
+    stripped = re.sub(f"^{prefix}.", "", key, count=1)
+    if key.startswith(prefix) and info.has(stripped):
+        key = stripped
+    elif info.has(f"{prefix}.{key}"):
+        key = f"{prefix}.{key}"
     return key, pattern
 
 
