@@ -7,6 +7,7 @@ import importlib.util
 import json
 import logging
 import re
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -58,11 +59,10 @@ def gen() -> ModuleType:
 
     transformers.logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    spec = importlib.util.spec_from_file_location("generate_transformers_table", ROOT / "scripts" / "generate_transformers_table.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    scripts = str(ROOT / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)  # by name, so the generator's worker processes import it too
+    return importlib.import_module("generate_transformers_table")
 
 
 @pytest.fixture(scope="module")
