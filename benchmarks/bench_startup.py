@@ -99,6 +99,19 @@ def make_small_checkpoint(path: Path) -> Path:
     return path
 
 
+def make_small_hf_folder(path: Path) -> Path:
+    """A one-layer GPT-2 as save_pretrained writes it (config.json, model.safetensors): the folder a scan reads
+    through the table of transformers' classes."""
+    if not path.exists():
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+        transformers.GPT2LMHeadModel(cfg).save_pretrained(str(path.with_suffix(".tmp")))
+        path.with_suffix(".tmp").rename(path)
+    return path
+
+
 # -- whole-process timing ------------------------------------------------------------------------------
 
 
@@ -268,6 +281,12 @@ NO_CLI_SCAN = (
 )
 
 
+FULL_INSTALL_SCAN = (
+    f"import sys; sys.path.insert(0, {str(ROOT)!r}); sys.argv = ['dtypeaudit', 'scan', sys.argv[1], '-f', 'plain']; "
+    "from dtypeaudit.entry import main; main()"
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=30, help="interleaved rounds (default 30)")
@@ -280,6 +299,7 @@ def main() -> None:
     venv = make_venv(ROOT, "venv")
     others = [(src.resolve(), make_venv(src.resolve(), f"venv-{src.resolve().name}")) for src in args.also]
     small = make_small_checkpoint(STARTUP / "small.pt")
+    hf = make_small_hf_folder(STARTUP / "tiny-gpt2")
     env = _clean_env()
     py = str(venv / "bin" / "python")
     commands = {
@@ -289,6 +309,11 @@ def main() -> None:
         # the same scan and plain report without the command line (no Typer): what the CLI framework costs a scan
         "scan small.pt -f plain, no CLI": [py, "-c", NO_CLI_SCAN, str(small)],
         **dtypeaudit_commands(venv, small),
+        # a Hugging Face folder: read through data/transformers.json, in the light install and in this interpreter's
+        # (torch and transformers installed, this source tree first on the path): the same imports, the same time
+        "dtypeaudit scan tiny-gpt2/ -f plain": [str(venv / "bin" / "dtypeaudit"), "scan", str(hf), "-f", "plain"],
+        "scan small.pt, full install": [sys.executable, "-c", FULL_INSTALL_SCAN, str(small)],
+        "scan tiny-gpt2/, full install": [sys.executable, "-c", FULL_INSTALL_SCAN, str(hf)],
     }
     if args.split:
         commands.update({label: [py, *argv] for label, argv in SPLIT.items()})
@@ -315,6 +340,15 @@ def main() -> None:
     cpu = statistics.median(r.cpu_s / p.cpu_s for r, p in pairs)
     met = "met" if wall <= 1.5 and cpu <= 1.5 else "NOT met"
     print(f"target: scan -f plain <= 1.50x picklescan's wall and CPU time: {wall:.2f}x wall, {cpu:.2f}x CPU, {met}")
+    for folder, file in (
+        ("dtypeaudit scan tiny-gpt2/ -f plain", "dtypeaudit scan small.pt -f plain"),
+        ("scan tiny-gpt2/, full install", "scan small.pt, full install"),
+    ):
+        pairs = list(zip(runs[folder], runs[file], strict=True))
+        wall = statistics.median(r.wall_s / p.wall_s for r, p in pairs)
+        cpu = statistics.median(r.cpu_s / p.cpu_s for r, p in pairs)
+        met = "met" if wall <= 1.5 and cpu <= 1.5 else "NOT met"
+        print(f"target (issue 29): {folder} <= 1.50x {file}: {wall:.2f}x wall, {cpu:.2f}x CPU, {met}")
 
     if args.imports:
         exe = str(venv / "bin" / "dtypeaudit")

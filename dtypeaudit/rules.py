@@ -72,8 +72,10 @@ RULES: dict[str, FindingRule] = {
         FindingRule(
             "keep-in-fp32-unknown",
             "info",
-            "The model class named in config.json is not importable here, so its keep-in-fp32 modules are unknown.",
-            "Install transformers to audit the dtypes from_pretrained gives those modules.",
+            "The model class named in config.json is not in dtypeaudit's table of transformers' classes "
+            "(data/transformers.json), so its keep-in-fp32 modules are unknown.",
+            "A class of your own code, or one newer than the table's transformers version: regenerate the table "
+            "(scripts/generate_transformers_table.py), or audit the loaded model (dtypeaudit.audit).",
         ),
         FindingRule(
             "load-renamed",
@@ -92,9 +94,11 @@ RULES: dict[str, FindingRule] = {
         FindingRule(
             "load-names-unknown",
             "info",
-            "The model class named in config.json cannot be built here, so the names from_pretrained gives the tensors and "
-            "its sub-models' keep-in-fp32 modules are unknown.",
-            "Install transformers (a version that has the class) to audit the model as from_pretrained loads it.",
+            "dtypeaudit's table of transformers' classes has no built model of the class config.json names (not in the "
+            "table, or its default config does not build), so the names from_pretrained gives the tensors and its "
+            "sub-models' keep-in-fp32 modules are unknown.",
+            "The message says why and which transformers version the table came from; regenerate the table "
+            "(scripts/generate_transformers_table.py) for a newer one, or audit the loaded model (dtypeaudit.audit).",
         ),
         FindingRule(
             "left-out",

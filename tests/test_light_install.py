@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from .helpers import ROOT, json_report
+from .helpers import ROOT, json_report, run_cli
 
 
 def _pyproject() -> dict:
@@ -171,8 +171,6 @@ def test_diff_without_torch(light: Path, files: dict[str, Path]) -> None:
 
 
 def _run_full(*args: str) -> subprocess.CompletedProcess[str]:
-    from .helpers import run_cli
-
     return run_cli(*args)
 
 
@@ -438,3 +436,60 @@ def test_hook_and_action_use_the_light_install() -> None:
     assert action["inputs"]["version"]["default"] == ""  # the action's own checkout (tests/test_action.py runs it)
     install = action["runs"]["steps"][0]
     assert "pip install" in install["run"] and "torch" not in install["run"]
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """save_pretrained folders: a T5 in float16 (its ``wo`` loads as float32), a GPT-2, a BERT (renamed keys)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    d = tmp_path_factory.mktemp("light_hf")
+    torch.manual_seed(0)
+    models = {
+        "t5": transformers.T5ForConditionalGeneration(
+            transformers.T5Config(vocab_size=16, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2)
+        ).half(),
+        "gpt2": transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)),
+        "bert": transformers.BertForMaskedLM(
+            transformers.BertConfig(
+                vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, max_position_embeddings=8
+            )
+        ).bfloat16(),
+    }
+    out = {}
+    for name, model in models.items():
+        model.save_pretrained(str(d / name))
+        out[name] = d / name
+    return out
+
+
+def test_hf_folder_verdicts_equal_in_light_and_full_install(light: Path, hf_folders: dict[str, Path]) -> None:
+    """The same folders give the same JSON report with and without torch and transformers installed."""
+    targets = [str(hf_folders[k]) for k in ("t5", "gpt2", "bert")]
+    for args in (["scan", *targets, "--format", "json"], ["scan", *targets, "--preset", "fp16", "--format", "json"]):
+        light_run = _run(light, *args)
+        full_run = run_cli(*args, process=True)
+        assert light_run.returncode == full_run.returncode, (light_run.stderr, full_run.stderr)
+        assert json.loads(light_run.stdout) == json.loads(full_run.stdout)
+    doc = json.loads(_run(light, "scan", targets[0], "--format", "json").stdout)
+    found = {f["rule"]: f for f in doc["checkpoints"][0]["findings"]}
+    assert "load-cast" in found and "float32" in found["load-cast"]["message"]  # T5's wo, known without transformers
+    assert "keep-in-fp32-unknown" not in found and "load-names-unknown" not in found
+
+
+@pytest.mark.parametrize("folder", ["t5", "gpt2", "bert"])
+def test_scan_of_an_hf_folder_imports_no_torch_nor_transformers(hf_folders: dict[str, Path], folder: str) -> None:
+    """In the full install (both importable), a folder scan reads the table and imports neither."""
+    argv = ["scan", str(hf_folders[folder]), "--format", "json"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _MODULES_AFTER.replace("ARGS", repr(argv))], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert run["code"] in (0, 1, None), run
+    assert json.loads(run["out"])["checkpoints"][0]["format"] == "hf-directory"
+    modules = run["modules"]
+    imported = sorted(m for m in modules if m.partition(".")[0] in ("torch", "transformers", "dask", "distributed"))
+    assert not imported, imported
+    assert "dtypeaudit.formats.hftable" in modules and "dtypeaudit.formats.hfload" in modules  # the table was read

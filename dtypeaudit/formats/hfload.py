@@ -20,20 +20,19 @@ Mirrors transformers 5.24 with from_pretrained's default arguments (``dtype`` no
   into one tensor, a split qkv) builds tensors of other names and shapes from several stored ones: not modelled,
   and said so (``load-conversion-unmodelled``).
 
-The class is the one config.json's ``architectures`` names, taken from transformers itself (importing
-transformers, never user code), built as from_pretrained builds it: ``_from_config`` in the main dtype on the meta
-device. Its ``_keep_in_fp32_modules(_strict)`` are read from the built model, where ``post_init`` has gathered the
-lists of every sub-model (a composite model's vision or text tower that is itself a PreTrainedModel), and its
-conversion mapping comes from the instance, sub-models included, as 5.24 collects it. Without transformers, for a
-class it does not have, or a config it cannot build, the lists and the renaming are unknown and the report says
-so. Quantized checkpoints (``quantization_config``) are not modelled here.
+The class is the one config.json's ``architectures`` names, looked up in the table ``hftable`` reads
+(``data/transformers.json``, generated from transformers by scripts/generate_transformers_table.py, with the
+version it came from): each class built as from_pretrained builds it (``_from_config`` on the meta device), its
+``_keep_in_fp32_modules(_strict)`` read from the built model, where ``post_init`` has gathered the lists of every
+sub-model (a composite model's vision or text tower that is itself a PreTrainedModel), its conversion mapping as
+the instance collects it, as data. A scan imports neither transformers nor torch, and its verdict is the same
+whether or not they are installed. For a class the table does not have, or a mapping it cannot express, the
+lists and the renaming are unknown and the report says so. Quantized checkpoints (``quantization_config``) are
+not modelled here.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from typing import Any
 
 from .. import dtypes
 from ..inventory import Finding, Format, Inventory, TensorRecord
+from . import hftable
 
 DEFAULT_DTYPE = "float32"
 """torch.get_default_dtype() in a fresh process."""
@@ -162,156 +162,77 @@ def _arch(cfg: Mapping[str, Any]) -> str | None:
     return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
 
 
-def _transformers_class(arch: str) -> type | None:
-    """transformers' own class of that name (never user code); None where it has none."""
-    if importlib.util.find_spec("transformers") is None:
-        return None
-    import transformers
-
-    try:
-        cls = getattr(transformers, arch, None)
-    except Exception:  # a lazy import that fails: as unknown as a missing class
-        cls = None
-    return cls if isinstance(cls, type) else None
-
-
 def keep_in_fp32(cfg: Mapping[str, Any]) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None, str | None]:
-    """The ``_keep_in_fp32_modules`` and ``_keep_in_fp32_modules_strict`` of the class config.json's
-    ``architectures`` names, as class attributes of transformers' own class (never user code); None where unknown.
+    """The ``_keep_in_fp32_modules`` and ``_keep_in_fp32_modules_strict`` the class config.json's ``architectures``
+    names defines itself (the table's ``own_keep``), and the class; None where the table does not know it.
 
     The top class's lists only: ``model_view`` gives the lists a built model gathers from its sub-models too, and
-    is what ``resolve`` uses; this is its fallback where the model cannot be built."""
+    is what ``resolve`` uses; this is its fallback where the table has no built model of that class."""
     arch = _arch(cfg)
     if arch is None:
         return (), (), None  # no class named: from_pretrained's caller names it, and it is unknown
-    cls = _transformers_class(arch)
-    if cls is None:
+    tab = hftable.table()
+    found = tab.classes.get(arch)
+    if found is None:
         return None, None, arch
-    keep = tuple(sorted(getattr(cls, "_keep_in_fp32_modules", None) or ()))
-    strict = tuple(sorted(getattr(cls, "_keep_in_fp32_modules_strict", None) or ()))
-    return keep, strict, arch
+    raw = tab.record(found)
+    return tuple(raw.get("own_keep", ())), tuple(raw.get("own_strict", ())), arch
 
 
 @dataclass(frozen=True)
 class ModelView:
-    """What the class config.json names tells about loading the folder, from the model transformers builds."""
+    """What the class config.json names tells about loading the folder, from the table of transformers' models."""
 
     keep_fp32: tuple[str, ...]
     keep_fp32_strict: tuple[str, ...]
     renamed: dict[str, str]
     converted: dict[str, WeightConversion]
     pinned: dict[str, str]
-
-
-@functools.lru_cache(maxsize=8)
-def _built(arch: str, config_json: str, dtype: str) -> Any:
-    """The model as from_pretrained builds it before loading (``get_init_context``: the main dtype as torch's
-    default, on the meta device), from config.json through the class's own ``config_class`` (what
-    ``cls.from_pretrained(folder)`` reads it with). Cached: a folder is often read twice (scan, then convert's plan)."""
-    import torch
-    import transformers
-
-    cls: Any = _transformers_class(arch)
-    if cls is None or not hasattr(cls, "_from_config"):
-        raise LookupError(f"{arch} is not a transformers model class")
-    level = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # its warnings about a config are not ours to print
-    try:
-        config = cls.config_class.from_dict(json.loads(config_json))
-        with torch.device("meta"):
-            return cls._from_config(config, dtype=getattr(torch, dtype))
-    finally:
-        transformers.logging.set_verbosity(level)
+    names_unknown: str | None = None
+    """Why the loaded names are not known though the keep lists are (a composite model with another sub-model)."""
 
 
 def model_view(cfg: Mapping[str, Any], dtype: str, names: Iterable[str]) -> ModelView | str:
     """The keep-in-fp32 lists, the loaded name of each stored name and the pinned dtypes of the model
     config.json's ``architectures`` names; a sentence saying why they are unknown where they are.
 
-    Mirrors transformers 5.24's from_pretrained: ``post_init`` gathers ``_keep_in_fp32_modules(_strict)`` from every
-    child that is a PreTrainedModel into the top model (read from the built model); ``get_model_conversion_mapping``
-    (no ``key_mapping``, no quantizer, the legacy renamings added) collects the mapping of the model and of each
-    sub-model, scoped to it; ``convert_and_load_state_dict_in_model`` renames each key with ``rename_source_key``
-    (every WeightRenaming in turn, then at most one WeightConverter, then the ``base_model_prefix`` added or
-    stripped), retries the key unrenamed where only that is a model key, and drops keys the model does not have.
-    The mapping's patterns are transformers' data: its own ``rename_source_key`` applies them, so the names are
-    the loader's to the letter."""
+    Mirrors transformers' from_pretrained through the table ``hftable`` reads (generated from transformers by
+    scripts/generate_transformers_table.py): ``post_init`` gathers ``_keep_in_fp32_modules(_strict)`` from every
+    sub-model into the top model; ``get_model_conversion_mapping`` collects the mapping of the model and of each
+    sub-model, scoped to it; ``convert_and_load_state_dict_in_model`` renames each key (every renaming in turn,
+    then at most one WeightConverter, then the ``base_model_prefix`` added or stripped), retries the key unrenamed
+    where only that is a model key, and drops keys the model does not have. Nothing is imported or built."""
     arch = _arch(cfg)
     if arch is None:
         return "config.json names no model class (architectures)"
-    if importlib.util.find_spec("transformers") is None:
-        return "transformers is not installed"
-    if _transformers_class(arch) is None:
-        return f"transformers has no class {arch}"
+    tab = hftable.table()
+    info = tab.get(arch)
+    if isinstance(info, str):
+        return info
+    keep, strict = set(info.keep), set(info.strict)
+    changed = []
+    for key, default_type in info.sub_configs.items():
+        sub = cfg.get(key)
+        given = sub.get("model_type") if isinstance(sub, dict) else None
+        if isinstance(given, str) and given and given != default_type:
+            # post_init gathers the sub-model's lists: the table's built model had the default one's
+            old, new = tab.keep_of_type(default_type), tab.keep_of_type(given)
+            if old is None or new is None:
+                return f"{arch} with a {key} of model_type {given} is not in the table (its default is {default_type})"
+            keep = (keep - set(old[0])) | set(new[0]) | set(info.own_keep)
+            strict = (strict - set(old[1])) | set(new[1]) | set(info.own_strict)
+            changed.append(f"{key} of model_type {given}, the table's {default_type}")
+    if changed:
+        why = f"{arch} with a {'; a '.join(changed)}: its names are not in the table"
+        return ModelView(tuple(sorted(keep)), tuple(sorted(strict)), {}, {}, {}, why)
+    if info.mapping is None:
+        why = f"the conversion mapping of {arch} cannot be read as data ({info.mapping_unknown})"
+        return ModelView(tuple(sorted(keep)), tuple(sorted(strict)), {}, {}, {}, why)
     stored = list(names)
-    layers = _most_layers(cfg)
-    if layers is not None and layers[1] > max(len(stored), 1):
-        # Building it would cost time and memory in proportion (meta tensors, but real modules): not for a folder
-        # whose weights cannot fill it. from_pretrained would report most of that model's weights missing.
-        return f"config.json's {layers[0]} is {layers[1]}, more layers than the folder stores tensors ({len(stored)}); not built"
-    try:
-        model = _built(arch, json.dumps(dict(cfg), sort_keys=True), dtype)
-    except Exception as exc:  # a config transformers refuses: from_pretrained would fail too, and we cannot tell how
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return f"transformers cannot build {arch} from config.json ({first[:200]})"
-    try:
-        return _view(model, dtype, stored)
-    except Exception as exc:  # transformers' own mapping code failed on this model: the names are not known
-        return f"transformers' conversion mapping of {arch} failed ({type(exc).__name__})"
-
-
-def _most_layers(cfg: Mapping[str, Any]) -> tuple[str, int] | None:
-    """The largest layer count config.json asks for (``num_hidden_layers``, ``n_layer``, ``encoder_layers``, in
-    sub-configs too), with its key."""
-    found: list[tuple[int, str]] = []
-
-    def walk(value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                if isinstance(v, int) and not isinstance(v, bool) and re.search(r"(^|_)(n_)?layers?$", str(k)):
-                    found.append((v, str(k)))
-                walk(v)
-        elif isinstance(value, list):
-            for v in value:
-                walk(v)
-
-    walk(cfg)
-    if not found:
-        return None
-    n, key = max(found)
-    return key, n
-
-
-def _view(model: Any, dtype: str, names: Sequence[str]) -> ModelView:
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-    mapping = get_model_conversion_mapping(model)
-    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in mapping if isinstance(m, WeightConverter)]
-    state = model.state_dict()
-    prefix = model.base_model_prefix
-    renamed: dict[str, str] = {}
-    converted: dict[str, WeightConversion] = {}
-    for name in names:
-        new, pattern = rename_source_key(name, renamings, converters, prefix, state)
-        if new not in state and name in state:  # the loader's retry: only the prefix may change
-            new, pattern = rename_source_key(name, [], [], base_model_prefix=prefix, meta_state_dict=state)
-        if new not in state:
-            continue  # an unexpected key: from_pretrained drops it; it keeps its stored name here
-        if pattern is not None:
-            conv = next(c for c in converters if pattern in c.source_patterns)
-            converted[name] = WeightConversion(new, tuple(type(op).__name__ for op in conv.operations))
-        elif new != name:
-            renamed[name] = new
-    pinned = {k: dtypes.name_of(v.dtype) for k, v in state.items() if str(v.dtype) != f"torch.{dtype}"}
-    return ModelView(
-        tuple(sorted(model._keep_in_fp32_modules or ())),
-        tuple(sorted(model._keep_in_fp32_modules_strict or ())),
-        renamed,
-        converted,
-        pinned,
-    )
+    done = hftable.rename(info, stored)
+    converted = {k: WeightConversion(into, ops) for k, (into, ops) in done.converted.items()}
+    loaded = [done.renamed.get(n, converted[n].into if n in converted else n) for n in stored]
+    return ModelView(tuple(sorted(keep)), tuple(sorted(strict)), done.renamed, converted, hftable.pinned(info, dtype, loaded))
 
 
 def _pattern(globs: Sequence[str]) -> re.Pattern[str] | None:
@@ -356,8 +277,10 @@ def resolve(
     dtype, why = found
     view = model_view(cfg, dtype, names)
     if isinstance(view, ModelView):
-        return LoadDtype(dtype, why, view.keep_fp32, view.keep_fp32_strict, _arch(cfg), view.renamed, view.converted, view.pinned)
-    keep, strict, arch = keep_in_fp32(cfg)  # the top class's own lists, where it exists but cannot be built
+        return LoadDtype(
+            dtype, why, view.keep_fp32, view.keep_fp32_strict, _arch(cfg), view.renamed, view.converted, view.pinned, view.names_unknown
+        )
+    keep, strict, arch = keep_in_fp32(cfg)  # the top class's own lists, where the table has no built model of it
     return LoadDtype(dtype, why, keep, strict, arch, names_unknown=view if arch is not None else None)
 
 
@@ -456,7 +379,8 @@ def loaded_findings(tensors: Sequence[TensorRecord], load: LoadDtype, *, file: s
             Finding(
                 "keep-in-fp32-unknown",
                 "info",
-                f"{what} is not known here (transformers not installed, or not one of its classes): its _keep_in_fp32_modules, "
+                f"{what} is not known here (not in the table of transformers {hftable.table().transformers_version}'s classes): "
+                "its _keep_in_fp32_modules, "
                 f"which stay float32 under {load.dtype}, are not applied",
                 file=file,
             )
@@ -472,7 +396,7 @@ def name_findings(load: LoadDtype, *, file: str = "config.json") -> list[Finding
     """``load-renamed`` (info): stored names the loaded model knows by others, a few shown stored -> loaded (all of
     them in the report's metadata); ``load-conversion-unmodelled`` (warning) per WeightConverter target: stored
     tensors from_pretrained merges or splits into a tensor of another name and shape, which is not modelled;
-    ``load-names-unknown`` (info) where the class is named but cannot be built here."""
+    ``load-names-unknown`` (info) where the table has no built model of the class named (or its names for this config)."""
     what = f"class {load.model_class}" if load.model_class else "the model class"
     out = []
     if load.renamed:
