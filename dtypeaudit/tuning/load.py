@@ -74,6 +74,9 @@ def _hf_model(reference: str) -> torch.nn.Module:
     if resolved.weights is None:
         raise UsageError(f"{reference}: a Hugging Face folder without weights; give one with its weights, or a factory and --checkpoint")
     cls = type(resolved.model)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar on stderr is not our progress
     try:
         # from_pretrained reads safetensors, or .bin with torch.load(weights_only=True); trust_remote_code stays off.
         return cls.from_pretrained(resolved.weights, torch_dtype=torch.float32, local_files_only=True, trust_remote_code=False)
