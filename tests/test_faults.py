@@ -104,3 +104,25 @@ def test_a_source_rewritten_during_convert_is_refused_and_nothing_is_left(tmp_pa
         "nothing was written: convert it again once it is written"
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no output, no temporary
+
+
+def test_convert_refuses_a_config_json_over_the_cap(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2, 2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "padding": "x" * (64 << 20)}))
+    out = tmp_path.parent / f"{tmp_path.name}-fp16"
+    r = run_cli("convert", str(tmp_path), "--to", "fp16", "-o", str(out), process=True)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [f"dtypeaudit: error: {tmp_path / 'config.json'}: JSON file is over the 64 MiB cap"]
+    assert not out.exists()
+
+
+def test_a_folder_that_is_not_one_checkpoint_says_what_it_lacks(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))  # no config.json: from_pretrained would not load it
+    r = run_cli("convert", str(tmp_path), "--to", "fp16")
+    assert r.returncode == 2
+    assert "no config.json or numbered shards beside its weight files" in r.stderr and "no *.safetensors" not in r.stderr
+    assert run_cli("scan", str(tmp_path), "-q").returncode == 0  # a scan reads each file apart

@@ -37,6 +37,9 @@ def index_with_sizes(index: dict[str, Any], total_size: int, weight_map: dict[st
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    from ..formats.jsonfile import within_json_cap
+
+    within_json_cap(path)  # the readers' cap: a 200 MB config.json took 2.4 GB here
     doc = json.loads(path.read_text(encoding="utf-8"))
     return doc if isinstance(doc, dict) else {}
 

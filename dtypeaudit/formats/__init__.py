@@ -106,4 +106,9 @@ def _read_directory(p: AnyPath, shown: str, exclude: tuple[str, ...], target: Ta
         return dcp.read(p, read_file, exclude=exclude)
     if directory.is_model_directory(p, docs):
         return directory.read(p, read_file, docs, exclude=exclude)
-    raise CheckpointError("directory holds no checkpoint (no .metadata, no index, no *.safetensors or pytorch_model*.bin)", path=shown)
+    raise CheckpointError(
+        "directory is not one checkpoint: no DCP .metadata, no weights index, and no config.json or numbered shards "
+        "beside its weight files (what from_pretrained needs); name its files one by one (or scan the folder, which "
+        "reads each file apart)",
+        path=shown,
+    )
