@@ -73,11 +73,13 @@ def test_exclude_leaves_a_file_out_and_says_so(tmp_path: Path) -> None:
     path = _hf_folder(tmp_path / "m")
     torch.save({"args": Payload(tmp_path / "canary")}, path / "training_args.bin")
     (path / "README.md").write_text("# a model\n")
+    (path / "notes.txt").write_text("trained on a Tuesday\n")
     code, doc, _ = json_report("scan", str(path), "--exclude", "training_args.bin")
     assert code == 0
     notes = [f for f in doc["checkpoints"][0]["findings"] if f["rule"] == "left-out"]
     assert len(notes) == 1 and "training_args.bin (--exclude training_args.bin)" in notes[0]["message"]
-    assert "README.md (not a pickle" in notes[0]["message"]  # nothing is left out without being named
+    assert "notes.txt (not a pickle" in notes[0]["message"]  # nothing unusual is left out without being named
+    assert "README.md" not in notes[0]["message"]  # a model folder's usual files are read, and no news
     assert "config.json" not in notes[0]["message"]  # from_pretrained reads it: not left out
 
 

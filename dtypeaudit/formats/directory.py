@@ -433,6 +433,23 @@ def _resolved(p: AnyPath) -> AnyPath:
         return p
 
 
+# The files save_pretrained, a tokenizer, a processor and the hub put beside the weights. Each is still read for
+# safety; where its content is no format any loader reads, it is passed over without a left-out note.
+_KNOWN_COMPANIONS = frozenset(
+    {
+        "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+        "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+        "sentencepiece.bpe.model", "preprocessor_config.json", "processor_config.json", "chat_template.jinja",
+        "chat_template.json", "readme.md", "license", "license.md", "license.txt", ".gitattributes",
+    }
+)  # fmt: skip
+
+
+def is_known_companion(label: str) -> bool:
+    """Whether ``label`` (a path in the folder) names one of the usual non-weight files of a model folder."""
+    return label.replace("\\", "/").rsplit("/", 1)[-1].lower() in _KNOWN_COMPANIONS
+
+
 def companions(
     path: AnyPath,
     used: set[Any],
@@ -458,6 +475,8 @@ def companions(
         label = _relative(p, path)
         pattern = excluded_by(label, exclude)
         why = f"--exclude {pattern}" if pattern else leave_out_reason(p)
+        if why and not pattern and is_known_companion(label):
+            continue  # read, and no loader would take it for weights: a model folder's usual file is no news
         if why:
             left.append((label, why))
         else:
