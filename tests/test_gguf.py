@@ -281,3 +281,44 @@ def test_a_gguf_kept_as_it_is_is_refused_alike_by_the_plan_and_the_run(tmp_path:
         proc = run_cli("convert", str(path), "--to", "fp16", "--keep-quantized", *extra)
         assert proc.returncode == 2 and why in proc.stderr and "pickle" not in proc.stderr, proc.stderr
     assert not (tmp_path / "out.pt").exists()
+
+
+def _tiny(path: Path, **writer_args: Any) -> tuple[Any, Path]:
+    gguf = _gguf()
+    writer = gguf.GGUFWriter(str(path), "llama", **writer_args)
+    return writer, path
+
+
+def _finish(writer: Any, data: Any) -> None:
+    writer.add_tensor("w", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("vtype", ["UINT64", "INT32", "UINT8"])
+def test_an_alignment_not_stored_as_uint32_is_refused_as_the_loaders_do(tmp_path: Path, vtype: str) -> None:
+    gguf = _gguf()
+    import numpy as np
+
+    writer, path = _tiny(tmp_path / "a.gguf")
+    writer.add_key_value("general.alignment", 32, getattr(gguf.GGUFValueType, vtype))  # type: ignore[attr-defined]
+    _finish(writer, np.ones((4, 8), dtype=np.float32))
+    with pytest.raises(ValueError, match="alignment"):
+        gguf.GGUFReader(str(path))  # the reference refuses it
+    r = run_cli("scan", str(path), "-q")
+    assert r.returncode == 2
+    assert f"GGUF general.alignment is stored as type {int(getattr(gguf.GGUFValueType, vtype))}, not uint32" in r.stderr
+
+
+def test_a_big_endian_gguf_is_named_as_such(tmp_path: Path) -> None:
+    gguf = _gguf()
+    import numpy as np
+
+    writer, path = _tiny(tmp_path / "be.gguf", endianess=gguf.GGUFEndian.BIG)
+    _finish(writer, np.ones((4, 8), dtype=np.float32))  # the writer swaps the bytes itself
+    assert gguf.GGUFReader(str(path)).endianess == gguf.GGUFEndian.BIG  # the reference sees its byte order
+    r = run_cli("scan", str(path), "-q")
+    assert r.returncode == 2
+    assert "is a big-endian GGUF file (version 3)" in r.stderr and "50331648" not in r.stderr

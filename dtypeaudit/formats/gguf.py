@@ -85,6 +85,7 @@ PLAIN_DTYPES = {
 """ggml types that are plain arrays: their torch dtype."""
 
 # GGUF value types: 0 UINT8 .. 12 FLOAT64; 8 is STRING, 9 ARRAY
+_UINT32 = 4
 _SCALARS: dict[int, str] = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 _KEPT = ("general.architecture", "general.name", "general.file_type", "general.quantization_version", "general.alignment")
@@ -158,6 +159,13 @@ def read(path: AnyPath | Source, *, file_label: str = "") -> Inventory:
         if cur.take(4, "magic") != MAGIC:
             raise CheckpointError("is not a GGUF file (no GGUF magic)", path=name)
         version = cur.unpack("<I", "version")
+        if version & 0xFFFF == 0 and (version >> 24) in (2, 3):
+            # A version that reads as 2 or 3 byte-swapped: gguf-py's GGUFReader tells the byte order this way.
+            raise CheckpointError(
+                f"is a big-endian GGUF file (version {version >> 24}); llama.cpp on a little-endian machine does not load "
+                "it, and dtypeaudit reads little-endian GGUF only",
+                path=name,
+            )
         if version not in (2, 3):
             raise CheckpointError(f"GGUF version {version} is not supported (llama.cpp reads 2 and 3)", path=name)
         n_tensors = cur.unpack("<Q", "tensor count")
@@ -177,6 +185,9 @@ def read(path: AnyPath | Source, *, file_label: str = "") -> Inventory:
             value = cur.value(kind, f"value of '{key}'", keep=key in _KEPT)
             if key in _KEPT:
                 kept[key] = value
+            if key == "general.alignment" and kind != _UINT32:
+                # llama.cpp reads it with gguf_get_val_u32 and GGUFReader checks its type: both refuse another
+                raise CheckpointError(f"GGUF general.alignment is stored as type {kind}, not uint32; the loaders refuse it", path=name)
         alignment = kept.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
             raise CheckpointError(f"GGUF general.alignment {alignment!r} is not a power of two", path=name)
