@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConversionError
 from ..inventory import Finding, Inventory, format_of
+from ..safety import reader_refusals
 from ..values import ValueStats
 from .plan import Plan
 
@@ -53,9 +54,6 @@ class Result:
 
 
 # A rewrite would carry what hides after the pickle along or silently drop it: either way it launders it.
-REFUSED_WARNINGS = frozenset({"trailing-data"})
-
-
 def refusals(inv: Inventory) -> tuple[Finding, ...]:
     """What makes ``convert`` refuse ``inv`` before anything is written (or, for a remote source, downloaded):
     the one decision, for local and remote sources alike, from the reader's inventory alone.
@@ -67,7 +65,7 @@ def refusals(inv: Inventory) -> tuple[Finding, ...]:
     (``Format.convert_refusal``: TorchScript, a bare pickle, DCP ...) is bad input: ``ConversionError`` (exit 2),
     the format's reason as its message.
     """
-    refused = tuple(f for f in inv.findings if f.severity == "error" or f.rule in REFUSED_WARNINGS)
+    refused = reader_refusals(inv)
     fmt = format_of(inv.format)
     if not refused and fmt is not None and fmt.convert_refusal:
         raise ConversionError(fmt.convert_refusal, path=inv.path)

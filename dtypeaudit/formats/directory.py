@@ -445,7 +445,7 @@ _KNOWN_COMPANIONS = frozenset(
 )  # fmt: skip
 
 
-def is_known_companion(label: str) -> bool:
+def _is_known_companion(label: str) -> bool:
     """Whether ``label`` (a path in the folder) names one of the usual non-weight files of a model folder."""
     return label.replace("\\", "/").rsplit("/", 1)[-1].lower() in _KNOWN_COMPANIONS
 
@@ -475,7 +475,7 @@ def companions(
         label = _relative(p, path)
         pattern = excluded_by(label, exclude)
         why = f"--exclude {pattern}" if pattern else leave_out_reason(p)
-        if why and not pattern and is_known_companion(label):
+        if why and not pattern and _is_known_companion(label):
             continue  # read, and no loader would take it for weights: a model folder's usual file is no news
         if why:
             left.append((label, why))

@@ -865,7 +865,7 @@ def forget() -> None:
         _REMOTE_FS.clear()
 
 
-def fsspec_config(protocol: str) -> dict[str, Any]:
+def _fsspec_config(protocol: str) -> dict[str, Any]:
     """What fsspec's own config (``FSSPEC_S3_*`` variables, ``~/.config/fsspec``) sets for ``protocol``."""
     try:
         import fsspec.config  # type: ignore[import-untyped]
@@ -874,9 +874,8 @@ def fsspec_config(protocol: str) -> dict[str, Any]:
     return dict(fsspec.config.conf.get(protocol, {}))
 
 
-def _defaults(protocol: str) -> dict[str, Any]:
-    """Timeouts for the backends that wait minutes by default, unless fsspec's own config sets them."""
-    configured = fsspec_config(protocol)
+def _defaults(protocol: str, configured: dict[str, Any]) -> dict[str, Any]:
+    """Timeouts for the backends that wait minutes by default, unless fsspec's own config (``configured``) sets them."""
     t = timeout()
     if protocol in ("s3", "s3a") and "config_kwargs" not in configured:
         # botocore retries a failed connection itself (legacy mode: 5 attempts, backoff up to 20 s), and s3fs retries
@@ -900,8 +899,9 @@ def filesystem(url: str) -> tuple[Any, str]:
     except ImportError:
         raise UsageError(f"{shown}: reading remote paths needs fsspec (pip install 'dtypeaudit[remote]')") from None
     protocol = url.split("::")[-1].split("://", 1)[0].lower()
+    configured = _fsspec_config(protocol)
     try:
-        fs, path = url_to_fs(url, **_defaults(protocol))
+        fs, path = url_to_fs(url, **_defaults(protocol, configured))
     except ImportError as exc:  # fsspec says which package its backend needs ("Please install gcsfs ...")
         hint = " (pip install 'dtypeaudit[remote]')" if protocol in ("s3", "s3a", "http", "https", "hf") else ""
         raise UsageError(f"{shown}: {redact(str(exc).strip()) or 'the package for this protocol is missing'}{hint}") from None
@@ -909,6 +909,6 @@ def filesystem(url: str) -> tuple[Any, str]:
         if "Protocol not known" in str(exc) or "not known" in str(exc):
             raise UsageError(f"{shown}: no fsspec filesystem is registered for '{protocol}://'") from None
         raise CheckpointError(f"cannot open ({_short(exc)})", path=shown) from None
-    if protocol in ("s3", "s3a") and "retries" not in fsspec_config(protocol):
+    if protocol in ("s3", "s3a") and "retries" not in configured:
         fs.retries = 1  # a class attribute of S3FileSystem, no argument: see _defaults
     return fs, path

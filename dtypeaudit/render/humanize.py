@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -308,14 +308,16 @@ def _fold_pickled_modules(groups: list[FindingGroup]) -> list[FindingGroup]:
     return out
 
 
-def located(c: CheckpointReport, names: Iterable[str | None], file: str | None = None) -> str:
-    """The path an annotation points at: the one file inside a folder that holds ``names`` (or ``file``, where a
-    finding names it), else the checkpoint's own path (a single file, or names spread over several files)."""
-    if file:
-        files = {file}
-    else:
-        holder = {t.name: t.file for t in (c.inventory.tensors if c.inventory is not None else ())}
-        files = {holder.get(n or "", "") for n in names}
-    if len(files) != 1 or not (only := files.pop()):
-        return c.path
-    return f"{c.path.rstrip('/')}/{only}"
+def locator(c: CheckpointReport) -> Callable[..., str]:
+    """``where(names, file=None)``: the path an annotation of ``c`` points at: the one file inside a folder that
+    holds ``names`` (or ``file``, where a finding names it), else the checkpoint's own path (a single file, or
+    names spread over several files). The tensors' files are looked up once per checkpoint."""
+    holder = {t.name: t.file for t in (c.inventory.tensors if c.inventory is not None else ())}
+
+    def where(names: Iterable[str | None], file: str | None = None) -> str:
+        files = {file} if file else {holder.get(n or "", "") for n in names}
+        if len(files) != 1 or not (only := files.pop()):
+            return c.path
+        return f"{c.path.rstrip('/')}/{only}"
+
+    return where

@@ -9,7 +9,7 @@ from typing import Any
 from .._version import __version__
 from ..inventory import Report
 from ..rules import rule
-from .humanize import located
+from .humanize import locator
 
 _LEVEL = {"error": "error", "warning": "warning", "info": "note"}
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
@@ -40,8 +40,9 @@ def render(report: Report) -> str:
                     "locations": [{"physicalLocation": {"artifactLocation": {"uri": _uri(c.path)}}}],
                 }
             )
+        located = locator(c)
         for f in c.findings:
-            artifact = _uri(located(c, [f.tensor], f.file))  # inside a folder, the file that holds the tensor
+            artifact = _uri(located([f.tensor], f.file))  # inside a folder, the file that holds the tensor
             location: dict[str, Any] = {"physicalLocation": {"artifactLocation": {"uri": artifact}}}
             if f.tensor:
                 location["logicalLocations"] = [{"fullyQualifiedName": f.tensor, "name": f.tensor.rsplit(".", 1)[-1], "kind": "member"}]
