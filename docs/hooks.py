@@ -6,7 +6,10 @@
 * ``<!-- report-schema -->`` becomes the table of the ``dtypeaudit.report/1`` fields and the JSON Schema itself,
   from ``dtypeaudit.render.schema.report_schema()``.
 
-``tests/test_report_schema.py`` and ``tests/test_docs_examples.py`` check what they render.
+In the repository each marker opens a note that ends at ``<!-- /NAME -->``: the section is generated at build
+time, and how to see it without building. The hook replaces the marker and its note together, so the note never
+reaches the site. ``tests/test_report_schema.py``, ``tests/test_docs_examples.py`` and
+``tests/test_messages_true.py`` check what they render.
 """
 
 from __future__ import annotations
@@ -21,13 +24,17 @@ API_MARKER = "<!-- python-api -->"
 
 
 def on_page_markdown(markdown: str, **_: Any) -> str:
-    if CLI_MARKER in markdown:
-        markdown = markdown.replace(CLI_MARKER, cli_reference())
-    if SCHEMA_MARKER in markdown:
-        markdown = markdown.replace(SCHEMA_MARKER, report_schema_markdown())
-    if API_MARKER in markdown:
-        markdown = markdown.replace(API_MARKER, python_api())
+    for marker, generate in ((CLI_MARKER, cli_reference), (SCHEMA_MARKER, report_schema_markdown), (API_MARKER, python_api)):
+        if marker in markdown:
+            text = generate()
+            markdown = _section(marker).sub(lambda _, text=text: text, markdown)  # a function: no backslash escapes
     return markdown
+
+
+def _section(marker: str) -> re.Pattern[str]:
+    """``marker``, and the repository's note after it up to its closing ``<!-- /NAME -->`` where there is one."""
+    closing = marker.replace("<!-- ", "<!-- /", 1)
+    return re.compile(re.escape(marker) + r"(?:.*?" + re.escape(closing) + ")?", re.DOTALL)
 
 
 # -- the CLI reference ------------------------------------------------------------------------------------------------

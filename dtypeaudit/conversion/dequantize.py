@@ -167,10 +167,9 @@ def make_dequant_plan(inv: Inventory, view: qm.QuantView, target: str, reading: 
     n = len(view.weights)
     schemes = ", ".join(sorted({w.scheme.name for w in view.weights}))
     if n:
-        notes = [
-            f"{n} quantized weight{'s' if n != 1 else ''} ({schemes}) {'are' if n != 1 else 'is'} dequantized to {target}; "
-            "quantization_config is removed from config.json"
-        ]
+        # only a folder's config.json holds a quantization_config to remove (a GGUF or single file has none)
+        dropped = "; quantization_config is removed from config.json" if "quantization_config" in inv.metadata else ""
+        notes = [f"{n} quantized weight{'s' if n != 1 else ''} ({schemes}) {'are' if n != 1 else 'is'} dequantized to {target}{dropped}"]
     else:  # an all-float GGUF comes this way too (inventory.Format.dequantizes), with nothing to dequantize
         notes = [f"no quantized weights: a {inv.format} file is converted by the dequantizing writer, to safetensors"]
     plan = Plan(inv, target, plans, clamp=reading.clamp, notes=notes, config_dtype=target if is_dir else None)
