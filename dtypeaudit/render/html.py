@@ -18,7 +18,7 @@ import base64
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from html import escape
 from typing import TYPE_CHECKING, Any
@@ -299,21 +299,27 @@ def _severity_marks(findings: Iterable[Finding], tensors: Sequence[TensorRecord]
 
 def _bytes_bar(tensors: Sequence[TensorRecord], label: str) -> str:
     rows = dtype_summary(tensors)
-    total = sum(r.nbytes for r in rows)
-    parts = []
-    for r in rows:
-        width = 100 * r.nbytes / total if total else 100 / len(rows)
-        parts.append(f'<span class="seg dt-{_css_key(r.dtype)}" style="width:{width:.3f}%"></span>')
-    said = ", ".join(f"{r.dtype} {human_bytes(r.nbytes)} ({r.share:.1%})" for r in rows)
-    items = "".join(
-        f'<li><span class="swatch dt-{_css_key(r.dtype)}" aria-hidden="true"></span>{escape(r.dtype)}: '
-        f"{r.tensors} tensor{'s' if r.tensors != 1 else ''}, {human_count(r.numel)} elements, {human_bytes(r.nbytes)}"
-        f" ({r.share:.1%})</li>"
+    legend = [
+        f"{r.tensors} tensor{'s' if r.tensors != 1 else ''}, {human_count(r.numel)} elements, {human_bytes(r.nbytes)} ({r.share:.1%})"
         for r in rows
+    ]
+    return bytes_bar([(r.dtype, r.nbytes) for r in rows], label, legend)
+
+
+def bytes_bar(parts: Sequence[tuple[str, int]], label: str, legend: Sequence[str]) -> str:
+    """A bar of bytes by dtype, ``(dtype, bytes)`` largest first, and its legend: ``legend[i]`` says ``parts[i]``."""
+    total = sum(n for _, n in parts)
+    segments = []
+    for dtype, n in parts:
+        width = 100 * n / total if total else 100 / len(parts)
+        segments.append(f'<span class="seg dt-{_css_key(dtype)}" style="width:{width:.3f}%"></span>')
+    said = ", ".join(f"{dtype} {human_bytes(n)} ({n / (total or 1):.1%})" for dtype, n in parts)
+    items = "".join(
+        f'<li><span class="swatch dt-{_css_key(dtype)}" aria-hidden="true"></span>{escape(dtype)}: {escape(text)}</li>'
+        for (dtype, _), text in zip(parts, legend, strict=True)
     )
-    return (
-        f'<div class="bar" role="img" aria-label="{escape(label)}: {escape(said)}">{"".join(parts)}</div><ul class="barlegend">{items}</ul>'
-    )
+    bar = f'<div class="bar" role="img" aria-label="{escape(label)}: {escape(said)}">{"".join(segments)}</div>'
+    return f'{bar}<ul class="barlegend">{items}</ul>'
 
 
 def _legend(dtypes: Iterable[str], marks: Iterable[Mark]) -> str:
@@ -371,8 +377,13 @@ def _tensor_table(multi: bool) -> str:
 # -- scan report -------------------------------------------------------------------------------------
 
 
-def render(report: Report) -> str:
-    """The whole report as one page."""
+CheckpointExtra = Callable[[int, CheckpointReport, set[str]], str]
+"""More of one checkpoint's section (``trace``: its modules, operations and activations), given the checkpoint's
+number and report; it adds the dtypes it colours to the set."""
+
+
+def render(report: Report, *, title: str = "dtypeaudit report", extra: CheckpointExtra | None = None) -> str:
+    """The whole report as one page; ``extra`` adds to each readable checkpoint's section."""
     multi = len(report.checkpoints) > 1
     failing = report.failing()
     unreadable = [c for c in report.checkpoints if c.error]
@@ -385,10 +396,10 @@ def render(report: Report) -> str:
     dtypes: set[str] = set()
     used_marks: dict[str, Mark] = {}
     for n, c in enumerate(report.checkpoints):
-        sections.append(_checkpoint_section(n, c, rows, dtypes, used_marks))
+        sections.append(_checkpoint_section(n, c, rows, dtypes, used_marks, extra))
     legend = _legend(sorted(dtypes), [m for k, m in sorted(used_marks.items(), key=lambda kv: -severity_rank(kv[0]))])
     body = f"""<header>
-<h1>dtypeaudit report</h1>
+<h1>{escape(title)}</h1>
 <p class="verdict verdict-{verdict}"><strong>{verdict}</strong>: {counts}, failing at {escape(report.fail_on)}{policy}.</p>
 </header>
 <main>
@@ -400,7 +411,9 @@ def render(report: Report) -> str:
     return _page(f"dtypeaudit: {', '.join(c.path for c in report.checkpoints)}", body, dtypes=dtypes, data=data)
 
 
-def _checkpoint_section(n: int, c: CheckpointReport, rows: list[list[object]], dtypes: set[str], used: dict[str, Mark]) -> str:
+def _checkpoint_section(
+    n: int, c: CheckpointReport, rows: list[list[object]], dtypes: set[str], used: dict[str, Mark], extra: CheckpointExtra | None = None
+) -> str:
     hid = f"ck{n}-h"
     head = f'<section class="checkpoint" aria-labelledby="{hid}"><h2 id="{hid}"><code>{escape(c.path)}</code></h2>'
     if c.error:
@@ -442,7 +455,7 @@ def _checkpoint_section(n: int, c: CheckpointReport, rows: list[list[object]], d
         f"{head}<p>{facts}</p>"
         f'<h3>Dtype map</h3><div class="maps">{grid}</div>'
         f"<h3>Bytes by dtype</h3>{_bytes_bar(tensors, 'bytes by dtype')}"
-        f'<h3 id="ck{n}-fh">Findings ({len(c.findings)})</h3>{findings}</section>'
+        f'<h3 id="ck{n}-fh">Findings ({len(c.findings)})</h3>{findings}{extra(n, c, dtypes) if extra else ""}</section>'
     )
 
 
@@ -601,6 +614,7 @@ a{color:#0050a0}
 .sides{display:grid;grid-template-columns:repeat(auto-fit,minmax(30rem,1fr));gap:1.5rem}
 .sides .side{min-width:0}
 .unreadable{color:#a00000}
+tr.sev-error td{color:#a00000}
 """
 
 _SCRIPT = r"""

@@ -1,7 +1,8 @@
 """Reports of ``dtypeaudit trace``: the scan renderers, plus the trace section (modules, activations, operations).
 
-JSON is ``dtypeaudit.report/1`` with a ``trace`` object in the checkpoint; SARIF, GitHub and JUnit carry the
-findings exactly as for ``scan``. Pure functions, report -> str; no torch.
+JSON is ``dtypeaudit.report/1`` with a ``trace`` object in the checkpoint; HTML is scan's page with the trace in
+each checkpoint's section; SARIF, GitHub and JUnit carry the findings exactly as for ``scan``. Pure functions,
+report -> str; no torch.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def renderer_for(fmt: OutputFormat, *, width: int = 120, verbose: bool = False, 
         return lambda r: render_text(r, color=color, width=width, verbose=verbose, quiet=quiet)
     if fmt is OutputFormat.markdown:
         return lambda r: render_markdown(r, verbose=verbose)
+    if fmt is OutputFormat.html:
+        return render_html
     return scan_renderer_for(fmt, width=width, verbose=verbose)
 
 
@@ -305,3 +308,87 @@ def render_markdown(report: Report, *, verbose: bool = False) -> str:
             out += [f"| `{d}` | {human_bytes(n)} | {n / total:.1%} |" for d, n in summary.activations]
             out.append("")
     return "\n".join(out) + "\n"
+
+
+# -- HTML --------------------------------------------------------------------------------------------
+
+
+def render_html(report: Report) -> str:
+    """Scan's page (the parameters' dtype map, bytes by dtype, findings, the tensor table), each traced model's
+    section followed by its trace: the settings, activations by dtype, every module and every operation."""
+    from . import html
+
+    return html.render(report, title="dtypeaudit trace", extra=_trace_html)
+
+
+def _trace_html(n: int, c: Any, dtypes: set[str]) -> str:
+    from html import escape
+
+    from .html import bytes_bar
+
+    summary = c.trace if isinstance(c, TraceCheckpointReport) else None
+    if summary is None:
+        return ""
+    dtypes.update(d for d, _ in summary.activations)
+    settings = "".join(f"<li>{escape(line)}</li>" for line in settings_lines(summary))
+    out = [f'<h3 id="ck{n}-th">Trace</h3><p>{escape(headline(summary))}</p><ul>{settings}</ul>']
+    total = sum(b for _, b in summary.activations)
+    out.append(f'<h3 id="ck{n}-ah">Activations by dtype ({escape(human_bytes(total))})</h3>')
+    if summary.activations:
+        legend = [f"{human_bytes(b)} ({b:,} bytes, {b / (total or 1):.1%})" for _, b in summary.activations]
+        out.append(bytes_bar(summary.activations, "activation bytes by dtype", legend))
+    else:
+        out.append("<p>No activations: the forward pass made no new tensor.</p>")
+    by_module: dict[str, list[str]] = {}
+    for f in c.findings:
+        if f.tensor:
+            by_module.setdefault(f.tensor, []).append(f"{f.severity}: {f.rule}")
+    modules = [
+        [
+            label,
+            m.type,
+            str(m.calls),
+            _dtypes(m.inputs),
+            _dtypes(m.compute),
+            _dtypes(m.outputs),
+            ", ".join(f"{human_bytes(b)} {d}" for d, b in m.activation_bytes) or "-",
+            "; ".join(by_module.get(label, [])),
+        ]
+        for label, m in module_rows(summary.modules, verbose=True)
+    ]
+    out.append(
+        _html_table(
+            f"ck{n}-mh",
+            f"Modules ({len(modules)})",
+            ("module", "type", "calls", "in", "compute", "out", "activations", "findings"),
+            [("", r) for r in modules],
+            numeric={2},
+        )
+    )
+    ops = [
+        (
+            "sev-error" if o.error else "",
+            [str(o.index), o.phase, o.module or "(root)", o.name, _dtypes(o.inputs), _dtypes(o.outputs), f"{o.nbytes:,}", op_note(o)],
+        )
+        for o in summary.ops
+    ]
+    heads = ("#", "phase", "module", "op", "inputs", "outputs", "bytes made", "note")
+    out.append(_html_table(f"ck{n}-oh", f"Operations ({len(ops)})", heads, ops, numeric={0, 6}))
+    return "".join(out)
+
+
+def _html_table(hid: str, title: str, heads: tuple[str, ...], rows: list[tuple[str, list[str]]], *, numeric: set[int]) -> str:
+    """A heading and its table, in a box that scrolls (and takes keyboard focus to) where it is long; every cell escaped."""
+    from html import escape
+
+    if not rows:
+        return f'<h3 id="{hid}">{escape(title)}</h3><p>None.</p>'
+    head = "".join(f'<th scope="col">{escape(h)}</th>' for h in heads)
+    body = []
+    for cls, cells in rows:
+        tds = "".join(f'<td class="num">{escape(v)}</td>' if i in numeric else f"<td>{escape(v)}</td>" for i, v in enumerate(cells))
+        body.append(f'<tr class="{cls}">{tds}</tr>' if cls else f"<tr>{tds}</tr>")
+    return (
+        f'<h3 id="{hid}">{escape(title)}</h3><div class="scrollbox" tabindex="0" role="region" aria-labelledby="{hid}">'
+        f'<table class="tensors"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
+    )
