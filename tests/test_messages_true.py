@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pickle
 import types
 from pathlib import Path
 
@@ -61,17 +62,23 @@ class _Calls:
         return (os.system, ("true",))
 
 
-def _evil(folder: Path, *, config: bool) -> Path:
+def _evil(folder: Path, *, config: bool, bare: bool = False) -> Path:
+    """``pytorch_model.bin`` as torch.save writes it (a zip), or ``bare``: a pickle alone (``pickle.dumps``)."""
     torch = pytest.importorskip("torch")
     folder.mkdir()
-    torch.save({"model.embed_tokens.weight": torch.ones(2), "x": _Calls()}, folder / "pytorch_model.bin")
+    state = {"model.embed_tokens.weight": torch.ones(2), "x": _Calls()}
+    if bare:
+        (folder / "pytorch_model.bin").write_bytes(pickle.dumps({"x": _Calls()}, protocol=2))
+    else:
+        torch.save(state, folder / "pytorch_model.bin")
     if config:
         (folder / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     return folder
 
 
-def test_convert_of_a_folder_with_an_unsafe_pytorch_model_bin_names_it(tmp_path: Path) -> None:
-    evil = _evil(tmp_path / "evil_dir", config=True)
+@pytest.mark.parametrize("bare", [False, True], ids=["torch.save", "bare-pickle"])
+def test_convert_of_a_folder_with_an_unsafe_pytorch_model_bin_names_it(tmp_path: Path, bare: bool) -> None:
+    evil = _evil(tmp_path / "evil_dir", config=True, bare=bare)
     proc = run_cli("convert", str(evil), "--to", "fp16")
     assert proc.returncode == 2
     said = proc.stdout + proc.stderr
