@@ -14,6 +14,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 from . import dtypes, kernels, structure
+from .formats.training import is_training_state
 from .inventory import Finding, Format, Inventory, TensorRecord
 from .quant.hints import might_be_quantized
 from .structure import Module
@@ -75,7 +76,7 @@ def policy_findings(inv: Inventory, policy: Policy) -> list[Finding]:
     out = []
     for s, t in zip(logical(inv).tensors, as_policies_see_it(inv), strict=True):
         d = decide(policy, t)
-        if not d.ok:
+        if not d.ok and not (d.rule is None and is_training_state(s)):  # the default speaks for weights, not a callback's state
             # The stored name is in the load-renamed note and the metadata, not here: findings that share a cause
             # keep one message, so the report folds them into one line.
             cast = f" (as from_pretrained loads it; stored as {s.dtype})" if s.dtype != t.dtype else ""
