@@ -5,6 +5,7 @@ them, the training state carried unchanged or left out, never an unsafe file car
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +87,109 @@ def _lit_class() -> Any:
             self.net = Net()
 
     return Lit
+
+
+# -- transformers Trainer -------------------------------------------------------------------------------------------
+
+TRAINING_STATE = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json")
+
+
+class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = (torch.arange(8) + i) % 64
+        return {"input_ids": ids, "labels": ids}
+
+
+def _trainer(out: Path, max_steps: int) -> Any:
+    """A tiny llama's Trainer, saving at step 2 (tests/test_integrations.py's way: CPU, no reports, no bars)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2
+    )
+    torch.manual_seed(0)
+    args = transformers.TrainingArguments(
+        output_dir=str(out),
+        max_steps=max_steps,
+        save_steps=2,
+        save_strategy="steps",
+        per_device_train_batch_size=4,
+        report_to=[],
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    return transformers.Trainer(model=transformers.LlamaForCausalLM(config), args=args, train_dataset=_Tokens())
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("trainer")
+    _trainer(out, 2).train()
+    path = out / "checkpoint-2"
+    assert {"model.safetensors", "training_args.bin", *TRAINING_STATE} <= {p.name for p in path.iterdir()}
+    return path
+
+
+def test_a_trainer_checkpoint_is_refused_in_one_way_that_names_an_option_convert_has(checkpoint: Path, tmp_path: Path) -> None:
+    """training_args.bin pickles TrainingArguments (weights_only refuses it): scan fails the folder, so convert refuses
+    it (exit 2), writes nothing, and its advice is an option convert takes."""
+    out = tmp_path / "out"
+    proc = run_cli("convert", str(checkpoint), "--to", "bf16", "-o", str(out))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert not out.exists()
+    assert "training_args.bin" in proc.stderr and "--exclude training_args.bin" in proc.stderr
+    help_text = run_cli("convert", "--help").stdout
+    assert "--exclude GLOB" in help_text
+
+
+def test_a_trainer_checkpoint_converts_to_a_folder_from_pretrained_loads(checkpoint: Path, tmp_path: Path) -> None:
+    """With --exclude training_args.bin: from_pretrained(OUT) equals from_pretrained(checkpoint, dtype=bfloat16) bit for
+    bit; the training state is carried byte for byte (optimizer state not cast), training_args.bin is not written,
+    the output says which, and Trainer(resume_from_checkpoint=OUT) resumes from it."""
+    import transformers
+
+    out = tmp_path / "out"
+    proc = run_cli("convert", str(checkpoint), "--to", "bf16", "-o", str(out), "--exclude", "training_args.bin")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "carried unchanged: optimizer.pt, scheduler.pt, rng_state.pth, trainer_state.json" in proc.stdout
+    assert "left out: training_args.bin (--exclude training_args.bin)" in proc.stdout
+    assert not (out / "training_args.bin").exists()
+    for name in TRAINING_STATE:
+        assert (out / name).read_bytes() == (checkpoint / name).read_bytes(), name
+    optimizer = torch.load(out / "optimizer.pt", weights_only=True)
+    assert {v.dtype for s in optimizer["state"].values() for v in s.values()} == {torch.float32}
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
+    want = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.bfloat16).state_dict()
+    assert loaded.keys() == want.keys()
+    for name, tensor in want.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    # the Trainer resumes from it: step, optimizer, scheduler and RNG state read back
+    trainer = _trainer(tmp_path / "resumed", 3)
+    trainer.train(resume_from_checkpoint=str(out))
+    assert trainer.state.global_step == 3
+
+
+def test_a_payload_left_out_by_exclude_is_never_written(checkpoint: Path, tmp_path: Path) -> None:
+    """A training_args.bin that calls posix.system, and a file in a subfolder, left out with --exclude: neither is
+    read, run or copied into the output."""
+    from .test_loaders import Payload
+
+    path = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoint, path)
+    canary = tmp_path / "canary"
+    torch.save(Payload(canary), path / "training_args.bin")
+    (path / "extra").mkdir()
+    torch.save(Payload(canary), path / "extra" / "hook.pt")
+    (path / "extra" / "notes.txt").write_text("kept")
+    assert run_cli("convert", str(path), "--to", "bf16", "-o", str(tmp_path / "refused")).returncode == 2
+    out = tmp_path / "out"
+    proc = run_cli("convert", str(path), "--to", "bf16", "-o", str(out), "--exclude", "training_args.bin", "--exclude", "extra/hook.pt")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (out / "training_args.bin").exists() and not (out / "extra" / "hook.pt").exists()
+    assert (out / "extra" / "notes.txt").read_text() == "kept"
+    assert "extra/hook.pt (--exclude extra/hook.pt)" in proc.stdout
+    assert not canary.exists()

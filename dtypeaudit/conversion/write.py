@@ -569,7 +569,9 @@ def write_directory(
             total += sub.bytes_after
     index = output_index(plan.source, repacked=weight_map is not None)
     skip = {*sources, *([index] if index else [])}
-    copy_beside_weights(src_dir, out_dir, skip=skip, edit_config=lambda config: config_with_dtype(config, plan.config_dtype))
+    copy_beside_weights(
+        src_dir, out_dir, source=plan.source, skip=skip, edit_config=lambda config: config_with_dtype(config, plan.config_dtype)
+    )
     write_index(src_dir, out_dir, index, total, weight_map)
     return written
 

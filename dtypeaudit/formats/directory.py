@@ -457,13 +457,15 @@ def companions(
     *,
     exclude: tuple[str, ...] = (),
     unused_message: Callable[[str], str] | None = None,
+    excluded: dict[str, str] | None = None,
 ) -> list[Finding]:
     """Every file under ``path`` that the loader does not read as the model (``used``, resolved paths) is read
     for safety: its findings (``unsafe-global`` above all) become the folder's, so one unsafe file beside the
     weights (``training_args.bin``, ``optimizer.pt``, ``rng_state.pth``) fails the folder, whatever the layout.
     Its tensors are not audited with the model; ``unused_message(label)`` words the ``unused-weights`` warning
     for a file that holds some. A file that cannot be read refuses the folder (one line naming it); files left
-    out (``exclude``, or content no loader reads) are listed in one ``left-out`` note, never skipped silently."""
+    out (``exclude``, or content no loader reads) are listed in one ``left-out`` note, never skipped silently.
+    ``excluded`` gains each file ``exclude`` left out (its label -> the pattern): never read, so never carried forward."""
     from .sniff import leave_out_reason
 
     left: list[tuple[str, str]] = []
@@ -479,6 +481,8 @@ def companions(
             continue  # read, and no loader would take it for weights: a model folder's usual file is no news
         if why:
             left.append((label, why))
+            if pattern and excluded is not None:
+                excluded[label] = pattern
         else:
             to_read.append(p)
 
@@ -579,9 +583,12 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory], docs: Documents, 
     # config.json and the index are read by from_pretrained too, as JSON: they are not left out
     also_read = [path / "config.json", *([path / res.index] if res.index else [])]
     used = {s.resolve() for s in shards} | {p.resolve() for p in also_read if p.is_file()}
-    findings.extend(companions(path, used, read_file, exclude=exclude, unused_message=unused))
+    excluded: dict[str, str] = {}
+    findings.extend(companions(path, used, read_file, exclude=exclude, unused_message=unused, excluded=excluded))
 
     metadata: dict[str, object] = {"shards": list(res.files)}
+    if excluded:
+        metadata["excluded"] = excluded  # not read for safety: a conversion does not carry them forward
     if res.index is not None:
         metadata["index"] = _label(res.index)
     if not res.from_pretrained:
