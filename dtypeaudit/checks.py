@@ -94,6 +94,27 @@ def policy_findings(inv: Inventory, policy: Policy) -> list[Finding]:
     return out
 
 
+def training_state_findings(inv: Inventory, policy: Policy) -> list[Finding]:
+    """A Trainer folder's optimizer state (``optimizer.pt`` beside the weights, kept by its reader), judged by the
+    policy's rules that select it (amp-training's ``region: optimizer``): a half Adam moment is a finding. The
+    default speaks for weights, as for a callback's state (``policy_findings``)."""
+    if inv.format != Format.HF_DIRECTORY:
+        return []
+    from .formats.training import optimizer_parts
+    from .policy import decide
+
+    out = []
+    for label, part in optimizer_parts(inv):
+        for t in part.tensors:
+            d = decide(policy, t.with_(file=label))
+            if d.rule is not None and not d.ok:
+                expected = tuple(sorted(d.expected or ()))
+                out.append(
+                    Finding("dtype-mismatch", d.severity, decision_message(d), tensor=t.name, file=label, expected=expected, actual=t.dtype)
+                )
+    return out
+
+
 def tied_conflicts(inv: Inventory, policy: Policy) -> list[Finding]:
     """Names that share one storage but whose rules allow no common dtype."""
     from .policy import decide
@@ -541,7 +562,11 @@ def checks_for(policy: Policy | None) -> list[Check]:
     checks: list[Check] = [consistency, config_dtype, loaded_dtype_findings, quant_consistency]
     if policy is not None:
         # partials, not closures: checks travel to worker processes and Dask workers (fleet.py) by pickle
-        checks += [partial(policy_findings, policy=policy), partial(tied_conflicts, policy=policy)]
+        checks += [
+            partial(policy_findings, policy=policy),
+            partial(tied_conflicts, policy=policy),
+            partial(training_state_findings, policy=policy),
+        ]
         if policy.target is not None:
             from .hardware import check_for
 

@@ -4,6 +4,7 @@ them, the training state carried unchanged or left out, never an unsafe file car
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -193,3 +194,36 @@ def test_a_payload_left_out_by_exclude_is_never_written(checkpoint: Path, tmp_pa
     assert (out / "extra" / "notes.txt").read_text() == "kept"
     assert "extra/hook.pt (--exclude extra/hook.pt)" in proc.stdout
     assert not canary.exists()
+
+
+def _findings(*args: str) -> tuple[int, list[dict[str, Any]]]:
+    proc = run_cli("scan", *args, "-f", "json")
+    return proc.returncode, json.loads(proc.stdout)["checkpoints"][0]["findings"]
+
+
+def test_amp_training_audits_the_trainers_optimizer_state(checkpoint: Path, tmp_path: Path) -> None:
+    """optimizer.pt is the optimizer's state, rng_state.pth RNG state (neither "weights from_pretrained would not
+    load"); amp-training holds optimizer.pt's moments to fp32: one half exp_avg is an error there, and nothing for a
+    half-precision release preset, whose optimizer rule takes any dtype."""
+    code, found = _findings(str(checkpoint), "--exclude", "training_args.bin", "--preset", "amp-training")
+    assert code == 0, found
+    assert not [f for f in found if f["rule"] == "unused-weights"]
+    (state,) = [f["message"] for f in found if f["rule"] == "training-state"]
+    assert "optimizer.pt (optimizer state: 36 tensors, float32)" in state
+    assert "rng_state.pth (the RNG state of python, numpy and torch, no weights)" in state
+    path = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoint, path)
+    optimizer = torch.load(path / "optimizer.pt", weights_only=True)
+    optimizer["state"][0]["exp_avg"] = optimizer["state"][0]["exp_avg"].half()
+    torch.save(optimizer, path / "optimizer.pt")
+    code, found = _findings(str(path), "--exclude", "training_args.bin", "--preset", "amp-training")
+    (half,) = [f for f in found if f["rule"] == "dtype-mismatch"]
+    assert code == 1 and half["file"] == "optimizer.pt" and half["tensor"] == "state.0.exp_avg" and half["actual"] == "float16"
+    assert half["severity"] == "error" and "optimizer-state-fp32" in half["message"]
+    code, found = _findings(str(path), "--exclude", "training_args.bin", "--preset", "fp16")
+    assert not [f for f in found if f.get("file") == "optimizer.pt"]
+    # a conversion carries optimizer.pt unchanged, so its planned output fails amp-training the same way
+    proc = run_cli(
+        "convert", str(path), "--to", "fp32", "-o", str(tmp_path / "out"), "--exclude", "training_args.bin", "--preset", "amp-training"
+    )
+    assert proc.returncode == 1 and "state.0.exp_avg" in proc.stdout + proc.stderr

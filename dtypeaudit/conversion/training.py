@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..formats.training import trainer_file
+from ..formats.training import in_trainer_order, trainer_file
 from ..inventory import Inventory
 
 
@@ -25,16 +25,8 @@ def folder_notes(source: Inventory, src_dir: Path, weights: set[str]) -> list[st
     carried = [n for n in names if trainer_file(n) is not None and n not in left and n not in weights]
     notes = []
     if carried:
-        notes.append(f"carried unchanged: {', '.join(_in_trainer_order(carried))} (training state, copied byte for byte: not cast)")
+        notes.append(f"carried unchanged: {', '.join(in_trainer_order(carried))} (training state, copied byte for byte: not cast)")
     if left:
         shown = ", ".join(f"{label} (--exclude {pattern})" for label, pattern in sorted(left.items()))
         notes.append(f"left out: {shown}; not read, so not written")
     return notes
-
-
-_ORDER = ("optimizer", "scheduler", "scaler", "rng_state", "trainer_state", "training_args")
-
-
-def _in_trainer_order(names: list[str]) -> list[str]:
-    """Optimizer first, as the Trainer writes them."""
-    return sorted(names, key=lambda n: (next((i for i, p in enumerate(_ORDER) if n.startswith(p)), len(_ORDER)), n))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from ..inventory import TensorRecord
+from ..inventory import Finding, Inventory, TensorRecord
 
 # Top-level keys under which training code keeps its own state beside the weights: Lightning's ``callbacks``
 # (ModelCheckpoint's ``kth_value`` and ``best_model_score`` start as inf), ``loops`` and ``lr_schedulers``; a
@@ -33,7 +33,7 @@ _TRAINER_FILES = {
     "optimizer.bin": "optimizer state",  # accelerate's name, which Trainer also resumes from
     "scheduler.pt": "LR scheduler state",
     "scaler.pt": "GradScaler state",
-    "trainer_state.json": "the Trainer's progress (step, log history)",
+    "trainer_state.json": "the Trainer's step and log history",
     "training_args.bin": "the TrainingArguments object",
 }
 _RNG_STATE = re.compile(r"^rng_state(_\d+)?\.pth$")
@@ -45,7 +45,7 @@ def trainer_file(label: str) -> str | None:
     if "/" in label:
         return None
     if _RNG_STATE.match(label):
-        return "RNG state (python, numpy and torch generators), no weights"
+        return "the RNG state of python, numpy and torch, no weights"
     return _TRAINER_FILES.get(label)
 
 
@@ -54,7 +54,48 @@ def holds_optimizer_state(label: str) -> bool:
     return label in ("optimizer.pt", "optimizer.bin")
 
 
-def is_trainer_checkpoint(names: set[str]) -> bool:
-    """Whether a folder whose top-level file names are ``names`` is a Trainer's ``checkpoint-N/``: the Trainer
-    writes trainer_state.json at every save (and training_args.bin beside it)."""
-    return "trainer_state.json" in names or "training_args.bin" in names
+def trainer_state(label: str, inv: Inventory | None) -> str | None:
+    """What the Trainer file ``label`` holds, for a report, where its content (``inv``, as its reader read it; None
+    for a file no loader deserialises, such as trainer_state.json) is what the name says: an optimizer file's
+    tensors all optimizer state, an RNG file's all bytes (torch's generator states are uint8 tensors), the other
+    files' none at all. None where it is not: such a file holds weights the model loader does not load."""
+    kind = trainer_file(label)
+    tensors = inv.tensors if inv is not None else ()
+    if kind is None:
+        return None
+    if holds_optimizer_state(label):
+        if not tensors or any(t.region != "optimizer" for t in tensors):
+            return None
+        dtypes = ", ".join(sorted({t.dtype for t in tensors}))
+        return f"{kind}: {len(tensors)} tensor{'s' if len(tensors) != 1 else ''}, {dtypes}"
+    if _RNG_STATE.match(label):
+        return kind if all(t.dtype == "uint8" for t in tensors) else None
+    return None if tensors else kind
+
+
+_ORDER = ("optimizer", "scheduler", "scaler", "rng_state", "trainer_state", "training_args")
+
+
+def in_trainer_order(names: list[str]) -> list[str]:
+    """Trainer files in the order the Trainer writes them: optimizer first."""
+    return sorted(names, key=lambda n: (next((i for i, p in enumerate(_ORDER) if n.startswith(p)), len(_ORDER)), n))
+
+
+def training_state_finding(described: dict[str, str]) -> Finding:
+    """One ``training-state`` note for the Trainer files of a folder (``described``: label -> what it holds)."""
+    shown = "; ".join(f"{label} ({described[label]})" for label in in_trainer_order(list(described)))
+    return Finding(
+        "training-state",
+        "info",
+        f"a Trainer checkpoint's training state, which Trainer.train(resume_from_checkpoint=...) reads and from_pretrained "
+        f"does not: {shown}",
+    )
+
+
+def optimizer_parts(inv: Inventory) -> list[tuple[str, Inventory]]:
+    """A Trainer folder's optimizer files, each with its inventory (its tensors: region ``optimizer``), as the folder's
+    reader kept them (``Inventory.parts``, under the labels its ``training_state`` metadata names)."""
+    described = inv.metadata.get("training_state")
+    if not isinstance(described, dict):
+        return []
+    return [(label, inv.parts[label]) for label in described if holds_optimizer_state(label) and label in inv.parts]
