@@ -227,3 +227,13 @@ def test_amp_training_audits_the_trainers_optimizer_state(checkpoint: Path, tmp_
         "convert", str(path), "--to", "fp32", "-o", str(tmp_path / "out"), "--exclude", "training_args.bin", "--preset", "amp-training"
     )
     assert proc.returncode == 1 and "state.0.exp_avg" in proc.stdout + proc.stderr
+
+
+def test_exclude_and_in_place_are_refused_together(checkpoint: Path, tmp_path: Path) -> None:
+    """The folder that replaces the source holds no excluded file: --in-place would delete them, so it is refused."""
+    path = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoint, path)
+    proc = run_cli("convert", str(path), "--to", "bf16", "--in-place", "--exclude", "training_args.bin")
+    assert proc.returncode == 2 and "--in-place" in proc.stderr
+    assert (path / "training_args.bin").read_bytes() == (checkpoint / "training_args.bin").read_bytes()
+    assert sorted(p.name for p in path.iterdir()) == sorted(p.name for p in checkpoint.iterdir())

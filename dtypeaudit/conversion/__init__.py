@@ -142,6 +142,8 @@ def convert(
 
         raise UsageError(f"{redact(output)}: a remote output needs a remote source; write it locally and upload it")
     src_path = named.where if isinstance(named.where, Path) else Path(named.text)
+    if exclude and in_place:  # the folder that replaces the source holds no excluded file: they would be gone
+        raise UsageError("--exclude with --in-place would delete the files it leaves out; write the output elsewhere with -o")
     inv = read_checkpoint(named, exclude=exclude)
     if include_optimizer and strip_optimizer:
         raise UsageError("--include-optimizer and --strip-optimizer contradict each other")
