@@ -237,3 +237,22 @@ def test_exclude_and_in_place_are_refused_together(checkpoint: Path, tmp_path: P
     assert proc.returncode == 2 and "--in-place" in proc.stderr
     assert (path / "training_args.bin").read_bytes() == (checkpoint / "training_args.bin").read_bytes()
     assert sorted(p.name for p in path.iterdir()) == sorted(p.name for p in checkpoint.iterdir())
+
+
+def test_a_dequantizing_conversion_does_not_write_what_exclude_left_out(tmp_path: Path) -> None:
+    """The dequantizing writer copies the folder's other files through the same helper: a payload --exclude names
+    is not read, not run and not copied there either."""
+    pytest.importorskip("transformers")
+    from .test_loaders import Payload
+    from .test_quant_convert import make_fp8_dir
+
+    path = make_fp8_dir(tmp_path)
+    canary = tmp_path / "canary"
+    torch.save(Payload(canary), path / "training_args.bin")
+    (path / "notes.txt").write_text("kept")
+    out = tmp_path / "out"
+    assert run_cli("convert", str(path), "--to", "bf16", "-o", str(out)).returncode == 2
+    proc = run_cli("convert", str(path), "--to", "bf16", "-o", str(out), "--exclude", "training_args.bin")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (out / "training_args.bin").exists() and (out / "notes.txt").read_text() == "kept"
+    assert not canary.exists()
