@@ -1,6 +1,7 @@
 """Training checkpoints through convert: a real Lightning ``Trainer.fit`` checkpoint (its callback and loop state
 stays as stored) and a real transformers ``Trainer`` ``checkpoint-N/`` (weights converted as from_pretrained loads
-them, the training state carried unchanged or left out, never an unsafe file carried forward)."""
+them, the training state carried unchanged or left out, never an unsafe file carried forward). The Trainer's
+takes a few seconds in this process (two steps of a one-layer llama) and runs by default."""
 
 from __future__ import annotations
 
@@ -15,9 +16,6 @@ import torch
 
 from .helpers import run_cli
 from .lightning_fit import write as lightning_fit
-
-pytestmark = pytest.mark.slow  # a real Trainer.fit each: seconds of training in a child process
-
 
 # -- Lightning ------------------------------------------------------------------------------------------------------
 
@@ -40,6 +38,7 @@ def _tensors(obj: Any, path: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow  # one Trainer.fit in a child process, as tests/test_lightning_checkpoints.py
 @pytest.mark.parametrize("preset", [None, "bf16"])
 def test_lightning_callback_and_loop_state_is_not_cast_with_the_weights(fitted: Path, tmp_path: Path, preset: str | None) -> None:
     """ModelCheckpoint's kth_value (and every tensor under callbacks/loops) keeps its dtype and value; the weights
