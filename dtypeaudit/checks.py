@@ -14,6 +14,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 from . import dtypes, kernels, structure
+from .formats.training import is_training_state
 from .inventory import Finding, Format, Inventory, TensorRecord
 from .quant.hints import might_be_quantized
 from .structure import Module
@@ -75,7 +76,7 @@ def policy_findings(inv: Inventory, policy: Policy) -> list[Finding]:
     out = []
     for s, t in zip(logical(inv).tensors, as_policies_see_it(inv), strict=True):
         d = decide(policy, t)
-        if not d.ok:
+        if not d.ok and not (d.rule is None and is_training_state(s)):  # the default speaks for weights, not a callback's state
             # The stored name is in the load-renamed note and the metadata, not here: findings that share a cause
             # keep one message, so the report folds them into one line.
             cast = f" (as from_pretrained loads it; stored as {s.dtype})" if s.dtype != t.dtype else ""
@@ -90,6 +91,27 @@ def policy_findings(inv: Inventory, policy: Policy) -> list[Finding]:
                     actual=t.dtype,
                 )
             )
+    return out
+
+
+def training_state_findings(inv: Inventory, policy: Policy) -> list[Finding]:
+    """A Trainer folder's optimizer state (``optimizer.pt`` beside the weights, kept by its reader), judged by the
+    policy's rules that select it (amp-training's ``region: optimizer``): a half Adam moment is a finding. The
+    default speaks for weights, as for a callback's state (``policy_findings``)."""
+    if inv.format != Format.HF_DIRECTORY:
+        return []
+    from .formats.training import optimizer_parts
+    from .policy import decide
+
+    out = []
+    for label, part in optimizer_parts(inv):
+        for t in part.tensors:
+            d = decide(policy, t.with_(file=label))
+            if d.rule is not None and not d.ok:
+                expected = tuple(sorted(d.expected or ()))
+                out.append(
+                    Finding("dtype-mismatch", d.severity, decision_message(d), tensor=t.name, file=label, expected=expected, actual=t.dtype)
+                )
     return out
 
 
@@ -540,7 +562,11 @@ def checks_for(policy: Policy | None) -> list[Check]:
     checks: list[Check] = [consistency, config_dtype, loaded_dtype_findings, quant_consistency]
     if policy is not None:
         # partials, not closures: checks travel to worker processes and Dask workers (fleet.py) by pickle
-        checks += [partial(policy_findings, policy=policy), partial(tied_conflicts, policy=policy)]
+        checks += [
+            partial(policy_findings, policy=policy),
+            partial(tied_conflicts, policy=policy),
+            partial(training_state_findings, policy=policy),
+        ]
         if policy.target is not None:
             from .hardware import check_for
 

@@ -130,6 +130,18 @@ Preset = Annotated[
 ]
 
 
+Exclude = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--exclude",
+        help="Leave out files matching GLOB (their path inside the folder, or their name) when a folder is walked or "
+        "safety-scanned; repeatable. Every file left out is listed in a left-out note; convert does not write it to "
+        "its output either.",
+        metavar="GLOB",
+    ),
+]
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"dtypeaudit {__version__}")
@@ -214,15 +226,7 @@ def scan(
             "Default: the policy's `target`.",
         ),
     ] = None,
-    exclude: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            "--exclude",
-            help="Leave out files matching GLOB (their path inside the folder, or their name) when a folder is walked or "
-            "safety-scanned; repeatable. Every file left out is listed in a left-out note.",
-            metavar="GLOB",
-        ),
-    ] = None,
+    exclude: Exclude = None,
     verbose: Verbose = False,
     quiet: Annotated[
         bool,
@@ -513,6 +517,7 @@ def convert(
     ] = None,
     cluster: Cluster = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Replace the source itself (atomically).")] = False,
+    exclude: Exclude = None,
     fmt: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
     verbose: Verbose = False,
     debug: Debug = False,
@@ -579,6 +584,7 @@ def convert(
         "model": model,
         "materialize_ties": materialize_ties,
         "keep_quantized": keep_quantized,
+        "exclude": tuple(exclude or ()),
     }
     if len(sources) > 1 or jobs is not None or cluster is not None:
         if target is not None:

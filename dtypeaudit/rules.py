@@ -107,6 +107,14 @@ RULES: dict[str, FindingRule] = {
             "The note lists each file and why. Use --exclude only for files nobody loads.",
         ),
         FindingRule(
+            "training-state",
+            "info",
+            "A Trainer checkpoint's training state beside the weights (optimizer.pt, scheduler.pt, rng_state.pth, "
+            "trainer_state.json ...): read for safety, not loaded as the model.",
+            "Trainer.train(resume_from_checkpoint=...) reads it; convert carries it unchanged. A policy's "
+            "region: optimizer rules (amp-training's) judge optimizer.pt's state.",
+        ),
+        FindingRule(
             "followed-link",
             "info",
             "A symlink in the folder leads outside it; the file it leads to was read.",

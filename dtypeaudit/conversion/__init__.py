@@ -28,6 +28,7 @@ from .atomic import atomic_output, check_destination, default_output, flushing
 from .mapped import MappedCheckpoint, Progress, open_sources
 from .plan import Plan, TensorPlan, make_plan, unit_of, with_findings
 from .result import Result, pickled_module_files, refusals
+from .training import folder_notes
 from .value_policy import (
     ValueChecks,
     apply_value_policy,
@@ -83,6 +84,7 @@ def convert(
     keep_quantized: bool = False,
     strict: bool | None = None,
     planned: Plan | None = None,
+    exclude: tuple[str, ...] = (),
 ) -> Result:
     """Plan, check the planned output, check values, write atomically and verify.
 
@@ -100,12 +102,16 @@ def convert(
     policy's ``strict:``; every path checks its planned output with it. ``planned``: the part of a plan made of a
     whole that this one file belongs to (a remote folder's weight file, see remote.py), its tensors relabelled
     as this file's; used as it is, not made again (the whole's output was checked when it was made).
+    ``exclude``: globs of a folder's files to leave out, as ``scan --exclude``: not read, and not written to the output.
     """
     strict = bool(policy and policy.strict) if strict is None else strict
     # Parsed once: a URL or a local path (convert takes no factory or bare hub id: there ``org/name`` is a path).
     named = as_target(source, models=False)
     if named.is_remote:
         from .remote_sources import convert_remote
+
+        if exclude:
+            raise UsageError("--exclude applies to a local folder; download the folder, then convert it")
 
         return convert_remote(
             named,
@@ -136,7 +142,9 @@ def convert(
 
         raise UsageError(f"{redact(output)}: a remote output needs a remote source; write it locally and upload it")
     src_path = named.where if isinstance(named.where, Path) else Path(named.text)
-    inv = read_checkpoint(named)
+    if exclude and in_place:  # the folder that replaces the source holds no excluded file: they would be gone
+        raise UsageError("--exclude with --in-place would delete the files it leaves out; write the output elsewhere with -o")
+    inv = read_checkpoint(named, exclude=exclude)
     if include_optimizer and strip_optimizer:
         raise UsageError("--include-optimizer and --strip-optimizer contradict each other")
     refused = refusals(inv)
@@ -201,6 +209,8 @@ def convert(
             if out_format != Format.TORCH_ZIP:
                 notes.append("safetensors output holds no optimizer state anyway")
             plan = replace(plan, notes=[*plan.notes, *notes])
+        if out_format == Format.HF_DIRECTORY:  # the training state carried unchanged, what --exclude left out
+            plan = replace(plan, notes=[*plan.notes, *folder_notes(parts_of, src_path, set(sources))])
         # The planned output must pass what scan would check, before a byte is read.
         plan = with_findings(plan, policy, strict=strict) if planned is None or stripped else plan
         if plan.failing(policy):

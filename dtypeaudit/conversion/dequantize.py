@@ -530,7 +530,7 @@ def _write_directory(
         return written
     index = output_index(inv)  # its weight map renamed: storage names become the logical weights'
     skip = {*reading.files, *([index] if index else [])}
-    copy_beside_weights(src_dir, tmp, skip=skip, edit_config=lambda config: config_with_dtype(config, target, dequantized=True))
+    copy_beside_weights(src_dir, tmp, source=inv, skip=skip, edit_config=lambda config: config_with_dtype(config, target, dequantized=True))
     write_index(src_dir, tmp, index, total, weight_map)
     return written
 

@@ -81,14 +81,33 @@ def output_index(source: Inventory, *, repacked: bool = False) -> str | None:
     return source_index
 
 
+def not_carried(source: Inventory) -> frozenset[str]:
+    """The files of a model directory its reader did not read because ``--exclude`` named them (paths in the
+    folder): never read for safety, so never copied into a conversion's output."""
+    excluded = source.metadata.get("excluded")
+    return frozenset(str(label) for label in excluded) if isinstance(excluded, dict) else frozenset()
+
+
 def copy_beside_weights(
-    src_dir: Path, out_dir: Path, *, skip: Collection[str], edit_config: Callable[[dict[str, Any]], dict[str, Any]]
+    src_dir: Path,
+    out_dir: Path,
+    *,
+    source: Inventory,
+    skip: Collection[str],
+    edit_config: Callable[[dict[str, Any]], dict[str, Any]],
 ) -> None:
     """Every file and folder of a model directory other than ``skip`` (its weights and the index the output gets
-    written, ``output_index``) and hidden files, copied into ``out_dir``: confined to ``src_dir`` (links are
-    copied as the files they name), config.json rewritten through ``edit_config``, modes kept."""
+    written, ``output_index``), what ``source``'s reader was told to leave out (``not_carried``) and hidden files,
+    copied into ``out_dir``: confined to ``src_dir`` (links are copied as the files they name), config.json
+    rewritten through ``edit_config``, modes kept."""
+    left_out = not_carried(source)
+
+    def unread(folder: str, names: list[str]) -> set[str]:
+        here = Path(folder).relative_to(src_dir)
+        return {n for n in names if (here / n).as_posix() in left_out}
+
     for item in sorted(src_dir.iterdir()):
-        if item.name in skip or item.name.startswith("."):
+        if item.name in skip or item.name in left_out or item.name.startswith("."):
             continue
         dest = out_dir / item.name
         refuse_escaping_link(src_dir, item)
@@ -97,7 +116,7 @@ def copy_beside_weights(
         elif item.is_dir():
             for inner in item.rglob("*"):
                 refuse_escaping_link(src_dir, inner)
-            shutil.copytree(item, dest, symlinks=False)  # links confined above are copied as the files they name
+            shutil.copytree(item, dest, symlinks=False, ignore=unread)  # links confined above are copied as the files they name
         else:
             shutil.copy2(item, dest)
 

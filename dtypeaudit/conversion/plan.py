@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from .. import dtypes
 from ..errors import ConversionError, UsageError
 from ..formats.hfload import loaded_names
+from ..formats.training import is_training_state
 from ..inventory import Finding, Format, Inventory, TensorRecord, failing, floating_bytes, format_of, unique_tensors
 from ..options import effective, fail_on_for
 from ..policy import Matcher, Policy, compile_matcher, decide
@@ -194,6 +195,9 @@ def make_plan(
             continue
         if strip_optimizer and t.region == "optimizer":
             plans.append(TensorPlan(t, t.dtype, "leave", "optimizer state inside a list or an object: --strip-optimizer cannot remove it"))
+            continue
+        if is_training_state(t):  # a ModelCheckpoint's kth_value is the callback's, not the model's: never cast with it
+            plans.append(TensorPlan(t, t.dtype, "leave", "training state (callbacks, loops, schedulers) is left as stored"))
             continue
         if t.dtype not in dtypes.CASTABLE or t.layout != "strided":
             what = t.layout if t.layout != "strided" else t.dtype

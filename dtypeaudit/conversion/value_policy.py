@@ -8,23 +8,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import dtypes
-from ..inventory import Finding, Inventory, Severity, Span, TensorRecord, format_of, unique_tensors
+from ..formats.training import is_training_state
+from ..inventory import Finding, Inventory, Severity, Span, format_of, unique_tensors
 from ..pieces import Job, Workers
 from ..torchcast import TorchCaster, chunks, load_torch, one_thread
 from ..values import UNDERFLOW_BLOCK_FRACTION, ValueStats, count_nonfinite, measures_errors
 from .mapped import MappedCheckpoint, Progress, open_sources
 from .plan import Plan, TensorPlan, make_plan, unit_of
-
-# Top-level keys under which training code keeps its own state beside the weights: Lightning's ``callbacks``
-# (ModelCheckpoint's ``kth_value`` and ``best_model_score`` start as inf), ``loops`` and ``lr_schedulers``; a
-# GradScaler's ``scaler`` (its scale, 65536 by default, is beyond float16's range by design). The model never
-# reads these: their values are not the weights' business, so no value check may refuse a conversion on them.
-TRAINING_STATE_KEYS = frozenset({"callbacks", "loops", "lr_schedulers", "lr_scheduler", "scheduler", "scaler", "grad_scaler"})
-
-
-def is_training_state(t: TensorRecord) -> bool:
-    """Whether ``t`` is training state kept beside the weights (see TRAINING_STATE_KEYS), not a weight or buffer."""
-    return t.region == "model" and t.name.partition(".")[0] in TRAINING_STATE_KEYS
 
 
 class ValueChecks:

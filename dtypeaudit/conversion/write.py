@@ -19,6 +19,7 @@ from ..formats.pickleout import Persistent, dumps
 from ..formats.picklesplice import SpliceRefused, retype
 from ..formats.picklevm import Global, Opaque
 from ..formats.torchpickle import children, is_optimizer_state
+from ..formats.training import is_training_state
 from ..formats.zipwrite import StoredZipWriter
 from ..inventory import Format, Inventory, Span, TensorRecord
 from ..pieces import Job, Workers, write_at
@@ -27,7 +28,7 @@ from .atomic import flushing
 from .mapped import MappedCheckpoint, Progress, contiguous_span, materialize
 from .modeldir import config_with_dtype, copy_beside_weights, file_mode, output_index, write_index
 from .plan import Plan, TensorPlan, unit_of
-from .value_policy import is_training_state, workers_for
+from .value_policy import workers_for
 from .verify import Origin, Written, verify_written
 
 
@@ -568,7 +569,9 @@ def write_directory(
             total += sub.bytes_after
     index = output_index(plan.source, repacked=weight_map is not None)
     skip = {*sources, *([index] if index else [])}
-    copy_beside_weights(src_dir, out_dir, skip=skip, edit_config=lambda config: config_with_dtype(config, plan.config_dtype))
+    copy_beside_weights(
+        src_dir, out_dir, source=plan.source, skip=skip, edit_config=lambda config: config_with_dtype(config, plan.config_dtype)
+    )
     write_index(src_dir, out_dir, index, total, weight_map)
     return written
 

@@ -32,6 +32,7 @@ from .jsonfile import MAX_JSON_BYTES, within_json_cap
 from .locate import AnyPath
 from .remote import RemoteError, RemotePath
 from .source import SKIPPED_DIRS
+from .training import holds_optimizer_state, trainer_state, training_state_finding
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -457,14 +458,22 @@ def companions(
     *,
     exclude: tuple[str, ...] = (),
     unused_message: Callable[[str], str] | None = None,
+    excluded: dict[str, str] | None = None,
+    training: dict[str, tuple[str, Inventory | None]] | None = None,
 ) -> list[Finding]:
     """Every file under ``path`` that the loader does not read as the model (``used``, resolved paths) is read
     for safety: its findings (``unsafe-global`` above all) become the folder's, so one unsafe file beside the
     weights (``training_args.bin``, ``optimizer.pt``, ``rng_state.pth``) fails the folder, whatever the layout.
     Its tensors are not audited with the model; ``unused_message(label)`` words the ``unused-weights`` warning
     for a file that holds some. A file that cannot be read refuses the folder (one line naming it); files left
-    out (``exclude``, or content no loader reads) are listed in one ``left-out`` note, never skipped silently."""
+    out (``exclude``, or content no loader reads) are listed in one ``left-out`` note, never skipped silently.
+    ``excluded`` gains each file ``exclude`` left out (its label -> the pattern): never read, so never carried forward.
+    A Trainer's training-state file (``optimizer.pt``, ``rng_state.pth``, ``trainer_state.json`` ...: ``training``)
+    that holds what its name says is one ``training-state`` note, not weights nobody loads; ``training`` gains each
+    (its label -> what it holds, and its inventory)."""
     from .sniff import leave_out_reason
+
+    state: dict[str, tuple[str, Inventory | None]] = {}
 
     left: list[tuple[str, str]] = []
     walked = list(walk_files(path, on_skip=lambda p, why: left.append((_relative(p, path), why))))
@@ -477,8 +486,13 @@ def companions(
         why = f"--exclude {pattern}" if pattern else leave_out_reason(p)
         if why and not pattern and _is_known_companion(label):
             continue  # read, and no loader would take it for weights: a model folder's usual file is no news
+        if why and not pattern and (held := trainer_state(label, None)) is not None:
+            state[label] = (held, None)  # trainer_state.json: the Trainer reads it as JSON, nothing to run
+            continue
         if why:
             left.append((label, why))
+            if pattern and excluded is not None:
+                excluded[label] = pattern
         else:
             to_read.append(p)
 
@@ -510,8 +524,14 @@ def companions(
         if note:
             out.append(Finding("followed-link", "info", note, file=label))
         out.extend(_as_companion(f, label) for f in inv.findings)
-        if inv.tensors and unused_message is not None:
+        if (held := trainer_state(label, inv)) is not None:
+            state[label] = (held, inv)
+        elif inv.tensors and unused_message is not None:
             out.append(Finding("unused-weights", "warning", unused_message(label), file=label))
+    if state:
+        out.append(training_state_finding({label: held for label, (held, _) in state.items()}))
+        if training is not None:
+            training.update(state)
     if left:
         out.append(left_out_finding(left))
     return out
@@ -579,9 +599,18 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory], docs: Documents, 
     # config.json and the index are read by from_pretrained too, as JSON: they are not left out
     also_read = [path / "config.json", *([path / res.index] if res.index else [])]
     used = {s.resolve() for s in shards} | {p.resolve() for p in also_read if p.is_file()}
-    findings.extend(companions(path, used, read_file, exclude=exclude, unused_message=unused))
+    excluded: dict[str, str] = {}
+    training: dict[str, tuple[str, Inventory | None]] = {}
+    findings.extend(companions(path, used, read_file, exclude=exclude, unused_message=unused, excluded=excluded, training=training))
 
     metadata: dict[str, object] = {"shards": list(res.files)}
+    if excluded:
+        metadata["excluded"] = excluded  # not read for safety: a conversion does not carry them forward
+    if training:
+        metadata["training_state"] = {label: held for label, (held, _) in training.items()}
+        # the optimizer's state is kept with the weight files' parts, for the policies that judge it (checks.py);
+        # conversion writes the shards alone and copies these files as they are
+        parts.update({label: inv for label, (_, inv) in training.items() if inv is not None and holds_optimizer_state(label)})
     if res.index is not None:
         metadata["index"] = _label(res.index)
     if not res.from_pretrained:
