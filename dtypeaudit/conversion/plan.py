@@ -14,12 +14,12 @@ one with ``dataclasses.replace``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from .. import dtypes
 from ..errors import ConversionError, UsageError
-from ..formats.hfload import loaded_names
+from ..formats.hfload import fp32_keeper, from_metadata, loaded_names
 from ..inventory import Finding, Format, Inventory, TensorRecord, failing, floating_bytes, format_of, unique_tensors
 from ..options import effective, fail_on_for
 from ..policy import Matcher, Policy, compile_matcher, decide
@@ -27,6 +27,8 @@ from ..structure import annotate
 from ..values import ValueStats
 
 QUANTIZED_KEPT = "quantized storage kept byte for byte (--keep-quantized)"
+KEPT_FP32 = "kept in float32: "
+"""How the reason of a tensor the model class keeps in float32 begins (``loader_keeps``)."""
 # Where a policy allows several dtypes and not the target: the widest half-precision-safe one first.
 PREFERENCE = ("float32", "bfloat16", "float16", "float64")
 
@@ -173,6 +175,7 @@ def make_plan(
     held_units = frozenset(hold)
     stripped = stripped or {}
     renamed = loaded_names(inv)  # a folder's policy is decided on the names from_pretrained gives, as scan decides it
+    loader_kept = loader_keeps(inv, target)
 
     def dropped_by(t: TensorRecord) -> str | None:
         for path in stripped.get(t.file, ()):
@@ -199,11 +202,29 @@ def make_plan(
             what = t.layout if t.layout != "strided" else t.dtype
             plans.append(TensorPlan(t, t.dtype, "leave", f"{what} tensors are left exactly as they are"))
             continue
-        c = _choose(i, t, target, policy, keepers, include_optimizer, held_units, renamed.get(t.name, t.name))
+        c = _choose(i, t, target, policy, keepers, include_optimizer, held_units, renamed.get(t.name, t.name), loader_kept(t.name))
         choices.append(c)
         plans.append(TensorPlan(t, c.want, c.action, c.reason))
     notes = _keep_whole(plans, choices, target)
     return Plan(inv, target, plans, clamp=clamp, notes=notes, stripped=dict(stripped))
+
+
+def loader_keeps(inv: Inventory, target: str) -> Callable[[str], str | None]:
+    """stored name -> why from_pretrained loads it in float32 once config.json's dtype is ``target`` (the class's
+    ``_keep_in_fp32_modules``, ``_keep_in_fp32_modules_strict``, from the table: ``hfload``); None where it does not
+    (every tensor but a Hugging Face folder's)."""
+    load = from_metadata(inv.metadata) if inv.format == Format.HF_DIRECTORY else None
+    if load is None:
+        return lambda name: None
+    load = replace(load, dtype=target)
+    which = fp32_keeper(load)
+    owner = load.model_class or "the model class"
+
+    def why(name: str) -> str | None:
+        label = which(name)
+        return None if label is None else f"{KEPT_FP32}{owner}'s {label} (from_pretrained loads it in float32)"
+
+    return why
 
 
 def _choose(
@@ -215,6 +236,7 @@ def _choose(
     include_optimizer: bool,
     held_units: frozenset[str],
     loaded_name: str,
+    loader_kept: str | None,
 ) -> _Choice:
     own = frozenset({t.dtype})
     judged = t.with_(name=loaded_name) if loaded_name != t.name else t
@@ -225,6 +247,10 @@ def _choose(
             return _Choice(i, t, own, t.dtype, "keep", f"--keep {m.text}", True)
     if unit_of(t) in held_units:
         return _Choice(i, t, own, t.dtype, "keep", "unsafe values kept at full precision (--keep-unsafe)", True)
+    if loader_kept is not None:
+        # from_pretrained(output) loads it in float32 whatever is written: written in float32, it holds the
+        # values from_pretrained(source, dtype=target) gives it, not their half-precision rounding
+        return _Choice(i, t, frozenset({"float32"}), "float32", "keep" if t.dtype == "float32" else "cast", loader_kept, True)
     if policy is None:
         allowed = dtypes.CASTABLE
     else:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..conversion import Result, pickled_module_files
-from ..conversion.plan import WOULD_NOT_RUN
+from ..conversion.plan import KEPT_FP32, WOULD_NOT_RUN
 from ..conversion.verify import verified_line
 from .humanize import human_bytes
 from .json import finding_dict
@@ -71,7 +71,9 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
     lines.append(f"tensors: {', '.join(parts) or 'none'}; size {human_bytes(before)} -> {human_bytes(after)}{ratio}")
     reasons: dict[str, list[str]] = {}
     for p in plan.tensors:
-        if p.action in ("keep", "leave", "drop") and p.reason:
+        if p.reason.startswith(KEPT_FP32):  # one line per list of the model class, stored float32 or not
+            reasons.setdefault(p.reason, []).append(p.tensor.name)
+        elif p.action in ("keep", "leave", "drop") and p.reason:
             reasons.setdefault(f"{p.action}: {p.reason}", []).append(p.tensor.name)
     for reason, names in reasons.items():
         shown = names if verbose or len(names) <= 4 else names[:3] + [f"and {len(names) - 3} more"]
