@@ -18,13 +18,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from .. import dtypes
-from ..errors import ConversionError, UsageError
+from ..errors import ConversionError, DtypeAuditError, UsageError
 from ..formats.hfload import fp32_keeper, from_metadata, loaded_names
 from ..inventory import Finding, Format, Inventory, TensorRecord, failing, floating_bytes, format_of, unique_tensors
 from ..options import effective, fail_on_for
 from ..policy import Matcher, Policy, compile_matcher, decide
 from ..structure import annotate
 from ..values import ValueStats
+from .causes import Cause, plan_causes
 
 QUANTIZED_KEPT = "quantized storage kept byte for byte (--keep-quantized)"
 KEPT_FP32 = "kept in float32: "
@@ -75,6 +76,8 @@ class Plan:
     """File label -> the mapping entries (key paths) ``--strip-optimizer`` removes from that file's object."""
     casts_with_torch: bool = False
     """torch makes every cast (``write.casts_need_torch``: some cast needs it); otherwise numpy does wherever it can."""
+    causes: tuple[Cause, ...] = ()
+    """Why the planned output fails (``failing``), one cause per group of findings, each with its ways through."""
 
     def _unique(self) -> list[TensorPlan]:
         """One plan per tensor, however many names it has (tied weights count once)."""
@@ -427,7 +430,7 @@ def plan_config_dtype(plan: Plan) -> str | None:
 WOULD_NOT_RUN = "convert does not write an output whose forward pass would fail"
 
 
-def with_findings(plan: Plan, policy: Policy | None, *, strict: bool) -> Plan:
+def with_findings(plan: Plan, policy: Policy | None, *, strict: bool, advise: bool = True) -> Plan:
     """``plan`` with what ``scan`` with ``policy`` (and ``strict``, as the caller decided it) would report on its
     output (``Plan.findings``; ``Plan.failing`` says which fail) and the dtype config.json will name.
 
@@ -442,7 +445,28 @@ def with_findings(plan: Plan, policy: Policy | None, *, strict: bool) -> Plan:
     # The checks options.effective says apply: the policy's, and its own target's (the command line gives the policy
     # without it where --target replaces it, and checks that target apart: cli_commands.convert).
     found = run_checks(plan.output_inventory(), effective(policy).checks(), strict=strict)[1]
-    return replace(plan, findings=[_would_not_run(plan, f) for f in found])
+    plan = replace(plan, findings=[_would_not_run(plan, f) for f in found])
+    failing = plan.failing(policy)
+    return replace(plan, causes=_causes(plan, failing, policy, strict)) if failing and advise else plan
+
+
+def _causes(plan: Plan, failing: list[Finding], policy: Policy | None, strict: bool) -> tuple[Cause, ...]:
+    """The failing findings by cause (``causes.plan_causes``); a way through is named only where the same
+    conversion with it passes (planned again from the headers: a folder of plain weights only)."""
+    plain = plan.source.format == Format.HF_DIRECTORY and all(p.action != "dequantize" and p.reason != QUANTIZED_KEPT for p in plan.tensors)
+
+    def passes(preset: str | None) -> bool:
+        if not plain:
+            return False
+        other = effective(None, preset=preset).policy if preset else None
+        try:
+            again = make_plan(plan.source, plan.target, policy=other)
+        except DtypeAuditError:
+            return False
+        return not with_findings(again, other, strict=strict, advise=False).failing(other)
+
+    written = {p.tensor.name: p.target for p in plan.tensors if p.action != "drop"}
+    return plan_causes(failing, plan.output_inventory(), written, plan.target, policy, passes)
 
 
 def _would_not_run(plan: Plan, f: Finding) -> Finding:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..conversion import Result, pickled_module_files
+from ..conversion.causes import Cause, few
 from ..conversion.plan import KEPT_FP32, WOULD_NOT_RUN
 from ..conversion.verify import verified_line
 from .humanize import human_bytes
@@ -29,10 +30,40 @@ def refusal_lines(result: Result) -> list[str]:
         out.append(f"{where(f.file)}: refusing to convert: {f.rule}: {tensor}{f.message}")
     for file in pickled_module_files(result.refused):
         out.append(f"{where(file)}: {STATE_DICT_ADVICE} (torch.save(model.state_dict(), PATH))")
-    for f in result.failed:
-        tensor = f"{f.tensor}: " if f.tensor else ""
-        out.append(f"{where(f.file)}: refusing to convert: the planned output fails {f.rule}: {tensor}{f.message}")
+    if result.failed:  # the report says why, by cause, and a way through: one line here
+        n, causes = len(result.failed), len(result.plan.causes)
+        why = f"{n} finding{'s' if n != 1 else ''}" + (f", {causes} cause{'s' if causes != 1 else ''}" if causes else "")
+        way = " and a way through" if any(c.ways for c in result.plan.causes) else ""
+        out.append(f"{source}: refusing to convert: the planned output {_fails(result)} ({why}); the report on stdout says why{way}")
     return out
+
+
+def _fails(result: Result) -> str:
+    n = len(result.failed)
+    runs = sum(WOULD_NOT_RUN in f.message for f in result.failed)
+    return "fails scan with the same policy" if not runs else "would not run" if runs == n else "fails scan or would not run"
+
+
+def _cause_lines(result: Result, *, verbose: bool) -> list[str]:
+    """Each cause of a refused plan once: its findings' shared message and subjects, then its ways through."""
+    causes = result.plan.causes or tuple(
+        Cause(f.severity, f.rule, f.message, (f.tensor or "",)) for f in result.failed
+    )  # a plan made before causes were
+    lines = []
+    for c in causes if verbose or len(causes) <= 10 else causes[:10]:
+        named = [s for s in c.subjects if s]
+        count = f" \u00d7{len(c.subjects)}" if len(c.subjects) > 1 else ""
+        if len(named) == 1:
+            lines.append(f"  {c.severity}: {c.rule}: {named[0]}: {c.message}")
+        elif named and named[0] not in c.message:
+            shown = ", ".join(named) if verbose else few(named)
+            lines.append(f"  {c.severity}: {c.rule}{count}: {c.message} ({shown})")
+        else:
+            lines.append(f"  {c.severity}: {c.rule}{count}: {c.message}")
+        lines.extend(f"    {'way through' if i == 0 else 'or'}: {w}" for i, w in enumerate(c.ways))
+    if len(causes) > 10 and not verbose:
+        lines.append(f"  and {len(causes) - 10} more (--verbose lists them all)")
+    return lines
 
 
 def render_text(result: Result, *, verbose: bool = False) -> str:
@@ -47,13 +78,8 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
     lines.append(f"{head}: {plan.source.path}{where} (to {plan.target})")
     if result.failed:
         n = len(result.failed)
-        runs = sum(WOULD_NOT_RUN in f.message for f in result.failed)
-        what = "fails scan with the same policy" if not runs else "would not run" if runs == n else "fails scan or would not run"
-        lines.append(f"the planned output {what} ({n} finding{'s' if n != 1 else ''}); nothing was written:")
-        for f in result.failed if verbose or n <= 10 else result.failed[:10]:
-            lines.append(f"  {f.severity}: {f.rule}: {f.tensor + ': ' if f.tensor else ''}{f.message}")
-        if n > 10 and not verbose:
-            lines.append(f"  and {n - 10} more (--verbose lists them all)")
+        lines.append(f"the planned output {_fails(result)} ({n} finding{'s' if n != 1 else ''}); nothing was written:")
+        lines.extend(_cause_lines(result, verbose=verbose))
     counts = plan.counts()
     parts = [
         f"{counts[a]} {label}"
@@ -125,6 +151,10 @@ def convert_doc(result: Result) -> dict[str, Any]:
         "refused": result.blocked,
         "refusals": [finding_dict(f) for f in result.refused],
         "plan_failures": [finding_dict(f) for f in result.failed],
+        "plan_causes": [
+            {"severity": c.severity, "rule": c.rule, "message": c.message, "subjects": list(c.subjects), "ways": list(c.ways)}
+            for c in plan.causes
+        ],
         "plan_findings": [finding_dict(f) for f in plan.findings],
         "config_dtype": plan.config_dtype,
         "nbytes": [plan.bytes_before, plan.bytes_after],
