@@ -170,3 +170,18 @@ def test_every_option_a_refusal_names_exists(tmp_path: Path) -> None:
     named = {m for text in texts for m in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)}
     assert {"--preset", "--policy", "--verbose"} <= named
     assert named <= _convert_options(), named - _convert_options()
+
+
+def test_findings_of_one_cause_are_one_line(tmp_path: Path) -> None:
+    """Any refused plan, not only a folder's: the findings that say the same thing are one line, with a count."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(5)))
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    policy = tmp_path / "int8.yaml"
+    policy.write_text("version: 1\ndefault: float16\nrules:\n  - name: weights-int8\n    match: '*.weight'\n    dtype: int8\n")
+    proc = run_cli("convert", str(tmp_path / "m.pt"), "--to", "fp16", "--policy", str(policy), "-n")
+    assert proc.returncode == exitcodes.FINDINGS, proc.stdout + proc.stderr
+    lines = [x for x in proc.stdout.splitlines() if "expected int8" in x]
+    assert len(lines) == 1 and "dtype-mismatch \u00d75: " in lines[0], proc.stdout
+    assert "0.weight, 1.weight, 2.weight and 2 more" in lines[0]
+    assert sum("module-dtype-mix \u00d75: " in x for x in proc.stdout.splitlines()) == 1  # each weight's bias, cast apart
+    assert len(proc.stderr.splitlines()) == 1 and "(10 findings, 2 causes)" in proc.stderr

@@ -41,10 +41,8 @@ def few(names: Sequence[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + f" and {len(names) - shown} more"
 
 
-def policy_ref(policy: Policy | None) -> str:
+def policy_ref(policy: Policy) -> str:
     """How ``dtypeaudit.apply`` is told the policy: a preset by its name, a file by its path."""
-    if policy is None:
-        return "fp16"
     path = Path(policy.source)
     return path.stem if path.parent == Path(__file__).resolve().parent.parent / "presets" else str(path)
 
@@ -64,7 +62,7 @@ def plan_causes(
     load = hfload.from_metadata(output.metadata) if output.format == Format.HF_DIRECTORY else None
     loaded: dict[str, str] = {}
     stored_of: dict[str, str] = {}
-    keeper: Callable[[str], str | None] = lambda name: None  # noqa: E731
+    keeper: Callable[[str], str | None] | None = None
     if load is not None:
         loaded = hfload.loaded_dtypes(output.tensors, load)
         stored_of = {load.loaded_name(t.name): t.name for t in output.tensors}
@@ -73,7 +71,7 @@ def plan_causes(
     for f in failing:
         stored = stored_of.get(f.tensor or "", f.tensor or "")
         wanted = f.expected or ()
-        if load is not None and f.rule == "dtype-mismatch" and f.tensor:
+        if keeper is not None and f.rule == "dtype-mismatch" and f.tensor:
             if stored in loaded and written.get(stored) in wanted and f.actual == loaded[stored]:
                 groups.setdefault(("loads-as", f.severity, loaded[stored]), []).append(f)
                 continue
@@ -84,6 +82,7 @@ def plan_causes(
         groups.setdefault(("same", f.severity, f.rule, f.message), []).append(f)
     out = []
     cls = (load.model_class if load is not None else None) or "the model class"
+    main = load.dtype if load is not None else target
     for key, found in groups.items():
         subjects = tuple(f.tensor or f.file or "" for f in found)
         named = [s for s in subjects if s]
@@ -98,7 +97,7 @@ def plan_causes(
         elif key[0] == "class-keeps":
             message = (
                 f"from_pretrained(OUT) loads these {len(found)} tensors ({few(named)}) in float32 whatever is written: "
-                f"{cls}'s {key[2]} keeps them so under {target}, and the policy expects {expected} for them"
+                f"{cls}'s {key[2]} keeps them so under {main}, and the policy expects {expected} for them"
             )
             # no run-time way: the policy itself wants in half what the class runs in float32
             out.append(
@@ -127,7 +126,7 @@ def _ways(
         ways.append(f"--preset {preset} converts the whole model to {half or target}, which from_pretrained loads as written")
     elif passes(None):
         ways.append("without --policy or --preset, convert keeps in float32 what from_pretrained keeps and casts the rest")
-    if not at_run_time:
+    if not at_run_time or policy is None:
         return tuple(ways)
     model = cls if cls.isidentifier() else "AutoModel"
     ways.append(
