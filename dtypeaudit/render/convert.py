@@ -46,9 +46,8 @@ def _fails(result: Result) -> str:
 
 def _cause_lines(result: Result, *, verbose: bool) -> list[str]:
     """Each cause of a refused plan once: its findings' shared message and subjects, then its ways through."""
-    causes = result.plan.causes or tuple(
-        Cause(f.severity, f.rule, f.message, (f.tensor or "",)) for f in result.failed
-    )  # a plan made before causes were
+    # plan.with_findings derives the causes; a Result made otherwise shows its findings one by one
+    causes = result.plan.causes or tuple(Cause(f.severity, f.rule, f.message, (f.tensor or "",)) for f in result.failed)
     lines = []
     for c in causes if verbose or len(causes) <= 10 else causes[:10]:
         named = [s for s in c.subjects if s]
