@@ -450,11 +450,18 @@ def _outlier_finding(m: Module, dominant: str | None, promoters: _Promoters) -> 
 def _module_findings(inv: Inventory, *, mixes: bool = True, outliers: bool = True, policy: Policy | None = None) -> list[Finding]:
     modules = structure.modules_of(inv)  # annotate's, where ``inv`` is the inventory it returned
     voters = modules
-    if policy is not None and policy.keep_in_fp32:
-        # A policy's keep_in_fp32 modules cast their input to fp32 on entry (dtypeaudit.apply): they run as they are,
-        # and the model's dtype is the one the others hold.
-        modules = [replace(m, input_cast=True) if policy.kept_in_fp32(m.name) else m for m in modules]
-        voters = [m for m in modules if not policy.kept_in_fp32(m.name)] or modules
+    by_class = _class_keeps(inv)
+    if (policy is not None and policy.keep_in_fp32) or by_class is not None:
+        # A policy's keep_in_fp32 modules cast their input to fp32 on entry (dtypeaudit.apply), and the modules a
+        # transformers class keeps in float32 under a half dtype run so by its design (T5's wo casts its input):
+        # they run as they are, and the model's dtype is the one the others hold.
+        def kept(m: Module) -> bool:
+            if policy is not None and policy.kept_in_fp32(m.name):
+                return True
+            return by_class is not None and m.dtype == "float32" and all(by_class(t.name) for t in m.tensors)
+
+        voters = [m for m in modules if not kept(m)] or modules
+        modules = [replace(m, input_cast=True) if kept(m) else m for m in modules]
     dominant = structure.dominant_dtype(inv, voters)
     out: list[Finding] = []
     promoters = _Promoters(modules)
@@ -463,6 +470,16 @@ def _module_findings(inv: Inventory, *, mixes: bool = True, outliers: bool = Tru
         outlier = _outlier_finding(m, dominant, promoters) if outliers else None
         out.extend(f for f in (mix, outlier) if f is not None)
     return out
+
+
+def _class_keeps(inv: Inventory) -> Callable[[str], str | None] | None:
+    """A Hugging Face folder's: stored name -> the class's list that from_pretrained keeps it in float32 by (hfload)."""
+    if inv.format != Format.HF_DIRECTORY:
+        return None
+    from .formats import hfload
+
+    load = hfload.from_metadata(inv.metadata)
+    return hfload.fp32_keeper(load) if load is not None else None
 
 
 def module_dtype_mix(inv: Inventory) -> list[Finding]:

@@ -14,20 +14,23 @@ one with ``dataclasses.replace``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from .. import dtypes
-from ..errors import ConversionError, UsageError
-from ..formats.hfload import loaded_names
+from ..errors import ConversionError, DtypeAuditError, UsageError
+from ..formats.hfload import fp32_keeper, from_metadata, loaded_names
 from ..formats.training import is_training_state
 from ..inventory import Finding, Format, Inventory, TensorRecord, failing, floating_bytes, format_of, unique_tensors
 from ..options import effective, fail_on_for
 from ..policy import Matcher, Policy, compile_matcher, decide
 from ..structure import annotate
 from ..values import ValueStats
+from .causes import Cause, plan_causes
 
 QUANTIZED_KEPT = "quantized storage kept byte for byte (--keep-quantized)"
+KEPT_FP32 = "kept in float32: "
+"""How the reason of a tensor the model class keeps in float32 begins (``loader_keeps``)."""
 # Where a policy allows several dtypes and not the target: the widest half-precision-safe one first.
 PREFERENCE = ("float32", "bfloat16", "float16", "float64")
 
@@ -74,6 +77,8 @@ class Plan:
     """File label -> the mapping entries (key paths) ``--strip-optimizer`` removes from that file's object."""
     casts_with_torch: bool = False
     """torch makes every cast (``write.casts_need_torch``: some cast needs it); otherwise numpy does wherever it can."""
+    causes: tuple[Cause, ...] = ()
+    """Why the planned output fails (``failing``), one cause per group of findings, each with its ways through."""
 
     def _unique(self) -> list[TensorPlan]:
         """One plan per tensor, however many names it has (tied weights count once)."""
@@ -174,6 +179,7 @@ def make_plan(
     held_units = frozenset(hold)
     stripped = stripped or {}
     renamed = loaded_names(inv)  # a folder's policy is decided on the names from_pretrained gives, as scan decides it
+    loader_kept = loader_keeps(inv, target)
 
     def dropped_by(t: TensorRecord) -> str | None:
         for path in stripped.get(t.file, ()):
@@ -203,11 +209,29 @@ def make_plan(
             what = t.layout if t.layout != "strided" else t.dtype
             plans.append(TensorPlan(t, t.dtype, "leave", f"{what} tensors are left exactly as they are"))
             continue
-        c = _choose(i, t, target, policy, keepers, include_optimizer, held_units, renamed.get(t.name, t.name))
+        c = _choose(i, t, target, policy, keepers, include_optimizer, held_units, renamed.get(t.name, t.name), loader_kept(t.name))
         choices.append(c)
         plans.append(TensorPlan(t, c.want, c.action, c.reason))
     notes = _keep_whole(plans, choices, target)
     return Plan(inv, target, plans, clamp=clamp, notes=notes, stripped=dict(stripped))
+
+
+def loader_keeps(inv: Inventory, target: str) -> Callable[[str], str | None]:
+    """stored name -> why from_pretrained loads it in float32 once config.json's dtype is ``target`` (the class's
+    ``_keep_in_fp32_modules``, ``_keep_in_fp32_modules_strict``, from the table: ``hfload``); None where it does not
+    (every tensor but a Hugging Face folder's)."""
+    load = from_metadata(inv.metadata) if inv.format == Format.HF_DIRECTORY else None
+    if load is None:
+        return lambda name: None
+    load = replace(load, dtype=target)
+    which = fp32_keeper(load)
+    owner = load.model_class or "the model class"
+
+    def why(name: str) -> str | None:
+        label = which(name)
+        return None if label is None else f"{KEPT_FP32}{owner}'s {label} (from_pretrained loads it in float32)"
+
+    return why
 
 
 def _choose(
@@ -219,6 +243,7 @@ def _choose(
     include_optimizer: bool,
     held_units: frozenset[str],
     loaded_name: str,
+    loader_kept: str | None,
 ) -> _Choice:
     own = frozenset({t.dtype})
     judged = t.with_(name=loaded_name) if loaded_name != t.name else t
@@ -229,6 +254,10 @@ def _choose(
             return _Choice(i, t, own, t.dtype, "keep", f"--keep {m.text}", True)
     if unit_of(t) in held_units:
         return _Choice(i, t, own, t.dtype, "keep", "unsafe values kept at full precision (--keep-unsafe)", True)
+    if loader_kept is not None:
+        # from_pretrained(output) loads it in float32 whatever is written: written in float32, it holds the
+        # values from_pretrained(source, dtype=target) gives it, not their half-precision rounding
+        return _Choice(i, t, frozenset({"float32"}), "float32", "keep" if t.dtype == "float32" else "cast", loader_kept, True)
     if policy is None:
         allowed = dtypes.CASTABLE
     else:
@@ -405,7 +434,7 @@ def plan_config_dtype(plan: Plan) -> str | None:
 WOULD_NOT_RUN = "convert does not write an output whose forward pass would fail"
 
 
-def with_findings(plan: Plan, policy: Policy | None, *, strict: bool) -> Plan:
+def with_findings(plan: Plan, policy: Policy | None, *, strict: bool, advise: bool = True) -> Plan:
     """``plan`` with what ``scan`` with ``policy`` (and ``strict``, as the caller decided it) would report on its
     output (``Plan.findings``; ``Plan.failing`` says which fail) and the dtype config.json will name.
 
@@ -420,7 +449,28 @@ def with_findings(plan: Plan, policy: Policy | None, *, strict: bool) -> Plan:
     # The checks options.effective says apply: the policy's, and its own target's (the command line gives the policy
     # without it where --target replaces it, and checks that target apart: cli_commands.convert).
     found = run_checks(plan.output_inventory(), effective(policy).checks(), strict=strict)[1]
-    return replace(plan, findings=[_would_not_run(plan, f) for f in found])
+    plan = replace(plan, findings=[_would_not_run(plan, f) for f in found])
+    failing = plan.failing(policy)
+    return replace(plan, causes=_causes(plan, failing, policy, strict)) if failing and advise else plan
+
+
+def _causes(plan: Plan, failing: list[Finding], policy: Policy | None, strict: bool) -> tuple[Cause, ...]:
+    """The failing findings by cause (``causes.plan_causes``); a way through is named only where the same
+    conversion with it passes (planned again from the headers: a folder of plain weights only)."""
+    plain = plan.source.format == Format.HF_DIRECTORY and all(p.action != "dequantize" and p.reason != QUANTIZED_KEPT for p in plan.tensors)
+
+    def passes(preset: str | None) -> bool:
+        if not plain:
+            return False
+        other = effective(None, preset=preset).policy if preset else None
+        try:
+            again = make_plan(plan.source, plan.target, policy=other)
+        except DtypeAuditError:
+            return False
+        return not with_findings(again, other, strict=strict, advise=False).failing(other)
+
+    written = {p.tensor.name: p.target for p in plan.tensors if p.action != "drop"}
+    return plan_causes(failing, plan.output_inventory(), written, plan.target, policy, passes)
 
 
 def _would_not_run(plan: Plan, f: Finding) -> Finding:

@@ -37,7 +37,7 @@ class Result:
     """The reader's findings that forbid converting this checkpoint at all (see ``refusals``); nothing was written."""
     failed: tuple[Finding, ...] = ()
     """The planned output's findings that would fail ``scan`` with the same policy (see ``plan.with_findings``);
-    the plan could not be made to pass, so nothing was written."""
+    the plan could not be made to pass, so nothing was written. ``plan.causes`` groups them by cause, with the ways through."""
     written: dict[str, Written] = field(default_factory=dict)
     """What each weight file written holds, as its writer recorded it and ``verify.verify_written`` read it back:
     its name in the output directory (a single file: the output's own name) -> its ``Written``; empty when

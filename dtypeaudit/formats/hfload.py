@@ -34,7 +34,7 @@ not modelled here.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,6 +249,16 @@ def loaded_dtype(t: TensorRecord, load: LoadDtype, keep: re.Pattern[str] | None)
     if keep is not None and keep.search(name):
         return "float32"
     return load.pinned.get(name, load.dtype)
+
+
+def fp32_keeper(load: LoadDtype) -> Callable[[str], str | None]:
+    """stored name -> which of the class's lists (``_keep_in_fp32_modules_strict``, ``_keep_in_fp32_modules``)
+    makes from_pretrained load it in float32 under ``load.dtype`` (_get_dtype_plan); None where none does."""
+    lists = [("_keep_in_fp32_modules_strict", load.keep_fp32_strict or ())] if load.dtype in ("float16", "bfloat16") else []
+    if load.dtype == "float16":
+        lists.append(("_keep_in_fp32_modules", load.keep_fp32 or ()))
+    patterns = [(label, p) for label, globs in lists if (p := _pattern(globs)) is not None]
+    return lambda stored: next((label for label, p in patterns if p.search(load.loaded_name(stored))), None)
 
 
 def loaded_dtypes(tensors: Sequence[TensorRecord], load: LoadDtype) -> dict[str, str]:

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from ..conversion import Result, pickled_module_files
-from ..conversion.plan import WOULD_NOT_RUN
+from ..conversion.causes import Cause, few
+from ..conversion.plan import KEPT_FP32, WOULD_NOT_RUN
 from ..conversion.verify import verified_line
 from .humanize import human_bytes
 from .json import finding_dict
@@ -29,10 +30,39 @@ def refusal_lines(result: Result) -> list[str]:
         out.append(f"{where(f.file)}: refusing to convert: {f.rule}: {tensor}{f.message}")
     for file in pickled_module_files(result.refused):
         out.append(f"{where(file)}: {STATE_DICT_ADVICE} (torch.save(model.state_dict(), PATH))")
-    for f in result.failed:
-        tensor = f"{f.tensor}: " if f.tensor else ""
-        out.append(f"{where(f.file)}: refusing to convert: the planned output fails {f.rule}: {tensor}{f.message}")
+    if result.failed:  # the report says why, by cause, and a way through: one line here
+        n, causes = len(result.failed), len(result.plan.causes)
+        why = f"{n} finding{'s' if n != 1 else ''}" + (f", {causes} cause{'s' if causes != 1 else ''}" if causes else "")
+        way = " and a way through" if any(c.ways for c in result.plan.causes) else ""
+        out.append(f"{source}: refusing to convert: the planned output {_fails(result)} ({why}); the report on stdout says why{way}")
     return out
+
+
+def _fails(result: Result) -> str:
+    n = len(result.failed)
+    runs = sum(WOULD_NOT_RUN in f.message for f in result.failed)
+    return "fails scan with the same policy" if not runs else "would not run" if runs == n else "fails scan or would not run"
+
+
+def _cause_lines(result: Result, *, verbose: bool) -> list[str]:
+    """Each cause of a refused plan once: its findings' shared message and subjects, then its ways through."""
+    # plan.with_findings derives the causes; a Result made otherwise shows its findings one by one
+    causes = result.plan.causes or tuple(Cause(f.severity, f.rule, f.message, (f.tensor or "",)) for f in result.failed)
+    lines = []
+    for c in causes if verbose or len(causes) <= 10 else causes[:10]:
+        named = [s for s in c.subjects if s]
+        count = f" \u00d7{len(c.subjects)}" if len(c.subjects) > 1 else ""
+        if len(named) == 1:
+            lines.append(f"  {c.severity}: {c.rule}: {named[0]}: {c.message}")
+        elif named and named[0] not in c.message:
+            shown = ", ".join(named) if verbose else few(named)
+            lines.append(f"  {c.severity}: {c.rule}{count}: {c.message} ({shown})")
+        else:
+            lines.append(f"  {c.severity}: {c.rule}{count}: {c.message}")
+        lines.extend(f"    {'way through' if i == 0 else 'or'}: {w}" for i, w in enumerate(c.ways))
+    if len(causes) > 10 and not verbose:
+        lines.append(f"  and {len(causes) - 10} more (--verbose lists them all)")
+    return lines
 
 
 def render_text(result: Result, *, verbose: bool = False) -> str:
@@ -47,13 +77,8 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
     lines.append(f"{head}: {plan.source.path}{where} (to {plan.target})")
     if result.failed:
         n = len(result.failed)
-        runs = sum(WOULD_NOT_RUN in f.message for f in result.failed)
-        what = "fails scan with the same policy" if not runs else "would not run" if runs == n else "fails scan or would not run"
-        lines.append(f"the planned output {what} ({n} finding{'s' if n != 1 else ''}); nothing was written:")
-        for f in result.failed if verbose or n <= 10 else result.failed[:10]:
-            lines.append(f"  {f.severity}: {f.rule}: {f.tensor + ': ' if f.tensor else ''}{f.message}")
-        if n > 10 and not verbose:
-            lines.append(f"  and {n - 10} more (--verbose lists them all)")
+        lines.append(f"the planned output {_fails(result)} ({n} finding{'s' if n != 1 else ''}); nothing was written:")
+        lines.extend(_cause_lines(result, verbose=verbose))
     counts = plan.counts()
     parts = [
         f"{counts[a]} {label}"
@@ -71,7 +96,9 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
     lines.append(f"tensors: {', '.join(parts) or 'none'}; size {human_bytes(before)} -> {human_bytes(after)}{ratio}")
     reasons: dict[str, list[str]] = {}
     for p in plan.tensors:
-        if p.action in ("keep", "leave", "drop") and p.reason:
+        if p.reason.startswith(KEPT_FP32):  # one line per list of the model class, stored float32 or not
+            reasons.setdefault(p.reason, []).append(p.tensor.name)
+        elif p.action in ("keep", "leave", "drop") and p.reason:
             reasons.setdefault(f"{p.action}: {p.reason}", []).append(p.tensor.name)
     for reason, names in reasons.items():
         shown = names if verbose or len(names) <= 4 else names[:3] + [f"and {len(names) - 3} more"]
@@ -123,6 +150,10 @@ def convert_doc(result: Result) -> dict[str, Any]:
         "refused": result.blocked,
         "refusals": [finding_dict(f) for f in result.refused],
         "plan_failures": [finding_dict(f) for f in result.failed],
+        "plan_causes": [
+            {"severity": c.severity, "rule": c.rule, "message": c.message, "subjects": list(c.subjects), "ways": list(c.ways)}
+            for c in plan.causes
+        ],
         "plan_findings": [finding_dict(f) for f in plan.findings],
         "config_dtype": plan.config_dtype,
         "nbytes": [plan.bytes_before, plan.bytes_after],
