@@ -67,7 +67,12 @@ class _Shard:
 
 def supported(view: qm.QuantView) -> None:
     """Refuse, before anything is read, what no dequantizer here reads exactly."""
+    from ..quant.dequant import fp8_refusal
+
     for w in view.weights:
+        refused = fp8_refusal(w)
+        if refused:
+            raise ConversionError(refused)
         if w.missing:
             raise ConversionError(
                 f"'{w.name}' ({w.scheme.name}) lacks its {', '.join(w.missing)}: the loader would leave it at random; refused"

@@ -94,6 +94,23 @@ def _dequant_dtype(inv: Inventory, *candidates: TensorRecord | None) -> str:
     return "bfloat16"
 
 
+def _loaded_dtype(inv: Inventory) -> str:
+    """The dtype from_pretrained builds the model in, which ``Fp8Dequantize`` gives each dequantized weight (the
+    parameter's dtype) and the dtype plan gives every unquantized floating tensor: config.json's dtype, else the
+    first floating tensor that is not float8 of the first shard, its names sorted (``get_state_dict_dtype``), else
+    float32. (The rule hfload.main_dtype follows for unquantized folders.)"""
+    declared = inv.metadata.get("config_dtype")
+    name = dtypes.canonical(declared) if isinstance(declared, str) and declared != "auto" else None
+    if name is not None:
+        return name
+    shards = inv.metadata.get("shards")
+    first = shards[0] if isinstance(shards, list) and shards else None
+    for t in sorted((t for t in inv.tensors if first is None or t.file == first), key=lambda t: t.name):
+        if dtypes.is_floating(t.dtype) and not t.dtype.startswith(("float8_", "float4_")):
+            return t.dtype
+    return "float32"
+
+
 def _bits(storage: list[TensorRecord], numel: int) -> float:
     return round(sum(t.nbytes for t in storage) * 8 / numel, 3) if numel else 0.0
 
@@ -131,6 +148,8 @@ class _Grouper:
             if act is not None and act.numel <= 1:
                 present.setdefault("input_scale", act)
         anchor = next(iter(present.values()))
+        if to is None and scheme.family == model.FP8:
+            to = _loaded_dtype(self.inv)
         count = numel if numel is not None else (math.prod(shape) if shape is not None else 0)
         weight = LogicalWeight(
             name=name,
@@ -178,8 +197,15 @@ class _Grouper:
         if t.dtype == "int8" and (self.get(module + ".SCB") is not None or (self.method == "bitsandbytes" and scale is None)):
             return self.bnb8(t, module)
         if self.kept(module) and scale is None and scale_inv is None:
-            return None  # the config keeps it as stored (a float8 tensor the loader casts, see checks)
+            if self.method == "fp8" and t.dtype in FLOAT8:
+                # Fp8Dequantize casts a weight without a scale to the model's dtype, unscaled: a logical weight
+                # with nothing missing, whose dequantization is that cast
+                return self.fp8(t, module, None, required=())
+            return None  # the config keeps it as stored
         if t.dtype in FLOAT8 and (scale_inv is not None or (self.method == "fp8" and scale is None)):
+            return self.fp8(t, module, scale_inv)
+        if self.method == "fp8" and scale_inv is not None and t.dtype in ("bfloat16", "float16", "float32", "float64"):
+            # Fp8Dequantize multiplies any X.weight that has an X.weight_scale_inv, whatever its dtype
             return self.fp8(t, module, scale_inv)
         compressed = self.method == "compressed-tensors"
         if (t.dtype in FLOAT8 or t.dtype == "int8") and (scale is not None or (compressed and scale_inv is None)):
@@ -189,19 +215,40 @@ class _Grouper:
     def kept(self, module: str) -> bool:
         return bool(self.cfg) and kept_unquantized(module, self.cfg)
 
-    def fp8(self, t: TensorRecord, module: str, scale: TensorRecord | None) -> None:
-        block = self.cfg.get("weight_block_size") if self.method == "fp8" else None
+    def fp8(self, t: TensorRecord, module: str, scale: TensorRecord | None, *, required: tuple[str, ...] = ("scale",)) -> None:
+        """transformers' ``Fp8Dequantize`` (what from_pretrained runs on CPU): the block comes from the scale grid,
+        which must divide the weight (else the load fails); DeepSeek's reference (``weight_dequant``) takes the
+        config's ``weight_block_size`` with partial edge blocks. ``params`` keeps both readings (see
+        :func:`fp8_readings`); ``group`` is the loader's block where it loads, else the config's."""
+        config_block = _config_block(self.cfg) if self.method == "fp8" else None
+        loader_block = _loader_block(t.shape, scale.shape if scale is not None else None)
         group: tuple[int, ...]
-        if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block):
-            group = (block[0], block[1])
-        elif scale is not None and scale.numel > 1 and len(scale.shape) == len(t.shape) >= 2:
+        if scale is None or scale.numel <= 1 and len(scale.shape) < 2:
+            group = ()
+        elif isinstance(loader_block, tuple):
+            if scale.numel == 1:
+                group = ()
+            elif config_block is not None and _same_blocks(config_block, loader_block, t.shape[-2:], scale.shape[-2:]):
+                group = config_block  # the same elements under each scale: named as the config names them
+            else:
+                group = loader_block
+        elif config_block is not None:
+            group = config_block
+        elif len(scale.shape) == len(t.shape) >= 2:
             group = _block_from_shapes(t.shape[-2:], scale.shape[-2:])
         else:
             group = ()
-        short = _FP8_SHORT[t.dtype]
+        short = _FP8_SHORT.get(t.dtype, t.dtype)
         name = f"{short} block {group[0]}x{group[1]}" if group else f"{short} per-tensor"
-        scheme = QuantScheme(name, model.FP8, t.dtype, 8, group, True, {"scale_dtype": scale.dtype if scale else None})
-        self.add(t.name, module, scheme, {"weight": t, "scale": scale}, t.shape, ("scale",))
+        params = {
+            "scale_dtype": scale.dtype if scale else None,
+            "config_block": config_block,
+            "loader_block": loader_block if isinstance(loader_block, tuple) else None,
+            "loader_refuses": loader_block if isinstance(loader_block, str) else None,
+            "grid": tuple(scale.shape[-2:]) if scale is not None and len(scale.shape) >= 2 else None,
+        }
+        scheme = QuantScheme(name, model.FP8, t.dtype, 8 if t.dtype in FLOAT8 else dtypes.get(t.dtype).itemsize * 8, group, True, params)
+        self.add(t.name, module, scheme, {"weight": t, "scale": scale}, t.shape, required)
 
     def compressed(self, t: TensorRecord, module: str, scale: TensorRecord | None) -> None:
         args = self.ct_weights(module)
@@ -383,6 +430,80 @@ def _block_from_shapes(weight: tuple[int, ...], scale: tuple[int, ...]) -> tuple
     return (_pow2_at_least(-(-weight[0] // scale[0])), _pow2_at_least(-(-weight[1] // scale[1])))
 
 
+def _config_block(cfg: Mapping[str, Any]) -> tuple[int, int] | None:
+    block = cfg.get("weight_block_size")
+    if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+        return (block[0], block[1])
+    return None
+
+
+def _same_blocks(config: tuple[int, ...], loader: tuple[int, ...], weight: tuple[int, ...], grid: tuple[int, ...]) -> bool:
+    """Whether DeepSeek's reading (the ``config`` block, ceil-divided, partial edge blocks) and the loader's
+    (``loader``: the grid divides the weight) put every element under the same scale of ``grid``: the config's
+    block tiles the weight into that grid, and in each dim the blocks are the same size or the grid is one."""
+    return all(-(-d // c) == n and (c == b or n == 1) for c, b, d, n in zip(config, loader, weight, grid, strict=True))
+
+
+def _loader_block(weight: tuple[int, ...], scale: tuple[int, ...] | None) -> tuple[int, int] | str | None:
+    """The block transformers' ``Fp8Dequantize._dequantize_one`` (5.24, what from_pretrained runs on CPU) takes:
+    the weight's last two dims over the scale grid's, which must divide them exactly; a scale of fewer than two
+    dims is one grid cell (its ``except`` branch), so it must hold one value. A string says why the load fails
+    instead; None where there is no scale."""
+    if scale is None:
+        return None
+    if len(weight) < 2:
+        return f"a {len(weight)}-D weight with a scale (the loader needs rows and columns)"
+    rows, cols = weight[-2:]
+    if len(scale) < 2:
+        if math.prod(scale) != 1:
+            return f"a {list(scale)} scale over {list(weight)} (the loader reads a 1-D scale as one grid cell)"
+        return (rows, cols)
+    sr, sc = scale[-2:]
+    if not sr or not sc or rows % sr or cols % sc:
+        return f"its scale grid {[sr, sc]} does not divide the weight's {[rows, cols]}"
+    lead, scale_lead = math.prod(weight[:-2]), math.prod(scale[:-2])
+    if scale_lead not in (1, lead):
+        return f"its scale grid {list(scale)} does not match the weight's leading dims {list(weight[:-2])}"
+    return (rows // sr, cols // sc)
+
+
+def fp8_reading(w: LogicalWeight) -> tuple[str, str] | None:
+    """Where the references of transformers' ``fp8`` layout part on ``w``: ``("refused", why)`` where
+    from_pretrained fails on it, ``("differ", why)`` where it loads but DeepSeek's reference (``weight_dequant``:
+    the config's ``weight_block_size``, partial edge blocks) reads other blocks, ``("config", why)`` where only the
+    config's block size disagrees with the grid and nothing else reads the config's; None where all agree."""
+    p = w.scheme.params
+    if w.scheme.family != model.FP8 or "scale" not in w.storage or w.shape is None:
+        return None
+    config_block, loader_block, refuses = p.get("config_block"), p.get("loader_block"), p.get("loader_refuses")
+    deepseek = None
+    if isinstance(config_block, tuple) and len(w.shape) >= 2:
+        rows, cols = w.shape[-2:]
+        deepseek = (-(-rows // config_block[0]), -(-cols // config_block[1]))
+    if isinstance(refuses, str):
+        text = f"from_pretrained cannot load {w.name}: {refuses}"
+        if deepseek is not None and isinstance(config_block, tuple) and p.get("grid") == deepseek:
+            text += f" (DeepSeek's reference reads it as the config's {config_block[0]}x{config_block[1]} blocks, partial at the edges)"
+        return ("refused", text)
+    grid = p.get("grid")
+    if not isinstance(loader_block, tuple) or not isinstance(config_block, tuple) or not isinstance(grid, tuple):
+        return None
+    if _same_blocks(config_block, loader_block, w.shape[-2:], grid):
+        return None
+    lb, cb, shown = loader_block, config_block, list(grid)
+    if grid == deepseek:
+        return (
+            "differ",
+            f"{w.name}: transformers' from_pretrained reads its {shown} scale grid as {lb[0]}x{lb[1]} blocks, "
+            f"DeepSeek's reference as the config's {cb[0]}x{cb[1]} blocks with partial edges; they give different weights",
+        )
+    return (
+        "config",
+        f"{w.name}: quantization_config.weight_block_size says {cb[0]}x{cb[1]}, but its scale grid "
+        f"{shown} gives {lb[0]}x{lb[1]} blocks, which from_pretrained follows",
+    )
+
+
 def _strategy_from_shapes(t: TensorRecord, scale: TensorRecord | None) -> str:
     if scale is None or scale.numel <= 1:
         return "tensor"
@@ -495,18 +616,22 @@ def view(inv: Inventory) -> QuantView:
 
 def policy_records(inv: Inventory, quant: QuantView | None = None) -> tuple[TensorRecord, ...]:
     """What policies and dtype summaries judge: each logical weight as one record in its logical dtype (in place
-    of its first storage tensor, with ``scheme`` set), and every tensor no logical weight consumes, unchanged.
+    of its first storage tensor, with ``scheme`` set), and every tensor no logical weight consumes, unchanged but
+    for a folder transformers' fp8 method loads, whose unquantized floating tensors take the model's dtype.
     The inventory's own tuple where nothing is quantized."""
     quant = view(inv) if quant is None else quant
     if not quant:
         return inv.tensors
     owner = quant.by_storage()
     by = inv.by_name()
+    # A folder from_pretrained loads with transformers' fp8 method: its dtype plan casts every unquantized floating
+    # tensor to the model's dtype too (norms, embeddings; a float8 one included)
+    loaded = _loaded_dtype(inv) if inv.format == Format.HF_DIRECTORY and quant.method == "fp8" else None
     out: list[TensorRecord] = []
     for t in inv.tensors:
         w = owner.get(t.name)
         if w is None:
-            out.append(t)
+            out.append(t.with_(dtype=loaded) if loaded is not None and dtypes.is_floating(t.dtype) and t.dtype != loaded else t)
         elif t.name == next(iter(w.storage.values())):
             shape = w.shape if w.shape is not None else (w.numel,)  # a flat count where the shape is in the bytes
             nbytes = sum(by[n].nbytes for n in w.storage.values() if n in by)
