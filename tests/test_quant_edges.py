@@ -301,3 +301,144 @@ def test_float8_weight_kept_unquantized_loads_and_converts_as_bf16(tmp_path: Pat
     listed = {t.name: t.dtype for t in as_policies_see_it(read_checkpoint(str(src)))}
     assert listed[o + ".weight"] == "bfloat16"
     _bit_equal(_converted(src, tmp_path / "out"), reference)
+
+
+@pytest.mark.slow
+def test_bnb_int8_folder_with_a_bf16_scb_converts_as_bitsandbytes_dequantizes(tmp_path: Path) -> None:
+    """bitsandbytes on CPU is the writer (transformers quantizes on load, save_pretrained serialises Int8Params);
+    the SCBs re-saved as bfloat16. Each weight is bitsandbytes' own int8_vectorwise_dequant, in bfloat16."""
+    import bitsandbytes.functional as F
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    _llama(256, 384).save_pretrained(tmp_path / "bf16")
+    int8 = tmp_path / "int8"
+    AutoModelForCausalLM.from_pretrained(
+        tmp_path / "bf16", quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map="cpu"
+    ).save_pretrained(int8)
+    state = load_file(int8 / "model.safetensors")
+    scbs = [k for k in state if k.endswith(".SCB")]
+    assert scbs and {state[k].dtype for k in scbs} == {torch.float32}
+    state = {k: (v.to(torch.bfloat16) if k in scbs else v) for k, v in state.items()}
+    save_file(state, int8 / "model.safetensors", metadata={"format": "pt"})
+    for to, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        got = _converted(int8, tmp_path / f"out-{to}", to)
+        for scb in scbs:
+            weight = scb.removesuffix(".SCB") + ".weight"
+            want = F.int8_vectorwise_dequant(state[weight], state[scb]).to(dtype)
+            assert got[weight].dtype == dtype and torch.equal(got[weight], want), (to, weight)
+
+
+# -- 5 and 7. MXFP4 (gpt-oss) ---------------------------------------------------------------------------------------
+
+
+def _gpt_oss_mxfp4(base: Path, *, hidden: int = 128, dtype: str | None = "bfloat16") -> Path:
+    """gpt-oss's layout (experts' ``*_blocks`` / ``*_scales``, as test_quant_convert builds it: no MXFP4 writer runs
+    on CPU): the blocks cover the parameter's input dim rounded up to 32 (padded where 32 does not divide it)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["full_attention"],
+    )
+    torch.manual_seed(0)
+    GptOssForCausalLM(cfg).to(torch.bfloat16).save_pretrained(base / "bf16")
+    g = torch.Generator().manual_seed(1)
+    state = {}
+    for k, v in load_file(base / "bf16" / "model.safetensors").items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, rows, cols = v.shape  # [E, in, out]; the blocks are [E, out, ceil(in/32), 16]
+            groups = -(-rows // 32)
+            state[k + "_blocks"] = torch.randint(0, 256, (experts, cols, groups, 16), dtype=torch.uint8, generator=g)
+            state[k + "_scales"] = torch.randint(118, 128, (experts, cols, groups), dtype=torch.uint8, generator=g)
+        else:
+            state[k] = v
+    config = json.loads((base / "bf16" / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    if dtype is not None:
+        config["dtype"] = dtype
+    quantization = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    }
+    return _write(base / "mxfp4", state, {**config, "quantization_config": quantization})
+
+
+@pytest.mark.slow
+def test_mxfp4_blocks_padded_past_the_parameter_are_refused_as_from_pretrained_refuses(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    src = _gpt_oss_mxfp4(tmp_path, hidden=112)  # gate_up_proj's input dim 112: blocks of 4 x 32 = 128
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        AutoModelForCausalLM.from_pretrained(src, device_map="cpu")
+    assert ("quant-scale-shape", "error", "model.layers.0.mlp.experts.gate_up_proj_blocks") in _rules(src)
+    _refused(src, tmp_path / "out", "model.layers.0.mlp.experts.gate_up_proj", "size mismatch")
+    # the unpadded layout loads, and nothing is found
+    assert not [r for r in _rules(_gpt_oss_mxfp4(tmp_path / "ok")) if r[1] == "error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float16", None], ids=["fp16", "none"])
+def test_mxfp4_folder_lists_the_dtypes_from_pretrained_loads(tmp_path: Path, dtype: str | None) -> None:
+    """float16: gpt-oss keeps its norms in float32 (_keep_in_fp32_modules); no dtype: the first floating tensor."""
+    from dtypeaudit.checks import as_policies_see_it
+
+    src = _gpt_oss_mxfp4(tmp_path, dtype=dtype)
+    reference = _loaded(src)
+    listed = {t.name: t.dtype for t in as_policies_see_it(read_checkpoint(str(src)))}
+    assert listed == {k: str(v.dtype).removeprefix("torch.") for k, v in reference.items()}
+
+
+# -- 7. compressed-tensors config groups ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_compressed_tensors_second_group_for_every_linear_is_read_as_the_loader_reads_it(tmp_path: Path) -> None:
+    """A first config group for the experts (``re:`` targets; none in a dense Llama), the second for ``Linear``,
+    which the tensors follow (compressed-tensors' own compressor wrote them): from_pretrained's dequantizing load
+    applies the second to every dense module (``get_dense_scheme``), and so does convert. (The first group read
+    instead has group size 128 and no zero points: the scales would not fit.)"""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from .test_quant_convert import _ct_dir
+
+    args = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 64}
+    src = _ct_dir(tmp_path, "pack-quantized", args)
+    config = json.loads((src / "config.json").read_text())
+    (written,) = config["quantization_config"]["config_groups"].values()
+    other = {**written, "targets": [r"re:.*mlp\.experts\..*"], "weights": {**written["weights"], "symmetric": True, "group_size": 128}}
+    config["quantization_config"]["config_groups"] = {"group_0": other, "group_1": written}
+    (src / "config.json").write_text(json.dumps(config))
+    reference = AutoModelForCausalLM.from_pretrained(src, device_map="cpu", quantization_config=CompressedTensorsConfig(dequantize=True))
+    assert not [r for r in _rules(src) if r[1] == "error"]
+    out = tmp_path / "out"
+    assert run_cli("convert", str(src), "--to", "bf16", "-o", str(out)).returncode == 0
+    _bit_equal(load_file(out / "model.safetensors"), reference.state_dict())
+
+
+# -- 6. NaN bits ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("view", ["transposed", "strided", "column", "rows"])
+def test_npcast_nan_bits_in_views_are_torchs(view: str) -> None:
+    """A NaN cast to bfloat16: torch's vectorised loop writes 0xFFFF, its scalar loop (a view it cannot walk
+    contiguously) 0x7FC0; npcast on the same view's numpy array writes what torch writes for the tensor."""
+    import numpy as np
+
+    from dtypeaudit import npcast
+
+    base = torch.randn(64, 48, generator=torch.Generator().manual_seed(6))
+    base[1, 2] = base[3, 0] = base[10, 7] = float("nan")
+    v = {"transposed": base.t(), "strided": base[:, ::2], "column": base[:, 2], "rows": base[2:40]}[view]
+    want = v.to(torch.bfloat16).contiguous().reshape(-1).view(torch.int16).numpy().view(np.uint16)
+    got = npcast.cast(v.numpy().reshape(-1), "float32", "bfloat16")
+    assert np.isnan(v.numpy()).any() and np.array_equal(got, want)

@@ -67,10 +67,10 @@ class _Shard:
 
 def supported(view: qm.QuantView) -> None:
     """Refuse, before anything is read, what no dequantizer here reads exactly."""
-    from ..quant.dequant import fp8_refusal
+    from ..quant.dequant import loader_refusal
 
     for w in view.weights:
-        refused = fp8_refusal(w)
+        refused = loader_refusal(w)
         if refused:
             raise ConversionError(refused)
         if w.missing:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from ..inventory import Finding, Inventory, Severity, TensorRecord
 from . import model
-from .group import FLOAT8, fp8_reading, kept_unquantized, view
+from .group import FLOAT8, kept_unquantized, loader_reading, view
 from .model import LogicalWeight, QuantView
 
 _LOADER = {
@@ -147,23 +147,25 @@ _FP8_EFFECT = {
 }
 
 
-def fp8_blocks(inv: Inventory, quant: QuantView) -> list[Finding]:
-    """FP8 scale grids as from_pretrained reads them (``group.fp8_reading``): one it cannot load (an error), one
-    DeepSeek's reference reads as other blocks, one whose config block size only disagrees (warnings: it loads)."""
+def loader_readings(inv: Inventory, quant: QuantView) -> list[Finding]:
+    """Weights as from_pretrained reads them (``group.loader_reading``): one it cannot load (an error: an FP8 scale
+    grid that does not divide its weight, MXFP4 blocks of another shape than the parameter), an FP8 grid DeepSeek's
+    reference reads as other blocks, one whose config block size only disagrees (warnings: it loads)."""
     by = inv.by_name()
     out = []
     for w in quant.weights:
-        reading = fp8_reading(w)
+        reading = loader_reading(w)
         if reading is None:
             continue
         kind, text = reading
-        t = by.get(w.storage["scale"])
+        name = w.storage["scale"] if w.scheme.family == model.FP8 else next(iter(w.storage.values()))
+        t = by.get(name)
         out.append(
             Finding(
                 "quant-scale-shape",
                 _FP8_SEVERITY[kind],
                 text + _FP8_EFFECT[kind],
-                tensor=w.storage["scale"],
+                tensor=name,
                 file=(t.file if t is not None else w.file) or None,
                 actual=str(list(t.shape)) if t is not None else None,
             )
@@ -341,7 +343,7 @@ def config_contradictions(inv: Inventory, quant: QuantView) -> list[Finding]:
 QUANT_CHECKS: tuple[Callable[[Inventory, QuantView], list[Finding]], ...] = (
     missing_parts,
     scale_shapes,
-    fp8_blocks,
+    loader_readings,
     scale_dtypes,
     ignored_modules,
     config_contradictions,

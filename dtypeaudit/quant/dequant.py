@@ -614,12 +614,12 @@ def _need(weight: qm.LogicalWeight, tensors: Mapping[str, torch.Tensor], *roles:
     return [tensors[r] for r in roles]
 
 
-def fp8_refusal(weight: qm.LogicalWeight) -> str | None:
-    """Why an FP8 weight is not dequantized, in one line, or None (``group.fp8_reading``): from_pretrained fails
-    on it, or DeepSeek's reference and transformers' read it differently (which to follow is not ours to guess)."""
-    from .group import fp8_reading
+def loader_refusal(weight: qm.LogicalWeight) -> str | None:
+    """Why a weight is not dequantized, in one line, or None (``group.loader_reading``): from_pretrained fails on
+    it, or (FP8) DeepSeek's reference and transformers' read it differently (which to follow is not ours to guess)."""
+    from .group import loader_reading
 
-    reading = fp8_reading(weight)
+    reading = loader_reading(weight)
     if reading is None or reading[0] == "config":
         return None
     kind, text = reading
@@ -653,7 +653,7 @@ def _dispatch(
         raise ConversionError(f"'{weight.name}' ({s.name}) lacks its {', '.join(weight.missing)}; refused")
     if fam == qm.FP8:
         (w,) = _need(weight, tensors, "weight", *(("scale",) if "scale" in weight.storage else ()))[:1]
-        refused = fp8_refusal(weight)
+        refused = loader_refusal(weight)
         if refused:
             raise ConversionError(refused)
         block = _group(weight)

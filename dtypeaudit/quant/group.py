@@ -219,7 +219,7 @@ class _Grouper:
         """transformers' ``Fp8Dequantize`` (what from_pretrained runs on CPU): the block comes from the scale grid,
         which must divide the weight (else the load fails); DeepSeek's reference (``weight_dequant``) takes the
         config's ``weight_block_size`` with partial edge blocks. ``params`` keeps both readings (see
-        :func:`fp8_readings`); ``group`` is the loader's block where it loads, else the config's."""
+        :func:`loader_reading`); ``group`` is the loader's block where it loads, else the config's."""
         config_block = _config_block(self.cfg) if self.method == "fp8" else None
         loader_block = _loader_block(t.shape, scale.shape if scale is not None else None)
         group: tuple[int, ...]
@@ -313,20 +313,31 @@ class _Grouper:
         self.add(module + ".weight", module, scheme, roles, shape, required)
 
     def ct_weights(self, module: str) -> dict[str, Any]:
-        """The ``weights`` args of the compressed-tensors config group for ``module``: the group one of whose
-        ``re:`` targets matches it, else the first group (class-name targets need module types)."""
+        """The ``weights`` args of the compressed-tensors config group that dequantizes ``module``, as transformers'
+        ``CompressedTensorsDequantize`` (from_pretrained's CPU dequantizing load) picks it, whatever the targets: a
+        dense module gets the first group whose targets do not single out the experts (``get_dense_scheme``), an
+        expert the first group with an ``re:`` target naming experts, else the first with a class-name target,
+        else the first (``get_experts_scheme``)."""
         groups = self.cfg.get("config_groups")
         if not isinstance(groups, dict):
             return {}
-        first: dict[str, Any] | None = None
-        for group in groups.values():
-            if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
-                continue
-            first = first or group["weights"]
-            targets = group.get("targets") or []
-            if any(isinstance(p, str) and p.startswith("re:") and _re_match(p[3:], module) for p in targets):
-                return dict(group["weights"])
-        return dict(first or {})
+        usable = [g for g in groups.values() if isinstance(g, dict) and isinstance(g.get("weights"), dict)]
+        if not usable:
+            return {}
+
+        def targets(g: dict[str, Any]) -> list[str]:
+            return [t for t in g.get("targets") or [] if isinstance(t, str)]
+
+        def experts(g: dict[str, Any]) -> bool:
+            return any(t.startswith("re:") and "experts" in t for t in targets(g))
+
+        if ".experts." in f".{module}.":
+            chosen = next((g for g in usable if experts(g)), None) or next(
+                (g for g in usable if any(not t.startswith("re:") for t in targets(g))), usable[0]
+            )
+        else:
+            chosen = next((g for g in usable if not experts(g)), usable[0])
+        return dict(chosen["weights"])
 
     def mxfp4(self, t: TensorRecord) -> None:
         base = t.name[: -len("_blocks")]
@@ -338,8 +349,28 @@ class _Grouper:
             flat = (*prefix, rows, g * b * 2)
             shape = (flat[0], flat[2], flat[1], *flat[3:]) if len(flat) >= 3 else flat
         module = base.rsplit(".", 1)[0] if "." in base else base
-        scheme = QuantScheme("mxfp4", model.MXFP4, "fp4_e2m1", 4, (32,), True, {"layout": "gpt-oss"})
-        self.add(base, module, scheme, {"blocks": t, "scale": scales}, shape, ("scale",), to=_dequant_dtype(self.inv))
+        params: dict[str, object] = {"layout": "gpt-oss"}
+        want = self.gpt_oss_shape(base)
+        if shape is not None and want is not None and shape != want:
+            params["loader_refuses"] = (
+                f"its blocks dequantize to {list(shape)}, but the model's parameter is {list(want)} (a size mismatch)"
+            )
+        scheme = QuantScheme("mxfp4", model.MXFP4, "fp4_e2m1", 4, (32,), True, params)
+        self.add(base, module, scheme, {"blocks": t, "scale": scales}, shape, ("scale",), to=_loaded_dtype(self.inv))
+
+    def gpt_oss_shape(self, base: str) -> tuple[int, ...] | None:
+        """The shape of gpt-oss's ``GptOssExperts`` parameter ``base`` (``gate_up_proj`` ``[E, hidden, 2*inter]``,
+        ``down_proj`` ``[E, inter, hidden]``), the dims read off its stored biases (``[E, 2*inter]``, ``[E, hidden]``),
+        which the same config sizes; None where a bias is not stored."""
+        stem, _, proj = base.rpartition(".")
+        gate_up, down = self.by.get(f"{stem}.gate_up_proj_bias"), self.by.get(f"{stem}.down_proj_bias")
+        if proj not in ("gate_up_proj", "down_proj") or gate_up is None or down is None:
+            return None
+        if len(gate_up.shape) != 2 or len(down.shape) != 2:
+            return None
+        experts, inter2 = gate_up.shape
+        hidden = down.shape[1]
+        return (experts, hidden, inter2) if proj == "gate_up_proj" else (experts, inter2 // 2, hidden)
 
     def gptq_awq(self, t: TensorRecord) -> None:
         module = t.name[: -len(".qweight")]
@@ -467,12 +498,14 @@ def _loader_block(weight: tuple[int, ...], scale: tuple[int, ...] | None) -> tup
     return (rows // sr, cols // sc)
 
 
-def fp8_reading(w: LogicalWeight) -> tuple[str, str] | None:
+def loader_reading(w: LogicalWeight) -> tuple[str, str] | None:
     """Where the references of transformers' ``fp8`` layout part on ``w``: ``("refused", why)`` where
     from_pretrained fails on it, ``("differ", why)`` where it loads but DeepSeek's reference (``weight_dequant``:
     the config's ``weight_block_size``, partial edge blocks) reads other blocks, ``("config", why)`` where only the
     config's block size disagrees with the grid and nothing else reads the config's; None where all agree."""
     p = w.scheme.params
+    if w.scheme.family == model.MXFP4 and isinstance(p.get("loader_refuses"), str):
+        return ("refused", f"from_pretrained cannot load {w.name}: {p['loader_refuses']}")
     if w.scheme.family != model.FP8 or "scale" not in w.storage or w.shape is None:
         return None
     config_block, loader_block, refuses = p.get("config_block"), p.get("loader_block"), p.get("loader_refuses")
@@ -616,22 +649,18 @@ def view(inv: Inventory) -> QuantView:
 
 def policy_records(inv: Inventory, quant: QuantView | None = None) -> tuple[TensorRecord, ...]:
     """What policies and dtype summaries judge: each logical weight as one record in its logical dtype (in place
-    of its first storage tensor, with ``scheme`` set), and every tensor no logical weight consumes, unchanged but
-    for a folder transformers' fp8 method loads, whose unquantized floating tensors take the model's dtype.
+    of its first storage tensor, with ``scheme`` set), and every tensor no logical weight consumes, unchanged.
     The inventory's own tuple where nothing is quantized."""
     quant = view(inv) if quant is None else quant
     if not quant:
         return inv.tensors
     owner = quant.by_storage()
     by = inv.by_name()
-    # A folder from_pretrained loads with transformers' fp8 method: its dtype plan casts every unquantized floating
-    # tensor to the model's dtype too (norms, embeddings; a float8 one included)
-    loaded = _loaded_dtype(inv) if inv.format == Format.HF_DIRECTORY and quant.method == "fp8" else None
     out: list[TensorRecord] = []
     for t in inv.tensors:
         w = owner.get(t.name)
         if w is None:
-            out.append(t.with_(dtype=loaded) if loaded is not None and dtypes.is_floating(t.dtype) and t.dtype != loaded else t)
+            out.append(t)
         elif t.name == next(iter(w.storage.values())):
             shape = w.shape if w.shape is not None else (w.numel,)  # a flat count where the shape is in the bytes
             nbytes = sum(by[n].nbytes for n in w.storage.values() if n in by)
