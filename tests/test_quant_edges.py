@@ -300,6 +300,7 @@ def test_float8_weight_kept_unquantized_loads_and_converts_as_bf16(tmp_path: Pat
 
     listed = {t.name: t.dtype for t in as_policies_see_it(read_checkpoint(str(src)))}
     assert listed[o + ".weight"] == "bfloat16"
+    assert _rules(src) == []  # the config keeps it unquantized, and it is: stored in float8, no scale
     _bit_equal(_converted(src, tmp_path / "out"), reference)
 
 

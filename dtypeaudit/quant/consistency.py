@@ -238,7 +238,7 @@ def ignored_modules(inv: Inventory, quant: QuantView) -> list[Finding]:
         return []
     out = []
     for w in quant.weights:
-        if kept_unquantized(w.module, quant.config):
+        if kept_unquantized(w.module, quant.config) and w.storage.keys() != {"weight"}:  # not a bare float8 weight
             listed = "ignore" if quant.method == "compressed-tensors" else "modules_to_not_convert"
             out.append(
                 Finding(

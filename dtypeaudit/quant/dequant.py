@@ -652,7 +652,7 @@ def _dispatch(
     if weight.missing:
         raise ConversionError(f"'{weight.name}' ({s.name}) lacks its {', '.join(weight.missing)}; refused")
     if fam == qm.FP8:
-        (w,) = _need(weight, tensors, "weight", *(("scale",) if "scale" in weight.storage else ()))[:1]
+        w = _need(weight, tensors, "weight", *(("scale",) if "scale" in weight.storage else ()))[0]
         refused = loader_refusal(weight)
         if refused:
             raise ConversionError(refused)

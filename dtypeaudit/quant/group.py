@@ -239,7 +239,7 @@ class _Grouper:
         else:
             group = ()
         short = _FP8_SHORT.get(t.dtype, t.dtype)
-        name = f"{short} block {group[0]}x{group[1]}" if group else f"{short} per-tensor"
+        name = f"{short} block {group[0]}x{group[1]}" if group else f"{short} per-tensor" if scale is not None else f"{short} unscaled"
         params = {
             "scale_dtype": scale.dtype if scale else None,
             "config_block": config_block,
