@@ -443,3 +443,18 @@ def test_npcast_nan_bits_in_views_are_torchs(view: str) -> None:
     want = v.to(torch.bfloat16).contiguous().reshape(-1).view(torch.int16).numpy().view(np.uint16)
     got = npcast.cast(v.numpy().reshape(-1), "float32", "bfloat16")
     assert np.isnan(v.numpy()).any() and np.array_equal(got, want)
+
+
+@pytest.mark.slow
+def test_int8_weight_beside_a_scale_is_packed_fp4_as_from_pretrained_reads_it(tmp_path: Path) -> None:
+    """Fp8Dequantize reads an int8 X.weight beside its X.weight_scale_inv as two fp4 e2m1 values a byte (MoE experts
+    shipped as packed FP4): the scan lists the unpacked weight, convert writes what from_pretrained loads."""
+    model, state = _quantized()
+    g = torch.Generator().manual_seed(7)
+    state[Q + ".weight"] = torch.randint(-128, 128, (256, 128), dtype=torch.int8, generator=g)  # [256, 256] unpacked
+    state[Q + ".weight_scale_inv"] = torch.rand(2, 2, generator=g) + 0.5
+    src = _write(tmp_path / "fp4", state, _config(model, FP8_CONFIG))
+    records = {t.name: t for t in policy_records(read_checkpoint(str(src)))}
+    assert records[Q + ".weight"].shape == (256, 256) and records[Q + ".weight"].scheme == "fp4-e2m1 block 128x128"
+    assert _rules(src) == []
+    _bit_equal(_converted(src, tmp_path / "out"), _loaded(src))

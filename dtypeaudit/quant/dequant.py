@@ -75,6 +75,17 @@ def fp8_scale_float32(scale_inv: torch.Tensor) -> torch.Tensor:
     return scale_inv.to(torch.float32)
 
 
+def unpack_fp4(packed_values: torch.Tensor) -> torch.Tensor:
+    """Two fp4 e2m1 values a byte, the low nibble first, as float32 twice as wide in the last dim: what
+    ``Fp8Dequantize._unpack_fp4`` makes of an int8 weight beside a ``weight_scale_inv``."""
+    import torch
+
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    u8 = packed_values.contiguous().view(torch.uint8)
+    values = torch.stack((lut[(u8 & 0x0F).long()], lut[(u8 >> 4).long()]), dim=-1)
+    return values.reshape(*packed_values.shape[:-1], 2 * packed_values.shape[-1])
+
+
 def fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor | None, block: Sequence[int] | None) -> torch.Tensor:
     """transformers' ``fp8`` method as from_pretrained dequantizes it on CPU (``Fp8Dequantize._dequantize_one``):
     ``weight`` (float8, or any float dtype: the loader scales whatever ``X.weight`` has an ``X.weight_scale_inv``)
@@ -83,8 +94,10 @@ def fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor | None, block: Seque
     loader casts it to the model's dtype next). ``block`` the loader's block (``group._loader_block``: the grid
     divides the weight exactly; the code also reads DeepSeek's partial edge blocks); None or a one-value scale:
     every element times that scale. ``scale_inv`` None: the weight unscaled (a float8 weight without a scale,
-    which the loader casts)."""
-    w = to_float32(weight)
+    which the loader casts). An int8 weight is packed fp4 e2m1 (:func:`unpack_fp4`), as the loader reads it."""
+    import torch
+
+    w = unpack_fp4(weight) if weight.dtype == torch.int8 else to_float32(weight)
     if scale_inv is None:
         return w
     s = fp8_scale_float32(scale_inv)

@@ -204,8 +204,8 @@ class _Grouper:
             return None  # the config keeps it as stored
         if t.dtype in FLOAT8 and (scale_inv is not None or (self.method == "fp8" and scale is None)):
             return self.fp8(t, module, scale_inv)
-        if self.method == "fp8" and scale_inv is not None and t.dtype in ("bfloat16", "float16", "float32", "float64"):
-            # Fp8Dequantize multiplies any X.weight that has an X.weight_scale_inv, whatever its dtype
+        if self.method == "fp8" and scale_inv is not None and t.dtype in ("bfloat16", "float16", "float32", "float64", "int8"):
+            # Fp8Dequantize multiplies any X.weight that has an X.weight_scale_inv, whatever its dtype (int8: packed fp4)
             return self.fp8(t, module, scale_inv)
         compressed = self.method == "compressed-tensors"
         if (t.dtype in FLOAT8 or t.dtype == "int8") and (scale is not None or (compressed and scale_inv is None)):
@@ -221,24 +221,27 @@ class _Grouper:
         config's ``weight_block_size`` with partial edge blocks. ``params`` keeps both readings (see
         :func:`loader_reading`); ``group`` is the loader's block where it loads, else the config's."""
         config_block = _config_block(self.cfg) if self.method == "fp8" else None
-        loader_block = _loader_block(t.shape, scale.shape if scale is not None else None)
+        # an int8 weight is two fp4 e2m1 values a byte to Fp8Dequantize (MoE experts shipped as packed FP4)
+        packed = t.dtype == "int8"
+        shape = (*t.shape[:-1], t.shape[-1] * 2) if packed and t.shape else t.shape
+        loader_block = _loader_block(shape, scale.shape if scale is not None else None)
         group: tuple[int, ...]
         if scale is None or scale.numel <= 1 and len(scale.shape) < 2:
             group = ()
         elif isinstance(loader_block, tuple):
             if scale.numel == 1:
                 group = ()
-            elif config_block is not None and _same_blocks(config_block, loader_block, t.shape[-2:], scale.shape[-2:]):
+            elif config_block is not None and _same_blocks(config_block, loader_block, shape[-2:], scale.shape[-2:]):
                 group = config_block  # the same elements under each scale: named as the config names them
             else:
                 group = loader_block
         elif config_block is not None:
             group = config_block
-        elif len(scale.shape) == len(t.shape) >= 2:
-            group = _block_from_shapes(t.shape[-2:], scale.shape[-2:])
+        elif len(scale.shape) == len(shape) >= 2:
+            group = _block_from_shapes(shape[-2:], scale.shape[-2:])
         else:
             group = ()
-        short = _FP8_SHORT.get(t.dtype, t.dtype)
+        short = "fp4-e2m1" if packed else _FP8_SHORT.get(t.dtype, t.dtype)
         name = f"{short} block {group[0]}x{group[1]}" if group else f"{short} per-tensor" if scale is not None else f"{short} unscaled"
         params = {
             "scale_dtype": scale.dtype if scale else None,
@@ -247,8 +250,9 @@ class _Grouper:
             "loader_refuses": loader_block if isinstance(loader_block, str) else None,
             "grid": tuple(scale.shape[-2:]) if scale is not None and len(scale.shape) >= 2 else None,
         }
-        scheme = QuantScheme(name, model.FP8, t.dtype, 8 if t.dtype in FLOAT8 else dtypes.get(t.dtype).itemsize * 8, group, True, params)
-        self.add(t.name, module, scheme, {"weight": t, "scale": scale}, t.shape, required)
+        value, bits = ("fp4_e2m1", 4) if packed else (t.dtype, 8 if t.dtype in FLOAT8 else dtypes.get(t.dtype).itemsize * 8)
+        scheme = QuantScheme(name, model.FP8, value, bits, group, True, params)
+        self.add(t.name, module, scheme, {"weight": t, "scale": scale}, shape, required)
 
     def compressed(self, t: TensorRecord, module: str, scale: TensorRecord | None) -> None:
         args = self.ct_weights(module)
