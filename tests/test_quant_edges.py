@@ -152,6 +152,12 @@ def test_mxfp8_uint8_scales_are_e8m0_exponents_as_from_pretrained_reads_them(tmp
     assert _rules(src) == []
     reference = _loaded(src)
     _bit_equal(_converted(src, tmp_path / "out"), reference)
+    # with numpy alone, as any FP8 block checkpoint: the converting process imports no torch
+    proc = run_cli("convert", str(src), "--to", "bf16", "-o", str(tmp_path / "np"), process=True, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert proc.returncode == 0, proc.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "numpy" in imported and not [m for m in imported if m.split(".")[0] == "torch"]
+    _bit_equal(load_file(tmp_path / "np" / "model.safetensors"), reference)
     # the same weights as the float8_e8m0fnu scales give (the writer's own dtype)
     _bit_equal(_converted(_write(tmp_path / "e8m0", state, _config(model, FP8_CONFIG)), tmp_path / "out2"), reference)
 
