@@ -508,7 +508,7 @@ def loaded_dtype(inv: Inventory) -> dict[str, str]:
     from .formats import hfload
 
     load = hfload.from_metadata(inv.metadata)
-    return hfload.loaded_dtypes(inv.tensors, load) if load is not None else {}
+    return hfload.loaded_dtypes(logical(inv).tensors, load) if load is not None else {}  # a scale is no loaded tensor
 
 
 def loaded_dtype_findings(inv: Inventory) -> list[Finding]:
@@ -518,7 +518,7 @@ def loaded_dtype_findings(inv: Inventory) -> list[Finding]:
     from .formats import hfload
 
     load = hfload.from_metadata(inv.metadata)
-    return hfload.loaded_findings(inv.tensors, load) if load is not None else []
+    return hfload.loaded_findings(logical(inv).tensors, load) if load is not None else []
 
 
 def config_dtype(inv: Inventory) -> list[Finding]:

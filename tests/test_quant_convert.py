@@ -204,10 +204,10 @@ def test_fp8_convert_imports_no_torch_and_writes_the_torch_dequantizers_bytes(
         assert got[name].dtype == dtype and torch.equal(got[name].view(torch.int16), want.view(torch.int16)), name
 
 
-def test_fp8_weight_in_many_pieces_with_partial_edge_blocks(tmp_path: Path) -> None:
-    """A weight that convert dequantizes in several pieces of rows (1000 x 8300: eight pieces of 128 rows, the last
-    one short), its last row and column blocks partial (DeepSeek-V3 shapes), scales in bfloat16: bit-equal to the
-    torch dequantizer over the whole weight, for each target."""
+def test_fp8_weight_in_many_pieces(tmp_path: Path) -> None:
+    """A weight that convert dequantizes in several pieces of rows (1000 x 8320 in blocks of 125 x 128, the last
+    piece short), scales in bfloat16: bit-equal to the torch dequantizer over the whole weight, for each target.
+    (Partial edge blocks, which from_pretrained does not load: tests/test_quant_edges.py.)"""
     from safetensors.torch import load_file, save_file
 
     from dtypeaudit.quant import dequant as dq
@@ -215,16 +215,16 @@ def test_fp8_weight_in_many_pieces_with_partial_edge_blocks(tmp_path: Path) -> N
     g = torch.Generator().manual_seed(5)
     src = tmp_path / "fp8"
     src.mkdir()
-    weight = (torch.randn(1000, 8300, generator=g) * 60).to(torch.float8_e4m3fn)
+    weight = (torch.randn(1000, 8320, generator=g) * 60).to(torch.float8_e4m3fn)
     scale = (torch.rand(8, 65, generator=g) * 1e-3).to(torch.bfloat16)
     save_file({"layer.weight": weight, "layer.weight_scale_inv": scale}, src / "model.safetensors", metadata={"format": "pt"})
     config = {
         "model_type": "llama",
         "torch_dtype": "bfloat16",
-        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [125, 128]},
     }
     (src / "config.json").write_text(json.dumps(config))
-    products = dq.fp8_block(weight, scale, (128, 128))
+    products = dq.fp8_block(weight, scale, (125, 128))
     for to, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
         out = tmp_path / to
         proc = run_cli("convert", str(src), "--to", to, "-o", str(out))

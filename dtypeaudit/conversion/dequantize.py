@@ -67,7 +67,12 @@ class _Shard:
 
 def supported(view: qm.QuantView) -> None:
     """Refuse, before anything is read, what no dequantizer here reads exactly."""
+    from ..quant.dequant import loader_refusal
+
     for w in view.weights:
+        refused = loader_refusal(w)
+        if refused:
+            raise ConversionError(refused)
         if w.missing:
             raise ConversionError(
                 f"'{w.name}' ({w.scheme.name}) lacks its {', '.join(w.missing)}: the loader would leave it at random; refused"
@@ -435,7 +440,7 @@ def _array(src: MappedCheckpoint, t: TensorRecord) -> Any:
 
     if src.inv.format == Format.GGUF or t.storage is not None or t.name not in src.spans:
         return None
-    if t.dtype in FLOAT8_FORMATS:
+    if t.dtype in FLOAT8_FORMATS or t.dtype == "uint8":  # float8 codes; uint8 bytes (E8M0 scales)
         dtype = np.dtype(np.uint8)
     elif t.dtype in npcast.CASTS:
         dtype = npcast.storage_dtype(t.dtype)
@@ -450,7 +455,7 @@ def _array(src: MappedCheckpoint, t: TensorRecord) -> Any:
 def _fp8_tasks(w: qm.LogicalWeight, shape: tuple[int, ...], target: str, reading: Reading) -> list[Task] | None:
     """An FP8 block-scaled 2-D weight (transformers' ``fp8``) dequantized and cast with numpy, a few blocks of rows
     a task (the pieces compute in parallel and each one's tables stay in cache); None for any other weight."""
-    from ..quant.dequant import FLOAT8_FORMATS
+    from ..quant.dequant import FLOAT8_FORMATS, e8m0_float32
     from ..values import CHUNK_BYTES
 
     group = tuple(w.scheme.group or ())
@@ -459,11 +464,13 @@ def _fp8_tasks(w: qm.LogicalWeight, shape: tuple[int, ...], target: str, reading
     wt, st = reading.by_name[w.storage["weight"]], reading.by_name[w.storage["scale"]]
     codes, scale = _array(reading.file_of(wt), wt), _array(reading.file_of(st), st)
     bm = group[0]
-    if codes is None or scale is None or wt.dtype not in FLOAT8_FORMATS or st.dtype not in npcast.CASTS:
+    if codes is None or scale is None or wt.dtype not in FLOAT8_FORMATS or st.dtype not in {*npcast.CASTS, "uint8"}:
         return None
     if tuple(codes.shape) != shape or scale.ndim != 2 or scale.shape[0] != -(-shape[0] // bm):
         return None
-    if st.dtype != "float32":  # the loader multiplies in float32: widen (or round) the scales as torch's cast does
+    if st.dtype == "uint8":  # E8M0 exponents, as the loader reads them
+        scale = e8m0_float32(scale)
+    elif st.dtype != "float32":  # the loader multiplies in float32: widen (or round) the scales as torch's cast does
         scale = npcast.cast(scale.reshape(-1), st.dtype, "float32").reshape(scale.shape)
     step = max(1, (4 * CHUNK_BYTES) // max(1, shape[1] * 4) // bm) * bm
     piece_bytes = step * shape[1] * dtypes.get(target).itemsize

@@ -648,8 +648,11 @@ def _load_dtype(
         out.append(
             Finding("duplicate-key", "warning", f"config.json: {duplicate}; from_pretrained keeps the last value", file="config.json")
         )
-    if "quantization_config" in cfg:
-        return out  # a quantizer decides the dtypes: not modelled here
+    method = cfg["quantization_config"].get("quant_method") if isinstance(cfg.get("quantization_config"), dict) else None
+    if "quantization_config" in cfg and method not in ("fp8", "mxfp4"):
+        # a quantizer decides the dtypes: not modelled here. fp8 and mxfp4 dequantize on CPU into the model's own
+        # dtype, which the same dtype plan decides (tests/test_quant_edges.py loads them)
+        return out
     index_meta = None
     if res.index is not None:
         index = docs.load_json(path / res.index)

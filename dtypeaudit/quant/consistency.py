@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from ..inventory import Finding, Inventory, TensorRecord
+from ..inventory import Finding, Inventory, Severity, TensorRecord
 from . import model
-from .group import FLOAT8, kept_unquantized, view
+from .group import FLOAT8, kept_unquantized, loader_reading, view
 from .model import LogicalWeight, QuantView
 
 _LOADER = {
@@ -77,11 +77,8 @@ def _expected_shapes(w: LogicalWeight, by: dict[str, TensorRecord]) -> dict[str,
     if shape is None or len(shape) < 2:
         return {}
     out_f, in_f = shape[-2], shape[-1]
-    lead = tuple(shape[:-2])
     if s.family == model.FP8:
-        if s.group:  # FP8Linear: ceil(out/bo) x ceil(in/bi)
-            return {"scale": (*lead, _cdiv(out_f, s.group[0]), _cdiv(in_f, s.group[1]))}
-        return {}
+        return {}  # the grid gives the block: fp8_blocks
     if s.family in (model.COMPRESSED, model.PACKED, model.NVFP4) or (
         s.family == model.MXFP4 and s.params.get("layout") == "compressed-tensors"
     ):
@@ -142,10 +139,44 @@ def scale_shapes(inv: Inventory, quant: QuantView) -> list[Finding]:
     return out
 
 
+_FP8_SEVERITY: dict[str, Severity] = {"refused": "error", "differ": "warning", "config": "warning"}
+_FP8_EFFECT = {
+    "refused": "; convert refuses it too",
+    "differ": "; convert follows neither until told (set weight_block_size to the grid's block to follow from_pretrained)",
+    "config": "; convert follows from_pretrained",
+}
+
+
+def loader_readings(inv: Inventory, quant: QuantView) -> list[Finding]:
+    """Weights as from_pretrained reads them (``group.loader_reading``): one it cannot load (an error: an FP8 scale
+    grid that does not divide its weight, MXFP4 blocks of another shape than the parameter), an FP8 grid DeepSeek's
+    reference reads as other blocks, one whose config block size only disagrees (warnings: it loads)."""
+    by = inv.by_name()
+    out = []
+    for w in quant.weights:
+        reading = loader_reading(w)
+        if reading is None:
+            continue
+        kind, text = reading
+        name = w.storage["scale"] if w.scheme.family == model.FP8 else next(iter(w.storage.values()))
+        t = by.get(name)
+        out.append(
+            Finding(
+                "quant-scale-shape",
+                _FP8_SEVERITY[kind],
+                text + _FP8_EFFECT[kind],
+                tensor=name,
+                file=(t.file if t is not None else w.file) or None,
+                actual=str(list(t.shape)) if t is not None else None,
+            )
+        )
+    return out
+
+
 def _expected_dtypes(w: LogicalWeight) -> dict[str, frozenset[str]]:
     s = w.scheme
-    if s.family == model.FP8:  # FP8Linear: float32 scales (DeepSeek V3), or UE8M0 float8_e8m0fnu
-        return {"scale": frozenset({"float32", "float8_e8m0fnu"})}
+    if s.family == model.FP8:  # float32 scales (DeepSeek V3), or UE8M0: float8_e8m0fnu, or uint8 bytes (MXFP8)
+        return {"scale": frozenset({"float32", "float8_e8m0fnu", "uint8"})}
     if s.family == model.COMPRESSED:
         return {"scale": frozenset({"float32", "float16", "bfloat16"})}
     if s.family == model.PACKED:
@@ -207,7 +238,7 @@ def ignored_modules(inv: Inventory, quant: QuantView) -> list[Finding]:
         return []
     out = []
     for w in quant.weights:
-        if kept_unquantized(w.module, quant.config):
+        if kept_unquantized(w.module, quant.config) and w.storage.keys() != {"weight"}:  # not a bare float8 weight
             listed = "ignore" if quant.method == "compressed-tensors" else "modules_to_not_convert"
             out.append(
                 Finding(
@@ -312,6 +343,7 @@ def config_contradictions(inv: Inventory, quant: QuantView) -> list[Finding]:
 QUANT_CHECKS: tuple[Callable[[Inventory, QuantView], list[Finding]], ...] = (
     missing_parts,
     scale_shapes,
+    loader_readings,
     scale_dtypes,
     ignored_modules,
     config_contradictions,

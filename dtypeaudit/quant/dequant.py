@@ -54,23 +54,63 @@ def to_float32(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int] | None) -> torch.Tensor:
-    """transformers' ``fp8`` method (DeepSeek-V3 layout): ``weight`` float8 ``[..., rows, cols]`` times
-    ``weight_scale_inv`` float32 ``[..., ceil(rows/bm), ceil(cols/bn)]``, one scale per block, the edge
-    blocks partial. Mirrors ``Fp8Dequantize._dequantize_one``: both sides in float32, multiplied once;
-    the result is float32 (the loader casts it to the model's dtype next). A per-tensor scale (no block)
-    multiplies every element."""
+def e8m0_float32(exponents: Any) -> Any:
+    """uint8 E8M0 exponents (numpy) as the float32 scales they stand for, ``2 ** (byte - 127)``: what
+    ``Fp8Dequantize`` computes for a uint8 ``weight_scale_inv`` (``(s.to(float32) - 127).exp2()``), bit-equal
+    (exact powers of two; 255 is inf, 0 the subnormal 2^-127)."""
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        table = np.ldexp(np.float32(1), np.arange(256, dtype=np.int32) - 127).astype(np.float32)
+    return table[exponents]
+
+
+def fp8_scale_float32(scale_inv: torch.Tensor) -> torch.Tensor:
+    """A ``weight_scale_inv`` as the float32 multipliers the loader applies: a uint8 one holds E8M0 exponents
+    (MXFP8), any other dtype is widened (float8_e8m0fnu included)."""
     import torch
 
-    w = to_float32(weight)
-    s = scale_inv.to(torch.float32)
+    if scale_inv.dtype == torch.uint8:
+        return torch.from_numpy(e8m0_float32(scale_inv.contiguous().numpy()))
+    return scale_inv.to(torch.float32)
+
+
+def unpack_fp4(packed_values: torch.Tensor) -> torch.Tensor:
+    """Two fp4 e2m1 values a byte, the low nibble first, as float32 twice as wide in the last dim: what
+    ``Fp8Dequantize._unpack_fp4`` makes of an int8 weight beside a ``weight_scale_inv``."""
+    import torch
+
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    u8 = packed_values.contiguous().view(torch.uint8)
+    values = torch.stack((lut[(u8 & 0x0F).long()], lut[(u8 >> 4).long()]), dim=-1)
+    return values.reshape(*packed_values.shape[:-1], 2 * packed_values.shape[-1])
+
+
+def fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor | None, block: Sequence[int] | None) -> torch.Tensor:
+    """transformers' ``fp8`` method as from_pretrained dequantizes it on CPU (``Fp8Dequantize._dequantize_one``):
+    ``weight`` (float8, or any float dtype: the loader scales whatever ``X.weight`` has an ``X.weight_scale_inv``)
+    ``[..., rows, cols]`` times ``weight_scale_inv`` ``[..., rows/bm, cols/bn]``, one scale per block, both sides
+    in float32 (a uint8 scale is E8M0: :func:`fp8_scale_float32`), multiplied once; the result is float32 (the
+    loader casts it to the model's dtype next). ``block`` the loader's block (``group._loader_block``: the grid
+    divides the weight exactly; the code also reads DeepSeek's partial edge blocks); None or a one-value scale:
+    every element times that scale. ``scale_inv`` None: the weight unscaled (a float8 weight without a scale,
+    which the loader casts). An int8 weight is packed fp4 e2m1 (:func:`unpack_fp4`), as the loader reads it."""
+    import torch
+
+    w = unpack_fp4(weight) if weight.dtype == torch.int8 else to_float32(weight)
+    if scale_inv is None:
+        return w
+    s = fp8_scale_float32(scale_inv)
     if block is None or s.numel() == 1:
-        return w.mul_(s.reshape(()) if s.numel() == 1 else s)
+        if s.numel() != 1:
+            raise _refuse("weight", f"a per-tensor weight_scale_inv has {s.numel()} values")
+        return w.mul_(s.reshape(()))
     bm, bn = int(block[0]), int(block[1])
     rows, cols = w.shape[-2:]
     want = (*w.shape[:-2], math.ceil(rows / bm), math.ceil(cols / bn))
-    if tuple(s.shape) != want:
+    if tuple(s.shape[-2:]) != want[-2:] or math.prod(s.shape[:-2]) not in (1, math.prod(want[:-2])):
         raise _refuse("weight", f"weight_scale_inv has shape {list(s.shape)}, blocks of {bm}x{bn} over {list(w.shape)} need {list(want)}")
+    s = s.reshape(want) if math.prod(s.shape[:-2]) == math.prod(want[:-2]) else s.reshape(want[-2:])
     # Expand the scales over rows only and broadcast them over the columns through a view of the
     # weight, as transformers' _dequantize_fp8_weight does: no second weight-sized tensor.
     s = s.repeat_interleave(bm, dim=-2)[..., :rows, :]
@@ -219,6 +259,8 @@ def fp8_block_cast_np(codes: Any, scale: Any, fp8: str, block: Sequence[int], ta
         raise _refuse(
             "weight", f"weight_scale_inv has shape {list(scale.shape)}, blocks of {bm}x{bn} over {[rows, cols]} need {list(want)}"
         )
+    if scale.dtype == np.uint8:
+        scale = e8m0_float32(scale)
     if scale.dtype != np.float32:
         raise _refuse("weight", f"block scales must be float32 here, not {scale.dtype}")
     tables, products = fp8_block_tables(float8_values(fp8), scale, target, clamp=clamp)
@@ -236,7 +278,7 @@ def fp8_block_cast(weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequenc
     import torch
 
     codes = weight.contiguous().view(torch.uint8).numpy()
-    scale = scale_inv.to(torch.float32).contiguous().numpy()
+    scale = fp8_scale_float32(scale_inv).contiguous().numpy()
     out, _ = fp8_block_cast_np(codes, scale, dtypes.name_of(weight.dtype), block, target)
     return torch.from_numpy(out).view(getattr(torch, target))
 
@@ -535,13 +577,16 @@ def bnb_4bit(
 
 
 def bnb_int8(weight: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
-    """bitsandbytes LLM.int8 (``int8_vectorwise_dequant``): ``weight * SCB[row] * (1/127)`` in float32, as
-    bitsandbytes writes it (its constant, not a division)."""
+    """bitsandbytes LLM.int8 (``int8_vectorwise_dequant``, its default kernel): ``weight * SCB[row] * (1/127)``,
+    as bitsandbytes writes it (its constant, not a division), in the SCB's dtype: torch promotes the int8 weight to
+    it, and a bfloat16 SCB rounds both products to bfloat16."""
     import torch
 
     if weight.dtype != torch.int8 or scb.numel() != weight.shape[0]:
         raise _refuse("weight", f"int8 weight {list(weight.shape)} with SCB of {scb.numel()} values")
-    return weight * scb.to(torch.float32).view(-1, 1) * 7.874015718698502e-3
+    if not scb.is_floating_point():
+        raise _refuse("SCB", f"an SCB of {str(scb.dtype).removeprefix('torch.')}")
+    return weight * scb.view(-1, 1) * 7.874015718698502e-3
 
 
 # ------------------------------------------------------------------------------------------------- GGUF
@@ -582,6 +627,22 @@ def _need(weight: qm.LogicalWeight, tensors: Mapping[str, torch.Tensor], *roles:
     return [tensors[r] for r in roles]
 
 
+def loader_refusal(weight: qm.LogicalWeight) -> str | None:
+    """Why a weight is not dequantized, in one line, or None (``group.loader_reading``): from_pretrained fails on
+    it, or (FP8) DeepSeek's reference and transformers' read it differently (which to follow is not ours to guess)."""
+    from .group import loader_reading
+
+    reading = loader_reading(weight)
+    if reading is None or reading[0] == "config":
+        return None
+    kind, text = reading
+    if kind == "differ":
+        lb = weight.scheme.params.get("loader_block")
+        assert isinstance(lb, tuple)
+        return f"{text}: refused (to follow from_pretrained, set quantization_config.weight_block_size to [{lb[0]}, {lb[1]}])"
+    return f"{text}: refused"
+
+
 def _group(weight: qm.LogicalWeight) -> tuple[int, ...] | None:
     return tuple(weight.scheme.group) if weight.scheme.group else None
 
@@ -604,9 +665,12 @@ def _dispatch(
     if weight.missing:
         raise ConversionError(f"'{weight.name}' ({s.name}) lacks its {', '.join(weight.missing)}; refused")
     if fam == qm.FP8:
-        w, sc = _need(weight, tensors, "weight", "scale")
+        w = _need(weight, tensors, "weight", *(("scale",) if "scale" in weight.storage else ()))[0]
+        refused = loader_refusal(weight)
+        if refused:
+            raise ConversionError(refused)
         block = _group(weight)
-        return fp8_block(w, sc, block if block and len(block) == 2 else None)
+        return fp8_block(w, tensors.get("scale"), block if block and len(block) == 2 else None)
     if fam == qm.COMPRESSED:
         w, sc = _need(weight, tensors, "weight", "scale")
         if "g_idx" in tensors:

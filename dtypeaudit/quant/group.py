@@ -94,6 +94,23 @@ def _dequant_dtype(inv: Inventory, *candidates: TensorRecord | None) -> str:
     return "bfloat16"
 
 
+def _loaded_dtype(inv: Inventory) -> str:
+    """The dtype from_pretrained builds the model in, which ``Fp8Dequantize`` gives each dequantized weight (the
+    parameter's dtype) and the dtype plan gives every unquantized floating tensor: config.json's dtype, else the
+    first floating tensor that is not float8 of the first shard, its names sorted (``get_state_dict_dtype``), else
+    float32. (The rule hfload.main_dtype follows for unquantized folders.)"""
+    declared = inv.metadata.get("config_dtype")
+    name = dtypes.canonical(declared) if isinstance(declared, str) and declared != "auto" else None
+    if name is not None:
+        return name
+    shards = inv.metadata.get("shards")
+    first = shards[0] if isinstance(shards, list) and shards else None
+    for t in sorted((t for t in inv.tensors if first is None or t.file == first), key=lambda t: t.name):
+        if dtypes.is_floating(t.dtype) and not t.dtype.startswith(("float8_", "float4_")):
+            return t.dtype
+    return "float32"
+
+
 def _bits(storage: list[TensorRecord], numel: int) -> float:
     return round(sum(t.nbytes for t in storage) * 8 / numel, 3) if numel else 0.0
 
@@ -131,6 +148,8 @@ class _Grouper:
             if act is not None and act.numel <= 1:
                 present.setdefault("input_scale", act)
         anchor = next(iter(present.values()))
+        if to is None and scheme.family == model.FP8:
+            to = _loaded_dtype(self.inv)
         count = numel if numel is not None else (math.prod(shape) if shape is not None else 0)
         weight = LogicalWeight(
             name=name,
@@ -178,8 +197,15 @@ class _Grouper:
         if t.dtype == "int8" and (self.get(module + ".SCB") is not None or (self.method == "bitsandbytes" and scale is None)):
             return self.bnb8(t, module)
         if self.kept(module) and scale is None and scale_inv is None:
-            return None  # the config keeps it as stored (a float8 tensor the loader casts, see checks)
+            if self.method == "fp8" and t.dtype in FLOAT8:
+                # Fp8Dequantize casts a weight without a scale to the model's dtype, unscaled: a logical weight
+                # with nothing missing, whose dequantization is that cast
+                return self.fp8(t, module, None, required=())
+            return None  # the config keeps it as stored
         if t.dtype in FLOAT8 and (scale_inv is not None or (self.method == "fp8" and scale is None)):
+            return self.fp8(t, module, scale_inv)
+        if self.method == "fp8" and scale_inv is not None and t.dtype in ("bfloat16", "float16", "float32", "float64", "int8"):
+            # Fp8Dequantize multiplies any X.weight that has an X.weight_scale_inv, whatever its dtype (int8: packed fp4)
             return self.fp8(t, module, scale_inv)
         compressed = self.method == "compressed-tensors"
         if (t.dtype in FLOAT8 or t.dtype == "int8") and (scale is not None or (compressed and scale_inv is None)):
@@ -189,19 +215,44 @@ class _Grouper:
     def kept(self, module: str) -> bool:
         return bool(self.cfg) and kept_unquantized(module, self.cfg)
 
-    def fp8(self, t: TensorRecord, module: str, scale: TensorRecord | None) -> None:
-        block = self.cfg.get("weight_block_size") if self.method == "fp8" else None
+    def fp8(self, t: TensorRecord, module: str, scale: TensorRecord | None, *, required: tuple[str, ...] = ("scale",)) -> None:
+        """transformers' ``Fp8Dequantize`` (what from_pretrained runs on CPU): the block comes from the scale grid,
+        which must divide the weight (else the load fails); DeepSeek's reference (``weight_dequant``) takes the
+        config's ``weight_block_size`` with partial edge blocks. ``params`` keeps both readings (see
+        :func:`loader_reading`); ``group`` is the loader's block where it loads, else the config's."""
+        config_block = _config_block(self.cfg) if self.method == "fp8" else None
+        # an int8 weight is two fp4 e2m1 values a byte to Fp8Dequantize (MoE experts shipped as packed FP4)
+        packed = t.dtype == "int8"
+        shape = (*t.shape[:-1], t.shape[-1] * 2) if packed and t.shape else t.shape
+        loader_block = _loader_block(shape, scale.shape if scale is not None else None)
         group: tuple[int, ...]
-        if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block):
-            group = (block[0], block[1])
-        elif scale is not None and scale.numel > 1 and len(scale.shape) == len(t.shape) >= 2:
-            group = _block_from_shapes(t.shape[-2:], scale.shape[-2:])
+        if scale is None or scale.numel <= 1 and len(scale.shape) < 2:
+            group = ()
+        elif isinstance(loader_block, tuple):
+            if scale.numel == 1:
+                group = ()
+            elif config_block is not None and _same_blocks(config_block, loader_block, shape[-2:], scale.shape[-2:]):
+                group = config_block  # the same elements under each scale: named as the config names them
+            else:
+                group = loader_block
+        elif config_block is not None:
+            group = config_block
+        elif len(scale.shape) == len(shape) >= 2:
+            group = _block_from_shapes(shape[-2:], scale.shape[-2:])
         else:
             group = ()
-        short = _FP8_SHORT[t.dtype]
-        name = f"{short} block {group[0]}x{group[1]}" if group else f"{short} per-tensor"
-        scheme = QuantScheme(name, model.FP8, t.dtype, 8, group, True, {"scale_dtype": scale.dtype if scale else None})
-        self.add(t.name, module, scheme, {"weight": t, "scale": scale}, t.shape, ("scale",))
+        short = "fp4-e2m1" if packed else _FP8_SHORT.get(t.dtype, t.dtype)
+        name = f"{short} block {group[0]}x{group[1]}" if group else f"{short} per-tensor" if scale is not None else f"{short} unscaled"
+        params = {
+            "scale_dtype": scale.dtype if scale else None,
+            "config_block": config_block,
+            "loader_block": loader_block if isinstance(loader_block, tuple) else None,
+            "loader_refuses": loader_block if isinstance(loader_block, str) else None,
+            "grid": tuple(scale.shape[-2:]) if scale is not None and len(scale.shape) >= 2 else None,
+        }
+        value, bits = ("fp4_e2m1", 4) if packed else (t.dtype, 8 if t.dtype in FLOAT8 else dtypes.get(t.dtype).itemsize * 8)
+        scheme = QuantScheme(name, model.FP8, value, bits, group, True, params)
+        self.add(t.name, module, scheme, {"weight": t, "scale": scale}, shape, required)
 
     def compressed(self, t: TensorRecord, module: str, scale: TensorRecord | None) -> None:
         args = self.ct_weights(module)
@@ -266,20 +317,31 @@ class _Grouper:
         self.add(module + ".weight", module, scheme, roles, shape, required)
 
     def ct_weights(self, module: str) -> dict[str, Any]:
-        """The ``weights`` args of the compressed-tensors config group for ``module``: the group one of whose
-        ``re:`` targets matches it, else the first group (class-name targets need module types)."""
+        """The ``weights`` args of the compressed-tensors config group that dequantizes ``module``, as transformers'
+        ``CompressedTensorsDequantize`` (from_pretrained's CPU dequantizing load) picks it, whatever the targets: a
+        dense module gets the first group whose targets do not single out the experts (``get_dense_scheme``), an
+        expert the first group with an ``re:`` target naming experts, else the first with a class-name target,
+        else the first (``get_experts_scheme``)."""
         groups = self.cfg.get("config_groups")
         if not isinstance(groups, dict):
             return {}
-        first: dict[str, Any] | None = None
-        for group in groups.values():
-            if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
-                continue
-            first = first or group["weights"]
-            targets = group.get("targets") or []
-            if any(isinstance(p, str) and p.startswith("re:") and _re_match(p[3:], module) for p in targets):
-                return dict(group["weights"])
-        return dict(first or {})
+        usable = [g for g in groups.values() if isinstance(g, dict) and isinstance(g.get("weights"), dict)]
+        if not usable:
+            return {}
+
+        def targets(g: dict[str, Any]) -> list[str]:
+            return [t for t in g.get("targets") or [] if isinstance(t, str)]
+
+        def experts(g: dict[str, Any]) -> bool:
+            return any(t.startswith("re:") and "experts" in t for t in targets(g))
+
+        if ".experts." in f".{module}.":
+            chosen = next((g for g in usable if experts(g)), None) or next(
+                (g for g in usable if any(not t.startswith("re:") for t in targets(g))), usable[0]
+            )
+        else:
+            chosen = next((g for g in usable if not experts(g)), usable[0])
+        return dict(chosen["weights"])
 
     def mxfp4(self, t: TensorRecord) -> None:
         base = t.name[: -len("_blocks")]
@@ -291,8 +353,28 @@ class _Grouper:
             flat = (*prefix, rows, g * b * 2)
             shape = (flat[0], flat[2], flat[1], *flat[3:]) if len(flat) >= 3 else flat
         module = base.rsplit(".", 1)[0] if "." in base else base
-        scheme = QuantScheme("mxfp4", model.MXFP4, "fp4_e2m1", 4, (32,), True, {"layout": "gpt-oss"})
-        self.add(base, module, scheme, {"blocks": t, "scale": scales}, shape, ("scale",), to=_dequant_dtype(self.inv))
+        params: dict[str, object] = {"layout": "gpt-oss"}
+        want = self.gpt_oss_shape(base)
+        if shape is not None and want is not None and shape != want:
+            params["loader_refuses"] = (
+                f"its blocks dequantize to {list(shape)}, but the model's parameter is {list(want)} (a size mismatch)"
+            )
+        scheme = QuantScheme("mxfp4", model.MXFP4, "fp4_e2m1", 4, (32,), True, params)
+        self.add(base, module, scheme, {"blocks": t, "scale": scales}, shape, ("scale",), to=_loaded_dtype(self.inv))
+
+    def gpt_oss_shape(self, base: str) -> tuple[int, ...] | None:
+        """The shape of gpt-oss's ``GptOssExperts`` parameter ``base`` (``gate_up_proj`` ``[E, hidden, 2*inter]``,
+        ``down_proj`` ``[E, inter, hidden]``), the dims read off its stored biases (``[E, 2*inter]``, ``[E, hidden]``),
+        which the same config sizes; None where a bias is not stored."""
+        stem, _, proj = base.rpartition(".")
+        gate_up, down = self.by.get(f"{stem}.gate_up_proj_bias"), self.by.get(f"{stem}.down_proj_bias")
+        if proj not in ("gate_up_proj", "down_proj") or gate_up is None or down is None:
+            return None
+        if len(gate_up.shape) != 2 or len(down.shape) != 2:
+            return None
+        experts, inter2 = gate_up.shape
+        hidden = down.shape[1]
+        return (experts, hidden, inter2) if proj == "gate_up_proj" else (experts, inter2 // 2, hidden)
 
     def gptq_awq(self, t: TensorRecord) -> None:
         module = t.name[: -len(".qweight")]
@@ -381,6 +463,82 @@ def _block_from_shapes(weight: tuple[int, ...], scale: tuple[int, ...]) -> tuple
     """The block that tiles ``weight`` into ``scale``'s grid (ceil division), rounded up to a power of two as
     the writers choose them (DeepSeek's and transformers' 128x128)."""
     return (_pow2_at_least(-(-weight[0] // scale[0])), _pow2_at_least(-(-weight[1] // scale[1])))
+
+
+def _config_block(cfg: Mapping[str, Any]) -> tuple[int, int] | None:
+    block = cfg.get("weight_block_size")
+    if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+        return (block[0], block[1])
+    return None
+
+
+def _same_blocks(config: tuple[int, ...], loader: tuple[int, ...], weight: tuple[int, ...], grid: tuple[int, ...]) -> bool:
+    """Whether DeepSeek's reading (the ``config`` block, ceil-divided, partial edge blocks) and the loader's
+    (``loader``: the grid divides the weight) put every element under the same scale of ``grid``: the config's
+    block tiles the weight into that grid, and in each dim the blocks are the same size or the grid is one."""
+    return all(-(-d // c) == n and (c == b or n == 1) for c, b, d, n in zip(config, loader, weight, grid, strict=True))
+
+
+def _loader_block(weight: tuple[int, ...], scale: tuple[int, ...] | None) -> tuple[int, int] | str | None:
+    """The block transformers' ``Fp8Dequantize._dequantize_one`` (5.24, what from_pretrained runs on CPU) takes:
+    the weight's last two dims over the scale grid's, which must divide them exactly; a scale of fewer than two
+    dims is one grid cell (its ``except`` branch), so it must hold one value. A string says why the load fails
+    instead; None where there is no scale."""
+    if scale is None:
+        return None
+    if len(weight) < 2:
+        return f"a {len(weight)}-D weight with a scale (the loader needs rows and columns)"
+    rows, cols = weight[-2:]
+    if len(scale) < 2:
+        if math.prod(scale) != 1:
+            return f"a {list(scale)} scale over {list(weight)} (the loader reads a 1-D scale as one grid cell)"
+        return (rows, cols)
+    sr, sc = scale[-2:]
+    if not sr or not sc or rows % sr or cols % sc:
+        return f"its scale grid {[sr, sc]} does not divide the weight's {[rows, cols]}"
+    lead, scale_lead = math.prod(weight[:-2]), math.prod(scale[:-2])
+    if scale_lead not in (1, lead):
+        return f"its scale grid {list(scale)} does not match the weight's leading dims {list(weight[:-2])}"
+    return (rows // sr, cols // sc)
+
+
+def loader_reading(w: LogicalWeight) -> tuple[str, str] | None:
+    """Where the references of transformers' ``fp8`` layout part on ``w``: ``("refused", why)`` where
+    from_pretrained fails on it, ``("differ", why)`` where it loads but DeepSeek's reference (``weight_dequant``:
+    the config's ``weight_block_size``, partial edge blocks) reads other blocks, ``("config", why)`` where only the
+    config's block size disagrees with the grid and nothing else reads the config's; None where all agree."""
+    p = w.scheme.params
+    if w.scheme.family == model.MXFP4 and isinstance(p.get("loader_refuses"), str):
+        return ("refused", f"from_pretrained cannot load {w.name}: {p['loader_refuses']}")
+    if w.scheme.family != model.FP8 or "scale" not in w.storage or w.shape is None:
+        return None
+    config_block, loader_block, refuses = p.get("config_block"), p.get("loader_block"), p.get("loader_refuses")
+    deepseek = None
+    if isinstance(config_block, tuple) and len(w.shape) >= 2:
+        rows, cols = w.shape[-2:]
+        deepseek = (-(-rows // config_block[0]), -(-cols // config_block[1]))
+    if isinstance(refuses, str):
+        text = f"from_pretrained cannot load {w.name}: {refuses}"
+        if deepseek is not None and isinstance(config_block, tuple) and p.get("grid") == deepseek:
+            text += f" (DeepSeek's reference reads it as the config's {config_block[0]}x{config_block[1]} blocks, partial at the edges)"
+        return ("refused", text)
+    grid = p.get("grid")
+    if not isinstance(loader_block, tuple) or not isinstance(config_block, tuple) or not isinstance(grid, tuple):
+        return None
+    if _same_blocks(config_block, loader_block, w.shape[-2:], grid):
+        return None
+    lb, cb, shown = loader_block, config_block, list(grid)
+    if grid == deepseek:
+        return (
+            "differ",
+            f"{w.name}: transformers' from_pretrained reads its {shown} scale grid as {lb[0]}x{lb[1]} blocks, "
+            f"DeepSeek's reference as the config's {cb[0]}x{cb[1]} blocks with partial edges; they give different weights",
+        )
+    return (
+        "config",
+        f"{w.name}: quantization_config.weight_block_size says {cb[0]}x{cb[1]}, but its scale grid "
+        f"{shown} gives {lb[0]}x{lb[1]} blocks, which from_pretrained follows",
+    )
 
 
 def _strategy_from_shapes(t: TensorRecord, scale: TensorRecord | None) -> str:
