@@ -101,6 +101,15 @@ RULES: dict[str, FindingRule] = {
             "(scripts/generate_transformers_table.py) for a newer one, or audit the loaded model (dtypeaudit.audit).",
         ),
         FindingRule(
+            "load-names-unmatched",
+            "error",
+            "Stored names the model class config.json names does not take (from_pretrained drops them), or weights of "
+            "the class no stored tensor fills (initialised at random): an error where most of the model gets no tensor.",
+            "The class's names come from dtypeaudit's table of transformers' classes; tied weights count as filled. A "
+            "DistributedDataParallel `module.` (or torch.compile `_orig_mod.`) prefix: save the unwrapped model, or strip "
+            "the prefix from each key and save again. Another model's names: name the right class in config.json's architectures.",
+        ),
+        FindingRule(
             "left-out",
             "info",
             "Files in a folder that no modelled loader would read, or that --exclude names, were not scanned.",

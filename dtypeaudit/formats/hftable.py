@@ -231,6 +231,8 @@ class Renamed:
     """Stored name -> loaded name, where they differ."""
     converted: dict[str, tuple[str, tuple[str, ...]]]
     """Stored name -> (the converter's target, its operations)."""
+    unexpected: tuple[str, ...] = ()
+    """Stored names the model has no tensor for, renamed or not: from_pretrained drops them (its unexpected keys)."""
 
 
 def rename(info: ClassInfo, names: Iterable[str]) -> Renamed:
@@ -241,18 +243,53 @@ def rename(info: ClassInfo, names: Iterable[str]) -> Renamed:
     converters = [t for t in transforms if t.kind == "convert"]
     renamed: dict[str, str] = {}
     converted: dict[str, tuple[str, tuple[str, ...]]] = {}
+    unexpected = []
     for name in sorted(names):
         new, pattern = rename_source_key(name, renamings, converters, info)
         if not info.has(new) and info.has(name):  # the loader's retry: only the prefix may change
             new, pattern = rename_source_key(name, [], [], info)
         if not info.has(new):
-            continue  # an unexpected key: from_pretrained drops it; it keeps its stored name here
+            if not _IGNORED_UNEXPECTED.search(name):
+                unexpected.append(name)  # from_pretrained drops it; it keeps its stored name here
+            continue
         if pattern is not None:
             conv = next(c for c in converters if pattern in c.sources)
             converted[name] = (new, conv.operations)
         elif new != name:
             renamed[name] = new
-    return Renamed(renamed, converted)
+    return Renamed(renamed, converted, tuple(unexpected))
+
+
+def stray_prefixes(info: ClassInfo, unexpected: Iterable[str]) -> dict[str, str]:
+    """Unexpected stored name -> the leading segments whose removal makes it a name the model loads (``module.``
+    of a DistributedDataParallel wrapper, ``_orig_mod.`` of torch.compile); ``""`` where none does."""
+    out = {n: "" for n in unexpected}
+    for k in (1, 2):
+        rests = {n.split(".", k)[k]: n for n, p in out.items() if not p and n.count(".") > k}
+        done = rename(info, rests)
+        for rest, n in rests.items():
+            conv = done.converted.get(rest)
+            if info.has(conv[0] if conv else done.renamed.get(rest, rest)):
+                out[n] = n[: len(n) - len(rest)]
+    return out
+
+
+# _adjust_missing_and_unexpected_keys: buffers older transformers saved, never reported as unexpected. (It also
+# applies each class's _keys_to_ignore_on_load_unexpected/_missing, which the table does not hold yet.)
+_IGNORED_UNEXPECTED = re.compile(r"rotary_emb\.inv_freq|(^|\.)position_ids$")
+
+
+def missing(info: ClassInfo, loaded: Iterable[str]) -> tuple[str, ...]:
+    """The model's names (templates, ``*`` for a layer index) that no loaded tensor fills: from_pretrained
+    initialises them at random (its missing keys). A tied weight counts as filled where its partner is loaded, as
+    ``tie_weights`` ties whichever of the two the checkpoint has."""
+    have = {template(n) for n in loaded}
+    tied: dict[str, set[str]] = {}  # name -> every name tied with it (T5's shared, embed_tokens and lm_head are one)
+    for a, b in info.tied.items():
+        group = tied.get(template(a), {template(a)}) | tied.get(template(b), {template(b)})
+        for n in group:
+            tied[n] = group
+    return tuple(n for n in sorted(info.names) if n not in have and not tied.get(n, set()) & have)
 
 
 def pinned(info: ClassInfo, dtype: str, loaded: Iterable[str]) -> dict[str, str]:

@@ -1,0 +1,239 @@
+"""What a scan of a Hugging Face folder says against what ``from_pretrained`` really does (issue 29 items 5 and 7).
+
+Every folder is written by ``save_pretrained`` (then edited as users' folders are: a DDP ``module.`` prefix on every
+key, a stray tensor, a base model's weights under a head class) and loaded by transformers'
+``from_pretrained(folder, output_loading_info=True)``: the names it reports as unexpected and missing are the
+ones the scan names, from the table of transformers' classes, without importing transformers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dtypeaudit.checks import check
+from dtypeaudit.formats import hfload, hftable, read_checkpoint
+from tests.helpers import run_cli
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def _tiny(kind: str) -> Any:
+    import transformers as T
+
+    torch.manual_seed(0)
+    small = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    if kind == "llama":
+        return T.LlamaForCausalLM(T.LlamaConfig(**small, num_key_value_heads=1))
+    if kind == "mistral":
+        return T.MistralForCausalLM(T.MistralConfig(**small, num_key_value_heads=1))
+    if kind == "qwen2":
+        return T.Qwen2ForCausalLM(T.Qwen2Config(**small, num_key_value_heads=1))
+    if kind == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64, n_positions=32))
+    if kind == "gpt2-base":
+        return T.GPT2Model(T.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64, n_positions=32))
+    if kind == "bert":
+        return T.BertForMaskedLM(T.BertConfig(**small, max_position_embeddings=32))
+    if kind == "t5":
+        return T.T5ForConditionalGeneration(T.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2))
+    if kind == "vit":
+        return T.ViTForImageClassification(
+            T.ViTConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24, image_size=16, patch_size=8)
+        )
+    raise AssertionError(kind)
+
+
+KINDS = ("llama", "mistral", "qwen2", "gpt2", "bert", "t5", "vit")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for kind in (*KINDS, "gpt2-base"):
+        _tiny(kind).save_pretrained(str(root / kind))
+        out[kind] = root / kind
+    return out
+
+
+def _rewrite(src: Path, dst: Path, edit: Any) -> Path:
+    """A copy of the folder ``src`` whose model.safetensors holds ``edit(state)`` (as a user re-saves it)."""
+    shutil.copytree(src, dst)
+    state = load_file(str(src / "model.safetensors"))
+    save_file(edit(state), str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _truth(folder: Path) -> tuple[set[str], set[str], str]:
+    """(unexpected keys, missing keys, class) as transformers' from_pretrained reports them, and the stored keys it
+    drops without reporting them: those its class's ``_keys_to_ignore_on_load_unexpected`` patterns match (GPT-2's
+    ``attn.bias`` also matches ``c_attn.bias``), which the table does not hold: the scan reports them."""
+    import re
+
+    import transformers
+
+    arch = json.loads((folder / "config.json").read_text())["architectures"][0]
+    model, info = getattr(transformers, arch).from_pretrained(str(folder), output_loading_info=True)
+    unexpected = set(info["unexpected_keys"])
+    ignored = "|".join(f"({p})" for p in model._keys_to_ignore_on_load_unexpected or ())
+    if ignored:
+        taken = {k for k in model.state_dict()}
+        stored = load_file(str(folder / "model.safetensors"))
+        # the ignored ones: stored, not reported, and matching a pattern (a renamed key loads under its new name)
+        unexpected |= {k for k in stored if re.search(ignored, k) and k not in taken and not _loads(model, k)}
+    return unexpected, set(info["missing_keys"]), arch
+
+
+def _loads(model: Any, key: str) -> bool:
+    """Whether the model takes the stored ``key`` once its base_model_prefix is added or stripped."""
+    names = set(model.state_dict())
+    prefix = model.base_model_prefix
+    return f"{prefix}.{key}" in names or key.removeprefix(f"{prefix}.") in names
+
+
+def _ours(folder: Path) -> hfload.LoadDtype:
+    load = hfload.from_metadata(read_checkpoint(str(folder)).metadata)
+    assert load is not None
+    return load
+
+
+def _tied(arch: str) -> set[str]:
+    info = hftable.table().get(arch)
+    assert not isinstance(info, str)
+    return {hftable.template(n) for pair in info.tied.items() for n in pair}
+
+
+def _assert_same_as_loader(folder: Path) -> hfload.LoadDtype:
+    """The scan's unexpected names equal from_pretrained's; its missing names equal from_pretrained's as templates
+    (a layer index as ``*``), but for tied weights: the table ties them whatever the config says, so a tied weight
+    is missing for the scan only where none of its group is stored, and is then missing for the loader too."""
+    unexpected, missing, arch = _truth(folder)
+    load = _ours(folder)
+    assert set(load.unexpected) == unexpected
+    truth, tied = {hftable.template(m) for m in missing}, _tied(arch)
+    assert set(load.missing) - tied == truth - tied
+    assert set(load.missing) & tied <= truth
+    return load
+
+
+def _unmatched(folder: Path) -> list[Any]:
+    return [f for f in check(read_checkpoint(str(folder))) if f.rule == "load-names-unmatched"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_saved_folder_loads_every_name(saved: dict[str, Path], kind: str) -> None:
+    load = _assert_same_as_loader(saved[kind])
+    assert not load.unexpected and not load.missing and load.expected > 0
+    assert _unmatched(saved[kind]) == []
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_ddp_prefix_loads_nothing_and_is_an_error(saved: dict[str, Path], tmp_path: Path, kind: str) -> None:
+    folder = _rewrite(saved[kind], tmp_path / kind, lambda s: {f"module.{k}": v for k, v in s.items()})
+    unexpected, missing, arch = _truth(folder)
+    assert unexpected and len(unexpected) == len(load_file(str(folder / "model.safetensors")))  # nothing loaded
+    _assert_same_as_loader(folder)
+    (finding,) = _unmatched(folder)
+    stored = len(unexpected)
+    assert finding.severity == "error"
+    assert f"from_pretrained loads 0 of the {stored} stored tensors into {arch}" in finding.message
+    assert "`module.` prefix" in finding.message and "k.removeprefix('module.')" in finding.message
+    done = run_cli("scan", str(folder), "-q")
+    assert done.returncode == 1 and "load-names-unmatched" in done.stdout
+
+
+def test_a_stray_tensor_is_one_warning(saved: dict[str, Path], tmp_path: Path) -> None:
+    def stray(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {**s, "transformer.h.0.attn.extra_scale": torch.ones(4), "optimizer.step": torch.zeros(1)}
+
+    folder = _rewrite(saved["gpt2"], tmp_path / "gpt2", stray)
+    unexpected, missing, _ = _truth(folder)
+    assert unexpected == {"transformer.h.0.attn.extra_scale", "optimizer.step"} and not missing
+    _assert_same_as_loader(folder)
+    (finding,) = _unmatched(folder)  # one row for one cause, not one per tensor
+    assert finding.severity == "warning"
+    assert finding.message.startswith("2 stored tensors match no name of GPT2LMHeadModel")
+    assert "optimizer.step" in finding.message and "transformer.h.0.attn.extra_scale" in finding.message
+
+
+def test_a_missing_weight_and_a_few_prefixed_ones_are_warnings_by_cause(saved: dict[str, Path], tmp_path: Path) -> None:
+    def edit(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        s = dict(s)
+        del s["model.norm.weight"]
+        s["module.model.layers.1.mlp.up_proj.weight"] = s.pop("model.layers.1.mlp.up_proj.weight")
+        return s
+
+    folder = _rewrite(saved["llama"], tmp_path / "llama", edit)
+    unexpected, missing, _ = _truth(folder)
+    assert missing == {"model.norm.weight", "model.layers.1.mlp.up_proj.weight"}
+    load = _ours(folder)
+    assert set(load.unexpected) == unexpected == {"module.model.layers.1.mlp.up_proj.weight"}
+    # layer 1's up_proj is missing, but layer 0's fills its name with the layer index as *: the scan tells names apart,
+    # not layers (the table's model has the default config's layer count)
+    assert load.missing == ("model.norm.weight",)
+    found = sorted(_unmatched(folder), key=lambda f: f.message)
+    assert [f.severity for f in found] == ["warning", "warning"]
+    assert found[0].message.startswith("1 of LlamaForCausalLM's 12 weight names")
+    assert found[1].message.startswith("1 stored tensor carries a `module.` prefix LlamaForCausalLM does not expect")
+
+
+def test_a_base_model_under_a_head_class_is_no_finding(saved: dict[str, Path], tmp_path: Path) -> None:
+    """GPT2Model's keys (``h.0...``) load into GPT2LMHeadModel by its base_model_prefix; lm_head is tied to wte."""
+    folder = tmp_path / "base"
+    shutil.copytree(saved["gpt2-base"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    unexpected, missing, _ = _truth(folder)
+    assert not unexpected and not missing
+    load = _assert_same_as_loader(folder)
+    assert not load.unexpected and not load.missing
+    assert _unmatched(folder) == []
+
+
+def test_another_models_weights_are_an_error(saved: dict[str, Path], tmp_path: Path) -> None:
+    """bert's weights under a config naming GPT2LMHeadModel: nothing loads."""
+    folder = tmp_path / "mixed"
+    shutil.copytree(saved["gpt2"], folder)
+    shutil.copy(saved["bert"] / "model.safetensors", folder / "model.safetensors")
+    _assert_same_as_loader(folder)
+    (finding,) = _unmatched(folder)
+    assert finding.severity == "error" and "the stored names are not GPT2LMHeadModel's" in finding.message
+
+
+def test_an_unknown_class_keeps_its_info(saved: dict[str, Path], tmp_path: Path) -> None:
+    folder = tmp_path / "custom"
+    shutil.copytree(saved["llama"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["MyOwnForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    rules = {f.rule for f in check(read_checkpoint(str(folder)))}
+    assert "load-names-unknown" in rules and "load-names-unmatched" not in rules
+
+
+# -- item 7: noise ----------------------------------------------------------------------------------------------
+
+
+def test_qwen2_max_window_layers_is_no_layer_count(saved: dict[str, Path]) -> None:
+    """qwen2's config has max_window_layers 28 and the folder 2 layers: not a layer count, and no finding."""
+    cfg = json.loads((saved["qwen2"] / "config.json").read_text())
+    assert cfg["max_window_layers"] > cfg["num_hidden_layers"]
+    done = run_cli("scan", str(saved["qwen2"]), "--fail-on", "info")
+    assert done.returncode == 0 and "max_window_layers" not in done.stdout + done.stderr and "no findings" in done.stdout
