@@ -237,3 +237,45 @@ def test_qwen2_max_window_layers_is_no_layer_count(saved: dict[str, Path]) -> No
     assert cfg["max_window_layers"] > cfg["num_hidden_layers"]
     done = run_cli("scan", str(saved["qwen2"]), "--fail-on", "info")
     assert done.returncode == 0 and "max_window_layers" not in done.stdout + done.stderr and "no findings" in done.stdout
+
+
+def test_value_underflow_respects_a_share_of_values(tmp_path: Path) -> None:
+    """A few values below float16's smallest subnormal, by chance in trained weights, are one info row and pass
+    ``--fail-on warning``; a share above UNDERFLOW_WARN_FRACTION is a warning, above the block share an error.
+    Counted against torch's own cast to float16."""
+    from dtypeaudit.values import UNDERFLOW_BLOCK_FRACTION, UNDERFLOW_WARN_FRACTION
+
+    torch.manual_seed(0)
+    n = 10_000
+    state = {f"few.{i}.weight": torch.randn(n) for i in range(6)}
+    for t in state.values():
+        t[:3] = 1e-9  # 0.03% of the values
+    state["some.weight"] = torch.randn(n)
+    state["some.weight"][:50] = 1e-9  # 0.5%
+    state["many.weight"] = torch.randn(n)
+    state["many.weight"][:500] = 1e-9  # 5%
+    for t in state.values():  # the shares as torch's cast gives them
+        share = float(((t.half() == 0) & (t != 0)).sum()) / float((t != 0).sum())
+        assert share > 0
+    path = tmp_path / "w.safetensors"
+    save_file(state, str(path))
+
+    found = [f for f in _value_findings(path) if f.rule == "fp16-underflow"]
+    by = {f.tensor: f.severity for f in found}
+    assert by == {**{f"few.{i}.weight": "info" for i in range(6)}, "some.weight": "warning", "many.weight": "error"}
+    assert len({f.message for f in found if f.severity == "info"}) == 1  # one cause, one message: one row
+    messages = {f.severity: f.message for f in found}
+    assert messages["info"].startswith(f"at most {UNDERFLOW_WARN_FRACTION:.1%} of the non-zero values")
+    assert messages["warning"].startswith(f"more than {UNDERFLOW_WARN_FRACTION:.1%} (at most {UNDERFLOW_BLOCK_FRACTION:.0%})")
+    done = run_cli("scan", str(path), "--values", "--fail-on", "warning")
+    assert done.returncode == 1 and "fp16-underflow ×6" in done.stdout
+    state = {k: v for k, v in state.items() if k.startswith("few.")}
+    save_file(state, str(path))
+    done = run_cli("scan", str(path), "--values", "--fail-on", "warning")
+    assert done.returncode == 0, done.stdout  # 0.03% of the values: nothing fails a warning gate
+
+
+def _value_findings(path: Path) -> list[Any]:
+    from dtypeaudit.conversion.value_policy import value_findings
+
+    return value_findings(read_checkpoint(str(path)))
