@@ -291,6 +291,14 @@ RULES: dict[str, FindingRule] = {
             "factory builds the model the checkpoint was saved from.",
         ),
         FindingRule(
+            "no-quantized-weights",
+            "error",
+            "The policy is for quantized checkpoints (requires_quantized: fp8-serving), and the checkpoint holds no "
+            "quantized weight at all.",
+            "A serving preset for a quantized format expects its weights quantized. Quantize the model first, or check it "
+            "against a policy for the dtype it holds (--preset bf16, fp16).",
+        ),
+        FindingRule(
             "quant-missing-scale",
             "error",
             "A quantized weight's scale, zero point or quantization state is not stored.",

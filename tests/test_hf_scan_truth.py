@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from dtypeaudit.checks import check
 from dtypeaudit.formats import hfload, hftable, read_checkpoint
+from dtypeaudit.policy import load_policy
 from tests.helpers import run_cli
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
@@ -279,3 +280,36 @@ def _value_findings(path: Path) -> list[Any]:
     from dtypeaudit.conversion.value_policy import value_findings
 
     return value_findings(read_checkpoint(str(path)))
+
+
+def test_a_serving_preset_on_an_unquantized_model_says_no_quantized_weights(saved: dict[str, Path], tmp_path: Path) -> None:
+    """fp8-serving on a plain model is an error saying so; on a quantized checkpoint of any scheme it is not (a GPTQ
+    one fails by the preset's scheme rules instead, which say what is wrong)."""
+    from tests.test_quant_scan import fp8_state, gptq_tensors, write_dir
+
+    def rules_of(path: Path, *policy: str) -> tuple[int, list[str]]:
+        done = run_cli("scan", str(path), *policy, "-f", "json")
+        return done.returncode, [f["rule"] for c in json.loads(done.stdout)["checkpoints"] for f in c["findings"]]
+
+    bf16 = tmp_path / "bf16"
+    _tiny("llama").to(torch.bfloat16).save_pretrained(str(bf16))
+    for plain in (saved["llama"], bf16):  # float32 and bfloat16
+        code, found = rules_of(plain, "--preset", "fp8-serving")
+        assert code == 1 and found == ["no-quantized-weights"]
+        assert rules_of(plain) == (0, [])
+    finding = next(f for f in check(read_checkpoint(str(bf16)), load_policy("fp8-serving")) if f.rule == "no-quantized-weights")
+    assert finding.severity == "error" and finding.message.startswith("no quantized weights: every tensor is stored unquantized (bfloat16)")
+
+    state, config = fp8_state()
+    fp8 = write_dir(tmp_path / "fp8", state, config)
+    assert rules_of(fp8, "--preset", "fp8-serving") == (0, [])
+    cfg = {"torch_dtype": "float16", "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True}}
+    gptq = write_dir(tmp_path / "gptq", gptq_tensors(512, 512), cfg)
+    code, found = rules_of(gptq, "--preset", "fp8-serving")
+    assert code == 1 and "no-quantized-weights" not in found and "dtype-mismatch" in found
+
+    own = tmp_path / "mine.yaml"  # a policy extending the preset inherits it; one that says false drops it
+    own.write_text("version: 1\nextends: fp8-serving\n")
+    assert rules_of(bf16, "--policy", str(own))[1] == ["no-quantized-weights"]
+    own.write_text("version: 1\nextends: fp8-serving\nrequires_quantized: false\n")
+    assert rules_of(bf16, "--policy", str(own)) == (0, [])
