@@ -313,3 +313,35 @@ def test_a_serving_preset_on_an_unquantized_model_says_no_quantized_weights(save
     assert rules_of(bf16, "--policy", str(own))[1] == ["no-quantized-weights"]
     own.write_text("version: 1\nextends: fp8-serving\nrequires_quantized: false\n")
     assert rules_of(bf16, "--policy", str(own)) == (0, [])
+
+
+def test_bitsandbytes_findings_of_one_cause_are_one_row(tmp_path: Path) -> None:
+    """Seven nf4 Linear4bit layers (bitsandbytes' own Params4bit) whose absmax was stored in float16, as a
+    state dict cast to half leaves them: seven quant-scale-dtype findings of one cause, one row in the text table
+    and in the grouped formats."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from tests.test_quant_scan import write_dir
+
+    torch.manual_seed(0)
+    state = {}
+    for i in range(7):
+        layer = bnb.nn.Linear4bit(128, 64, bias=False, quant_type="nf4", compress_statistics=False)
+        layer.weight = bnb.nn.Params4bit(
+            torch.randn(64, 128), requires_grad=False, quant_type="nf4", blocksize=64, compress_statistics=False
+        ).to("cpu")
+        for k, v in layer.state_dict().items():
+            state[f"model.layers.{i}.fc.{k}"] = v.half() if k.endswith(".absmax") else v
+    config = {
+        "torch_dtype": "float16",
+        "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+    }
+    path = write_dir(tmp_path / "nf4", state, config)
+    found = [f for f in check(read_checkpoint(str(path))) if f.rule == "quant-scale-dtype"]
+    assert len(found) == 7 and len({f.message for f in found}) == 1
+    assert {f.tensor for f in found} == {f"model.layers.{i}.fc.weight.absmax" for i in range(7)}
+    assert found[0].message.startswith("is float16; bitsandbytes' Linear4bit expects float32 for the absmax of nf4")
+    table = run_cli("scan", str(path), "-q").stdout
+    assert [line.split()[:2] for line in table.splitlines() if line.startswith("warning")] == [["warning", "quant-scale-dtype"]]
+    assert "quant-scale-dtype ×7" in table
+    markdown = run_cli("scan", str(path), "-f", "markdown").stdout
+    assert sum("quant-scale-dtype" in line for line in markdown.splitlines()) == 1
