@@ -162,16 +162,56 @@ def test_a_ddp_prefix_loads_nothing_and_is_an_error(saved: dict[str, Path], tmp_
 
 def test_a_stray_tensor_is_one_warning(saved: dict[str, Path], tmp_path: Path) -> None:
     def stray(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {**s, "transformer.h.0.attn.extra_scale": torch.ones(4), "optimizer.step": torch.zeros(1)}
+        return {**s, "extra_head.weight": torch.ones(4, 16), "optimizer.step": torch.zeros(1)}
 
     folder = _rewrite(saved["gpt2"], tmp_path / "gpt2", stray)
     unexpected, missing, _ = _truth(folder)
-    assert unexpected == {"transformer.h.0.attn.extra_scale", "optimizer.step"} and not missing
+    assert unexpected == {"extra_head.weight", "optimizer.step"} and not missing
     _assert_same_as_loader(folder)
     (finding,) = _unmatched(folder)  # one row for one cause, not one per tensor
     assert finding.severity == "warning"
-    assert finding.message.startswith("2 stored tensors match no name of GPT2LMHeadModel")
-    assert "optimizer.step" in finding.message and "transformer.h.0.attn.extra_scale" in finding.message
+    assert finding.message.startswith("2 stored tensors match no name of GPT2LMHeadModel, so from_pretrained drops them")
+    assert "extra_head.weight, optimizer.step" in finding.message
+
+
+def test_a_stray_tensor_inside_a_loaded_module_is_no_warning(saved: dict[str, Path], tmp_path: Path) -> None:
+    """A name inside a module the model loads may come from another config of the class (the table holds the
+    default config's names): the scan names it in the metadata, as from_pretrained does, and warns of nothing."""
+    folder = _rewrite(saved["gpt2"], tmp_path / "gpt2", lambda s: {**s, "transformer.h.0.attn.extra_scale": torch.ones(4)})
+    load = _assert_same_as_loader(folder)
+    assert load.variants == ("transformer.h.0.attn.extra_scale",)
+    assert _unmatched(folder) == []
+
+
+def _variant(kind: str) -> Any:
+    import transformers as T
+
+    torch.manual_seed(0)
+    small = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    if kind == "llama-biases":
+        return T.LlamaForCausalLM(T.LlamaConfig(**small, num_key_value_heads=1, attention_bias=True, mlp_bias=True))
+    if kind == "gpt2-cross-attention":
+        return T.GPT2LMHeadModel(T.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64, add_cross_attention=True))
+    if kind == "t5-v1.1":  # flan-t5's gated feed-forward (wi_0, wi_1 where the default config has wi) and an untied head
+        t5 = {"vocab_size": 64, "d_model": 16, "d_kv": 8, "d_ff": 32, "num_layers": 2, "num_heads": 2}
+        return T.T5ForConditionalGeneration(T.T5Config(**t5, feed_forward_proj="gated-gelu", tie_word_embeddings=False))
+    if kind == "vit-no-qkv-bias":
+        vit = {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 24, "image_size": 16}
+        return T.ViTForImageClassification(T.ViTConfig(**vit, patch_size=8, qkv_bias=False))
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["llama-biases", "gpt2-cross-attention", "t5-v1.1", "vit-no-qkv-bias"])
+def test_a_config_other_than_the_tables_default_is_no_finding(tmp_path: Path, kind: str) -> None:
+    """Names a config option adds or removes (biases, cross-attention, a gated feed-forward) load under
+    from_pretrained; the table has the default config's names, and the scan warns of nothing."""
+    folder = tmp_path / kind
+    _variant(kind).save_pretrained(str(folder))
+    unexpected, missing, _ = _truth(folder)
+    assert not unexpected and not missing
+    load = _ours(folder)
+    assert set(load.unexpected) | set(load.missing) == set(load.variants) != set()  # the table's default differs
+    assert _unmatched(folder) == []
 
 
 def test_a_missing_weight_and_a_few_prefixed_ones_are_warnings_by_cause(saved: dict[str, Path], tmp_path: Path) -> None:

@@ -76,6 +76,8 @@ class LoadDtype:
     """The model's names (``*`` for a layer index) no stored tensor fills: initialised at random on load."""
     expected: int = 0
     """How many names (``*`` for a layer index) the model has; 0 where they are not known."""
+    variants: tuple[str, ...] = ()
+    """Of ``unexpected`` and ``missing``, those another config of the class may explain (``hftable.config_variants``)."""
 
     def loaded_name(self, stored: str) -> str:
         """The name ``stored`` has in the loaded model (the converter's target for a converted tensor)."""
@@ -200,6 +202,7 @@ class ModelView:
     unexpected: dict[str, str] = field(default_factory=dict)
     missing: tuple[str, ...] = ()
     expected: int = 0
+    variants: tuple[str, ...] = ()
 
 
 def model_view(cfg: Mapping[str, Any], dtype: str, names: Iterable[str]) -> ModelView | str:
@@ -243,15 +246,19 @@ def model_view(cfg: Mapping[str, Any], dtype: str, names: Iterable[str]) -> Mode
     converted = {k: WeightConversion(into, ops) for k, (into, ops) in done.converted.items()}
     dropped = set(done.unexpected)
     loaded = [done.renamed.get(n, converted[n].into if n in converted else n) for n in stored if n not in dropped]
+    unexpected = hftable.stray_prefixes(info, done.unexpected)
+    missing = hftable.missing(info, loaded) if stored else ()
+    strays = [n for n, prefix in unexpected.items() if not prefix]
     return ModelView(
         tuple(sorted(keep)),
         tuple(sorted(strict)),
         done.renamed,
         converted,
         hftable.pinned(info, dtype, loaded),
-        unexpected=hftable.stray_prefixes(info, done.unexpected),
-        missing=hftable.missing(info, loaded) if stored else (),
+        unexpected=unexpected,
+        missing=missing,
         expected=len(info.names),
+        variants=tuple(sorted(hftable.config_variants(info, loaded, strays, missing))),
     )
 
 
@@ -310,6 +317,7 @@ def resolve(
             view.unexpected,
             view.missing,
             view.expected,
+            view.variants,
         )
     keep, strict, arch = keep_in_fp32(cfg)  # the top class's own lists, where the table has no built model of it
     return LoadDtype(dtype, why, keep, strict, arch, names_unknown=view if arch is not None else None)
@@ -335,6 +343,7 @@ def as_metadata(load: LoadDtype) -> dict[str, object]:
         "unexpected": dict(load.unexpected),
         "missing": list(load.missing),
         "expected": load.expected,
+        "variants": list(load.variants),
     }
 
 
@@ -378,6 +387,7 @@ def from_metadata(metadata: Mapping[str, object]) -> LoadDtype | None:
         names(raw.get("unexpected")),
         tup(raw.get("missing")) or (),
         expected if isinstance(expected, int) else 0,
+        tup(raw.get("variants")) or (),
     )
 
 
@@ -520,6 +530,10 @@ def unmatched_findings(load: LoadDtype, stored: int, *, file: str = "config.json
                 file=file,
             )
         ]
+    # names another config of the class may explain (the table holds the default config's model) warn of nothing
+    variants = set(load.variants)
+    stray = [n for n in stray if n not in variants]
+    missing = [n for n in load.missing if n not in variants]
     out = []
     for prefix, names in prefixes.items():
         out.append(
@@ -543,13 +557,13 @@ def unmatched_findings(load: LoadDtype, stored: int, *, file: str = "config.json
                 file=file,
             )
         )
-    if load.missing:
+    if missing:
         out.append(
             Finding(
                 "load-names-unmatched",
                 "warning",
-                f"{n_missing} of {cls}'s {load.expected} weight names (a layer index as *) get no stored tensor, so "
-                f"from_pretrained initialises {'them' if n_missing != 1 else 'it'} at random (missing keys): {_few(list(load.missing))}",
+                f"{len(missing)} of {cls}'s {load.expected} weight names (a layer index as *) get no stored tensor, so "
+                f"from_pretrained initialises {'them' if len(missing) != 1 else 'it'} at random (missing keys): {_few(missing)}",
                 file=file,
             )
         )

@@ -274,6 +274,32 @@ def stray_prefixes(info: ClassInfo, unexpected: Iterable[str]) -> dict[str, str]
     return out
 
 
+def _modules(name: str) -> list[str]:
+    """The modules a name lies in, innermost first (``a.b.c`` -> ``a.b``, ``a``)."""
+    parts = name.split(".")
+    return [".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1)]
+
+
+def config_variants(info: ClassInfo, loaded: Iterable[str], unexpected: Iterable[str], missing: Iterable[str]) -> frozenset[str]:
+    """The unexpected stored names and missing names that another config of the class may explain, since the table
+    holds the names of the default config's model: a stored name inside a module the checkpoint loads tensors into
+    (a bias ``attention_bias`` adds, GPT-2's ``add_cross_attention`` blocks, T5 v1.1's gated ``wi_0``/``wi_1``), and a
+    missing name beside a loaded one in its module (a bias the config turns off) or beside such a stored name (T5's
+    ``wi``). Not the base model's module alone, which holds every tensor."""
+    held = {m for n in loaded for m in _modules(template(n))} - {info.prefix, ""}
+    out = set()
+    for name in unexpected:
+        t = template(name)
+        if any(m in held for m in (*_modules(t), *_modules(f"{info.prefix}.{t}"))):
+            out.add(name)
+    parents = {m[1] for m in (_modules(template(n)) for n in out) if len(m) > 1}
+    for name in missing:
+        mods = _modules(name)
+        if mods and (mods[0] in held or (len(mods) > 1 and mods[1] in parents)):
+            out.add(name)
+    return frozenset(out)
+
+
 # _adjust_missing_and_unexpected_keys: buffers older transformers saved, never reported as unexpected. (It also
 # applies each class's _keys_to_ignore_on_load_unexpected/_missing, which the table does not hold yet.)
 _IGNORED_UNEXPECTED = re.compile(r"rotary_emb\.inv_freq|(^|\.)position_ids$")
