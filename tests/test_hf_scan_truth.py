@@ -385,3 +385,24 @@ def test_bitsandbytes_findings_of_one_cause_are_one_row(tmp_path: Path) -> None:
     assert "quant-scale-dtype ×7" in table
     markdown = run_cli("scan", str(path), "-f", "markdown").stdout
     assert sum("quant-scale-dtype" in line for line in markdown.splitlines()) == 1
+
+
+def test_gpt2s_legacy_attention_buffers_are_no_finding(saved: dict[str, Path], tmp_path: Path) -> None:
+    """The hub's GPT-2 stores the causal-mask buffers older transformers saved (``h.N.attn.bias``): from_pretrained
+    drops them without a word (its class ignores them), and so does the scan: they lie inside a module the
+    checkpoint loads."""
+
+    def legacy(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = dict(s)
+        for i in range(2):
+            out[f"transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 32, 32))
+        return out
+
+    folder = _rewrite(saved["gpt2"], tmp_path / "gpt2", legacy)
+    import transformers
+
+    _, info = transformers.GPT2LMHeadModel.from_pretrained(str(folder), output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    load = _ours(folder)
+    assert len(load.unexpected) == 2 and set(load.unexpected) == set(load.variants)
+    assert _unmatched(folder) == []
