@@ -406,3 +406,21 @@ def test_gpt2s_legacy_attention_buffers_are_no_finding(saved: dict[str, Path], t
     load = _ours(folder)
     assert len(load.unexpected) == 2 and set(load.unexpected) == set(load.variants)
     assert _unmatched(folder) == []
+
+
+def test_a_weight_converter_across_layers_is_one_finding_per_target(tmp_path: Path) -> None:
+    """Qwen2-MoE's experts, fused on load into one tensor per layer: one load-conversion-unmodelled per target
+    across the layers (a 48-layer MoE is one cause, not 96 rows), naming what from_pretrained really builds."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    small = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    cfg = T.Qwen2MoeConfig(**small, num_key_value_heads=1, num_experts=4, moe_intermediate_size=8, shared_expert_intermediate_size=8)
+    folder = tmp_path / "moe"
+    T.Qwen2MoeForCausalLM(cfg).save_pretrained(str(folder))
+    real = set(T.Qwen2MoeForCausalLM.from_pretrained(str(folder)).state_dict())
+    assert {f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")} <= real
+    found = sorted((f for f in check(read_checkpoint(str(folder))) if f.rule == "load-conversion-unmodelled"), key=lambda f: f.message)
+    assert [f.tensor for f in found] == ["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj"]
+    assert found[0].message.startswith("from_pretrained builds model.layers.*.mlp.experts.down_proj (2 of them) from 8 stored")
+    assert found[1].message.startswith("from_pretrained builds model.layers.*.mlp.experts.gate_up_proj (2 of them) from 16 stored")

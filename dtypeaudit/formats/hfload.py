@@ -459,10 +459,15 @@ def name_findings(load: LoadDtype, *, file: str = "config.json") -> list[Finding
                 file=file,
             )
         )
-    merged: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    # one finding per converter target across layers (a 48-layer MoE is one cause, not 96 rows)
+    merged: dict[tuple[str, tuple[str, ...]], tuple[list[str], list[str]]] = {}
     for stored, conv in load.converted.items():
-        merged.setdefault((conv.into, conv.operations), []).append(stored)
-    for (into, ops), stored_names in merged.items():
+        targets, stored_names = merged.setdefault((hftable.template(conv.into), conv.operations), ([], []))
+        if conv.into not in targets:
+            targets.append(conv.into)
+        stored_names.append(stored)
+    for (shape, ops), (targets, stored_names) in merged.items():
+        into = targets[0] if len(targets) == 1 else f"{shape} ({len(targets)} of them)"
         out.append(
             Finding(
                 "load-conversion-unmodelled",
@@ -470,7 +475,7 @@ def name_findings(load: LoadDtype, *, file: str = "config.json") -> list[Finding
                 f"from_pretrained builds {into} from {len(stored_names)} stored tensor{'s' if len(stored_names) != 1 else ''} "
                 f"({_few(stored_names)}) with {', '.join(ops)} ({what}'s WeightConverter); dtypeaudit does not model that "
                 "conversion: the policy judges those stored tensors under their stored names",
-                tensor=into,
+                tensor=targets[0],
                 file=file,
             )
         )
