@@ -19,6 +19,9 @@ Mirrors transformers 5.24 with from_pretrained's default arguments (``dtype`` no
   not have. The dtype plan above is matched against the loaded name. A ``WeightConverter`` (MoE experts fused
   into one tensor, a split qkv) builds tensors of other names and shapes from several stored ones: not modelled,
   and said so (``load-conversion-unmodelled``).
+* ``_load_pretrained_model``'s loading info: the stored keys the model does not take (unexpected, dropped) and the
+  model's keys no stored tensor fills (missing, initialised at random; tied ones tied instead), compared as names
+  with the layer index as ``*`` (``load-names-unmatched``).
 
 The class is the one config.json's ``architectures`` names, looked up in the table ``hftable`` reads
 (``data/transformers.json``, generated from transformers by scripts/generate_transformers_table.py, with the
@@ -400,7 +403,8 @@ def loaded_names(inv: Inventory) -> dict[str, str]:
 
 def loaded_findings(tensors: Sequence[TensorRecord], load: LoadDtype, *, file: str = "config.json") -> list[Finding]:
     """``load-cast`` (warning) per stored -> loaded dtype pair, naming a few tensors; ``keep-in-fp32-unknown`` (info)
-    where the class's keep-in-fp32 lists could change dtypes and are not known; and ``name_findings``."""
+    where the class's keep-in-fp32 lists could change dtypes and are not known; ``name_findings`` and
+    ``unmatched_findings``."""
     casts = loaded_dtypes(tensors, load)
     groups: dict[tuple[str, str], list[str]] = {}
     stored = {t.name: t.dtype for t in tensors}
