@@ -573,6 +573,24 @@ def quant_consistency(inv: Inventory) -> list[Finding]:
     return consistency(inv)
 
 
+def no_quantized_weights(inv: Inventory, policy: Policy) -> list[Finding]:
+    """``no-quantized-weights``: a policy for quantized checkpoints (``requires_quantized``) and a checkpoint whose
+    weights are all unquantized, whatever the scheme the policy allows (a GPTQ checkpoint under fp8-serving holds
+    quantized weights: the policy's scheme rules judge those)."""
+    if not policy.requires_quantized or any(t.scheme for t in logical(inv).tensors):
+        return []
+    held = Counter(t.dtype for t in inv.tensors if dtypes.is_floating(t.dtype))
+    what = " and ".join(d for d, _ in held.most_common(2)) or "no floating"
+    return [
+        Finding(
+            "no-quantized-weights",
+            "error",
+            f"no quantized weights: every tensor is stored unquantized ({what}), but the policy {policy.source.rsplit('/', 1)[-1]} is for "
+            "quantized checkpoints; quantize the model first, or check it against a policy for its dtype (--preset bf16)",
+        )
+    ]
+
+
 def checks_for(policy: Policy | None) -> list[Check]:
     """Every check to run: the policy-free ones, plus the policy's when there is one (and its hardware ``target``)."""
     consistency = partial(module_consistency, policy=policy) if policy is not None and policy.keep_in_fp32 else module_consistency
@@ -584,6 +602,8 @@ def checks_for(policy: Policy | None) -> list[Check]:
             partial(tied_conflicts, policy=policy),
             partial(training_state_findings, policy=policy),
         ]
+        if policy.requires_quantized:
+            checks.append(partial(no_quantized_weights, policy=policy))
         if policy.target is not None:
             from .hardware import check_for
 

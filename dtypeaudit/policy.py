@@ -7,6 +7,7 @@ A policy says which dtype each tensor should have::
     default: float16             # floating tensors no rule matches
     check_integers: true         # also hold integer/bool tensors to the rules that name an integer dtype
     strict: true                 # fail on anything a loader might read differently (security gates)
+    requires_quantized: true     # a checkpoint without a quantized weight fails (no-quantized-weights)
     trace:                       # what `dtypeaudit trace` must show
       fail_on: warning           # the trace's failing severity (--fail-on wins; else the policy's fail_on)
       allow_promotion: ["head*"] # module paths whose implicit promotion is meant (as --allow-promotion)
@@ -437,6 +438,8 @@ class Policy:
     fail_on: Severity | None = None
     strict: bool = False
     """Raise every finding a loader might read differently from dtypeaudit to an error (``--strict``)."""
+    requires_quantized: bool = False
+    """The policy is for quantized checkpoints (fp8-serving): one without any quantized weight is an error."""
     target: str | None = None
     """A hardware target's name (``targets.resolve``): dtypes it cannot compute or only emulates are findings."""
     default_dtype: str | None = None
@@ -653,6 +656,7 @@ def _load(path: Path, chain: tuple[str, ...]) -> Policy:
         keep_in_fp32=own.keep_in_fp32 + parent.keep_in_fp32,
         fail_on=own.fail_on if own.fail_on is not None else parent.fail_on,
         strict=own.strict if "strict" in raw else parent.strict,
+        requires_quantized=own.requires_quantized if "requires_quantized" in raw else parent.requires_quantized,
         target=own.target if "target" in raw else parent.target,
         default_dtype=own.default_dtype if "default_dtype" in raw else parent.default_dtype,
         trace=TracePolicy(
@@ -996,6 +1000,7 @@ TOP = PolicySection(
         PolicyField("rules", _rules, default=()),
         PolicyField("fail_on", _severity),
         PolicyField("strict", _boolean, default=False),
+        PolicyField("requires_quantized", _boolean, default=False),
         PolicyField("target", _target),
         PolicyField("default_dtype", _default_dtype),
         PolicyField("trace", _trace, default=TracePolicy()),
@@ -1036,6 +1041,7 @@ def _validate(raw: dict[str, Any], lines: Lines, source: str, *, builtin: bool =
         rules=rules,
         fail_on=top["fail_on"],
         strict=top["strict"],
+        requires_quantized=top["requires_quantized"],
         target=top["target"],
         default_dtype=top["default_dtype"],
         trace=top["trace"],

@@ -101,6 +101,15 @@ RULES: dict[str, FindingRule] = {
             "(scripts/generate_transformers_table.py) for a newer one, or audit the loaded model (dtypeaudit.audit).",
         ),
         FindingRule(
+            "load-names-unmatched",
+            "error",
+            "Stored names the model class config.json names does not take (from_pretrained drops them), or weights of "
+            "the class no stored tensor fills (initialised at random): an error where most of the model gets no tensor.",
+            "The class's names come from dtypeaudit's table of transformers' classes; tied weights count as filled. A "
+            "DistributedDataParallel `module.` (or torch.compile `_orig_mod.`) prefix: save the unwrapped model, or strip "
+            "the prefix from each key and save again. Another model's names: name the right class in config.json's architectures.",
+        ),
+        FindingRule(
             "left-out",
             "info",
             "Files in a folder that no modelled loader would read, or that --exclude names, were not scanned.",
@@ -288,6 +297,14 @@ RULES: dict[str, FindingRule] = {
             "A parameter or buffer of the traced model is not in the --checkpoint (dtypeaudit trace).",
             "It keeps the dtype the factory gave it. load_state_dict(strict=True) refuses such a checkpoint; check that the "
             "factory builds the model the checkpoint was saved from.",
+        ),
+        FindingRule(
+            "no-quantized-weights",
+            "error",
+            "The policy is for quantized checkpoints (requires_quantized: fp8-serving), and the checkpoint holds no "
+            "quantized weight at all.",
+            "A serving preset for a quantized format expects its weights quantized. Quantize the model first, or check it "
+            "against a policy for the dtype it holds (--preset bf16, fp16).",
         ),
         FindingRule(
             "quant-missing-scale",

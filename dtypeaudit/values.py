@@ -20,6 +20,9 @@ CHUNK_BYTES = 1 << 20
 """Source bytes per chunk: small enough that a chunk and its temporaries stay in cache."""
 UNDERFLOW_BLOCK_FRACTION = 0.01
 """A tensor blocks conversion when more than this share of its non-zero values would become zero."""
+UNDERFLOW_WARN_FRACTION = 0.001
+"""``scan --values`` warns of a tensor when more than this share of its non-zero values would become zero (and
+at most ``UNDERFLOW_BLOCK_FRACTION``); fewer is an info: a trained tensor holds a few values below 2^-24 by chance."""
 
 # Magnitude thresholds for float32 -> float16 under round-to-nearest-even, as float32 bit patterns.
 # The largest half is 65504 and the next step would be 65536, so the tie 65520 and above round to inf;

@@ -476,6 +476,8 @@ FP32_NORM_PRESETS = {"fp16-mixed", "bf16-mixed", "fp16-weights-fp32-norms", "bf1
 def expected(subject: str, spec: str | None, variant: str, target: str) -> str:
     """What each cell comes to, and why where it is not ``runs``. Never ``warned``: convert refuses an output whose
     forward pass would fail (a float32 Linear, or a float32 LlamaRMSNorm, in a half model) rather than write it."""
+    if spec == "fp8-serving":
+        return "refused"  # convert does not quantize: every subject is unquantized (no-quantized-weights)
     if target == "float32":
         return "runs"  # amp-training and fp32: nothing narrows, nothing mixes
     if subject == "gpt2-dir" and spec in FP32_NORM_PRESETS:

@@ -12,7 +12,7 @@ from ..formats.training import is_training_state
 from ..inventory import Finding, Inventory, Severity, Span, format_of, unique_tensors
 from ..pieces import Job, Workers
 from ..torchcast import TorchCaster, chunks, load_torch, one_thread
-from ..values import UNDERFLOW_BLOCK_FRACTION, ValueStats, count_nonfinite, measures_errors
+from ..values import UNDERFLOW_BLOCK_FRACTION, UNDERFLOW_WARN_FRACTION, ValueStats, count_nonfinite, measures_errors
 from .mapped import MappedCheckpoint, Progress, open_sources
 from .plan import Plan, TensorPlan, make_plan, unit_of
 
@@ -225,7 +225,8 @@ def value_findings(inv: Inventory, *, include_optimizer: bool = False) -> list[F
 
     NaN/Inf in any floating tensor is an error. float32 and float64 tensors of a checkpoint bound for
     float16 (see ``half_target``) are held to float16's range: overflow (error), underflow (error above
-    1% of the non-zero values, else warning), subnormals (info). float16 tensors already are what they
+    ``UNDERFLOW_BLOCK_FRACTION`` of the non-zero values, warning above ``UNDERFLOW_WARN_FRACTION``, else info; below
+    the block share one message per band, which the report folds into one row), subnormals (info). float16 tensors already are what they
     are; bfloat16 keeps float32's exponent, so a bfloat16 checkpoint gets NaN/Inf only. Optimizer state,
     which ``convert`` leaves as it is, gets info findings unless ``include_optimizer``.
     """
@@ -279,10 +280,16 @@ def value_findings(inv: Inventory, *, include_optimizer: bool = False) -> list[F
             if stats.overflow:
                 message = f"{stats.overflow} of {stats.numel} values would become inf in float16 ({figures})"
                 add("fp16-overflow", "error", message, first, optimizer)
-            if stats.underflow:
-                severity: Severity = "error" if stats.underflow_fraction > UNDERFLOW_BLOCK_FRACTION else "warning"
+            if stats.underflow and stats.underflow_fraction > UNDERFLOW_BLOCK_FRACTION:
                 message = f"{stats.underflow} non-zero values ({stats.underflow_fraction:.2%}) would become 0 in float16 ({figures})"
-                add("fp16-underflow", severity, message, first, optimizer)
+                add("fp16-underflow", "error", message, first, optimizer)
+            elif stats.underflow:
+                # below the block share, one message per band, so that the report folds the tensors into one row
+                warn = stats.underflow_fraction > UNDERFLOW_WARN_FRACTION
+                band = f"more than {UNDERFLOW_WARN_FRACTION:.1%} (at most {UNDERFLOW_BLOCK_FRACTION:.0%})"
+                band = band if warn else f"at most {UNDERFLOW_WARN_FRACTION:.1%}"
+                message = f"{band} of the non-zero values are below 2^-24 and would become 0 in float16"
+                add("fp16-underflow", "warning" if warn else "info", message, first, optimizer)
             if stats.subnormal and not stats.underflow:
                 add("fp16-subnormal", "info", f"{stats.subnormal} values land in float16's subnormal range ({figures})", first, optimizer)
     return out

@@ -19,6 +19,9 @@ Mirrors transformers 5.24 with from_pretrained's default arguments (``dtype`` no
   not have. The dtype plan above is matched against the loaded name. A ``WeightConverter`` (MoE experts fused
   into one tensor, a split qkv) builds tensors of other names and shapes from several stored ones: not modelled,
   and said so (``load-conversion-unmodelled``).
+* ``_load_pretrained_model``'s loading info: the stored keys the model does not take (unexpected, dropped) and the
+  model's keys no stored tensor fills (missing, initialised at random; tied ones tied instead), compared as names
+  with the layer index as ``*`` (``load-names-unmatched``).
 
 The class is the one config.json's ``architectures`` names, looked up in the table ``hftable`` reads
 (``data/transformers.json``, generated from transformers by scripts/generate_transformers_table.py, with the
@@ -69,6 +72,15 @@ class LoadDtype:
     names_unknown: str | None = None
     """Why the loaded names are not known (no transformers, not one of its classes, a config it cannot build);
     None where they are, or where config.json names no class."""
+    unexpected: Mapping[str, str] = field(default_factory=dict)
+    """Stored name the model has no tensor for (from_pretrained drops it) -> the prefix whose removal would make it
+    the model's (``module.``), ``""`` where none does."""
+    missing: tuple[str, ...] = ()
+    """The model's names (``*`` for a layer index) no stored tensor fills: initialised at random on load."""
+    expected: int = 0
+    """How many names (``*`` for a layer index) the model has; 0 where they are not known."""
+    variants: tuple[str, ...] = ()
+    """Of ``unexpected`` and ``missing``, those another config of the class may explain (``hftable.config_variants``)."""
 
     def loaded_name(self, stored: str) -> str:
         """The name ``stored`` has in the loaded model (the converter's target for a converted tensor)."""
@@ -190,6 +202,10 @@ class ModelView:
     pinned: dict[str, str]
     names_unknown: str | None = None
     """Why the loaded names are not known though the keep lists are (a composite model with another sub-model)."""
+    unexpected: dict[str, str] = field(default_factory=dict)
+    missing: tuple[str, ...] = ()
+    expected: int = 0
+    variants: tuple[str, ...] = ()
 
 
 def model_view(cfg: Mapping[str, Any], dtype: str, names: Iterable[str]) -> ModelView | str:
@@ -231,8 +247,22 @@ def model_view(cfg: Mapping[str, Any], dtype: str, names: Iterable[str]) -> Mode
     stored = list(names)
     done = hftable.rename(info, stored)
     converted = {k: WeightConversion(into, ops) for k, (into, ops) in done.converted.items()}
-    loaded = [done.renamed.get(n, converted[n].into if n in converted else n) for n in stored]
-    return ModelView(tuple(sorted(keep)), tuple(sorted(strict)), done.renamed, converted, hftable.pinned(info, dtype, loaded))
+    dropped = set(done.unexpected)
+    loaded = [done.renamed.get(n, converted[n].into if n in converted else n) for n in stored if n not in dropped]
+    unexpected = hftable.stray_prefixes(info, done.unexpected)
+    missing = hftable.missing(info, loaded) if stored else ()
+    strays = [n for n, prefix in unexpected.items() if not prefix]
+    return ModelView(
+        tuple(sorted(keep)),
+        tuple(sorted(strict)),
+        done.renamed,
+        converted,
+        hftable.pinned(info, dtype, loaded),
+        unexpected=unexpected,
+        missing=missing,
+        expected=len(info.names),
+        variants=tuple(sorted(hftable.config_variants(info, loaded, strays, missing))),
+    )
 
 
 def _pattern(globs: Sequence[str]) -> re.Pattern[str] | None:
@@ -288,7 +318,19 @@ def resolve(
     view = model_view(cfg, dtype, names)
     if isinstance(view, ModelView):
         return LoadDtype(
-            dtype, why, view.keep_fp32, view.keep_fp32_strict, _arch(cfg), view.renamed, view.converted, view.pinned, view.names_unknown
+            dtype,
+            why,
+            view.keep_fp32,
+            view.keep_fp32_strict,
+            _arch(cfg),
+            view.renamed,
+            view.converted,
+            view.pinned,
+            view.names_unknown,
+            view.unexpected,
+            view.missing,
+            view.expected,
+            view.variants,
         )
     keep, strict, arch = keep_in_fp32(cfg)  # the top class's own lists, where the table has no built model of it
     return LoadDtype(dtype, why, keep, strict, arch, names_unknown=view if arch is not None else None)
@@ -311,6 +353,10 @@ def as_metadata(load: LoadDtype) -> dict[str, object]:
         "converted": {k: {"into": c.into, "operations": list(c.operations)} for k, c in load.converted.items()},
         "pinned": dict(load.pinned),
         "names_unknown": load.names_unknown,
+        "unexpected": dict(load.unexpected),
+        "missing": list(load.missing),
+        "expected": load.expected,
+        "variants": list(load.variants),
     }
 
 
@@ -336,6 +382,7 @@ def from_metadata(metadata: Mapping[str, object]) -> LoadDtype | None:
     cls = raw.get("class")
     converted = raw.get("converted")
     unknown = raw.get("names_unknown")
+    expected = raw.get("expected")
     return LoadDtype(
         dtype,
         why,
@@ -350,6 +397,10 @@ def from_metadata(metadata: Mapping[str, object]) -> LoadDtype | None:
         },
         pinned,
         unknown if isinstance(unknown, str) else None,
+        names(raw.get("unexpected")),
+        tup(raw.get("missing")) or (),
+        expected if isinstance(expected, int) else 0,
+        tup(raw.get("variants")) or (),
     )
 
 
@@ -362,7 +413,8 @@ def loaded_names(inv: Inventory) -> dict[str, str]:
 
 def loaded_findings(tensors: Sequence[TensorRecord], load: LoadDtype, *, file: str = "config.json") -> list[Finding]:
     """``load-cast`` (warning) per stored -> loaded dtype pair, naming a few tensors; ``keep-in-fp32-unknown`` (info)
-    where the class's keep-in-fp32 lists could change dtypes and are not known; and ``name_findings``."""
+    where the class's keep-in-fp32 lists could change dtypes and are not known; ``name_findings`` and
+    ``unmatched_findings``."""
     casts = loaded_dtypes(tensors, load)
     groups: dict[tuple[str, str], list[str]] = {}
     stored = {t.name: t.dtype for t in tensors}
@@ -383,6 +435,7 @@ def loaded_findings(tensors: Sequence[TensorRecord], load: LoadDtype, *, file: s
             )
         )
     out.extend(name_findings(load, file=file))
+    out.extend(unmatched_findings(load, len(tensors), file=file))
     if load.keep_patterns() is None:
         what = f"class {load.model_class}" if load.model_class else "the model class"
         out.append(
@@ -420,10 +473,15 @@ def name_findings(load: LoadDtype, *, file: str = "config.json") -> list[Finding
                 file=file,
             )
         )
-    merged: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    # one finding per converter target across layers (a 48-layer MoE is one cause, not 96 rows)
+    merged: dict[tuple[str, tuple[str, ...]], tuple[list[str], list[str]]] = {}
     for stored, conv in load.converted.items():
-        merged.setdefault((conv.into, conv.operations), []).append(stored)
-    for (into, ops), stored_names in merged.items():
+        targets, stored_names = merged.setdefault((hftable.template(conv.into), conv.operations), ([], []))
+        if conv.into not in targets:
+            targets.append(conv.into)
+        stored_names.append(stored)
+    for (shape, ops), (targets, stored_names) in merged.items():
+        into = targets[0] if len(targets) == 1 else f"{shape} ({len(targets)} of them)"
         out.append(
             Finding(
                 "load-conversion-unmodelled",
@@ -431,7 +489,7 @@ def name_findings(load: LoadDtype, *, file: str = "config.json") -> list[Finding
                 f"from_pretrained builds {into} from {len(stored_names)} stored tensor{'s' if len(stored_names) != 1 else ''} "
                 f"({_few(stored_names)}) with {', '.join(ops)} ({what}'s WeightConverter); dtypeaudit does not model that "
                 "conversion: the policy judges those stored tensors under their stored names",
-                tensor=into,
+                tensor=targets[0],
                 file=file,
             )
         )
@@ -443,6 +501,88 @@ def name_findings(load: LoadDtype, *, file: str = "config.json") -> list[Finding
                 f"the names and keep-in-fp32 modules of the model from_pretrained builds are not known ({load.names_unknown}): "
                 "transformers 5 may rename keys on load (conversion mapping) and sub-models may keep more modules in float32; "
                 "the policy is checked against the stored names",
+                file=file,
+            )
+        )
+    return out
+
+
+UNMATCHED_ERROR_SHARE = 0.5
+"""``load-names-unmatched`` is an error where more than this share of the model's names get no stored tensor
+(most weights initialised at random); fewer are a warning."""
+
+
+def unmatched_findings(load: LoadDtype, stored: int, *, file: str = "config.json") -> list[Finding]:
+    """``load-names-unmatched``: stored names the class does not take (from_pretrained's unexpected keys) and the
+    class's names no stored tensor fills (its missing keys, tied weights aside), as the table of the class gives
+    them. An error where most of the model would be initialised at random, naming the cause (a prefix such as
+    DistributedDataParallel's ``module.``, or another model's names); else one warning per cause."""
+    if not load.expected or not (load.unexpected or load.missing):
+        return []
+    cls = load.model_class or "the model class"
+    prefixes: dict[str, list[str]] = {}
+    for name, prefix in sorted(load.unexpected.items()):
+        prefixes.setdefault(prefix, []).append(name)
+    stray = prefixes.pop("", [])
+    n_missing = len(load.missing)
+    if n_missing > UNMATCHED_ERROR_SHARE * load.expected:
+        loaded = stored - len(load.unexpected)
+        if prefixes:
+            prefix = max(prefixes, key=lambda p: len(prefixes[p]))
+            cause = (
+                f"{len(prefixes[prefix])} stored keys carry a `{prefix}` prefix {cls} does not expect ({_few(prefixes[prefix])}); "
+                f"strip it: save the unwrapped model (ddp_model.module.save_pretrained(...)), or rename each key with "
+                f"k.removeprefix({prefix!r}) and save again"
+            )
+        else:
+            cause = (
+                f"the stored names are not {cls}'s (stored: {_few(stray)}; {cls} takes: {_few(load.missing)}): the folder "
+                "holds another model's weights, or config.json's architectures names the wrong class; name the class "
+                "the weights were saved from"
+            )
+        return [
+            Finding(
+                "load-names-unmatched",
+                "error",
+                f"from_pretrained loads {loaded} of the {stored} stored tensors into {cls}: {n_missing} of its {load.expected} "
+                f"weight names (a layer index as *) get no tensor and are initialised at random; {cause}",
+                file=file,
+            )
+        ]
+    # names another config of the class may explain (the table holds the default config's model) warn of nothing
+    variants = set(load.variants)
+    stray = [n for n in stray if n not in variants]
+    missing = [n for n in load.missing if n not in variants]
+    out = []
+    for prefix, names in prefixes.items():
+        out.append(
+            Finding(
+                "load-names-unmatched",
+                "warning",
+                f"{len(names)} stored tensor{'s carry' if len(names) != 1 else ' carries'} a `{prefix}` prefix {cls} does not expect, "
+                f"so from_pretrained drops {'them' if len(names) != 1 else 'it'} (unexpected keys): {_few(names)}; "
+                f"strip it (k.removeprefix({prefix!r})) and save again",
+                file=file,
+            )
+        )
+    if stray:
+        out.append(
+            Finding(
+                "load-names-unmatched",
+                "warning",
+                f"{len(stray)} stored tensor{'s' if len(stray) != 1 else ''} match no name of {cls}, so from_pretrained drops "
+                f"{'them' if len(stray) != 1 else 'it'} (unexpected keys): {_few(stray)}; delete "
+                f"{'them' if len(stray) != 1 else 'it'}, or name the class the weights belong to in config.json's architectures",
+                file=file,
+            )
+        )
+    if missing:
+        out.append(
+            Finding(
+                "load-names-unmatched",
+                "warning",
+                f"{len(missing)} of {cls}'s {load.expected} weight names (a layer index as *) get no stored tensor, so "
+                f"from_pretrained initialises {'them' if len(missing) != 1 else 'it'} at random (missing keys): {_few(missing)}",
                 file=file,
             )
         )

@@ -231,6 +231,8 @@ class Renamed:
     """Stored name -> loaded name, where they differ."""
     converted: dict[str, tuple[str, tuple[str, ...]]]
     """Stored name -> (the converter's target, its operations)."""
+    unexpected: tuple[str, ...] = ()
+    """Stored names the model has no tensor for, renamed or not: from_pretrained drops them (its unexpected keys)."""
 
 
 def rename(info: ClassInfo, names: Iterable[str]) -> Renamed:
@@ -241,18 +243,79 @@ def rename(info: ClassInfo, names: Iterable[str]) -> Renamed:
     converters = [t for t in transforms if t.kind == "convert"]
     renamed: dict[str, str] = {}
     converted: dict[str, tuple[str, tuple[str, ...]]] = {}
+    unexpected = []
     for name in sorted(names):
         new, pattern = rename_source_key(name, renamings, converters, info)
         if not info.has(new) and info.has(name):  # the loader's retry: only the prefix may change
             new, pattern = rename_source_key(name, [], [], info)
         if not info.has(new):
-            continue  # an unexpected key: from_pretrained drops it; it keeps its stored name here
+            if not _IGNORED_UNEXPECTED.search(name):
+                unexpected.append(name)  # from_pretrained drops it; it keeps its stored name here
+            continue
         if pattern is not None:
             conv = next(c for c in converters if pattern in c.sources)
             converted[name] = (new, conv.operations)
         elif new != name:
             renamed[name] = new
-    return Renamed(renamed, converted)
+    return Renamed(renamed, converted, tuple(unexpected))
+
+
+def stray_prefixes(info: ClassInfo, unexpected: Iterable[str]) -> dict[str, str]:
+    """Unexpected stored name -> the leading segments whose removal makes it a name the model loads (``module.``
+    of a DistributedDataParallel wrapper, ``_orig_mod.`` of torch.compile); ``""`` where none does."""
+    out = {n: "" for n in unexpected}
+    for k in (1, 2):
+        rests = {n.split(".", k)[k]: n for n, p in out.items() if not p and n.count(".") > k}
+        done = rename(info, rests)
+        for rest, n in rests.items():
+            conv = done.converted.get(rest)
+            if info.has(conv[0] if conv else done.renamed.get(rest, rest)):
+                out[n] = n[: len(n) - len(rest)]
+    return out
+
+
+def _modules(name: str) -> list[str]:
+    """The modules a name lies in, innermost first (``a.b.c`` -> ``a.b``, ``a``)."""
+    parts = name.split(".")
+    return [".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1)]
+
+
+def config_variants(info: ClassInfo, loaded: Iterable[str], unexpected: Iterable[str], missing: Iterable[str]) -> frozenset[str]:
+    """The unexpected stored names and missing names that another config of the class may explain, since the table
+    holds the names of the default config's model: a stored name inside a module the checkpoint loads tensors into
+    (a bias ``attention_bias`` adds, GPT-2's ``add_cross_attention`` blocks, T5 v1.1's gated ``wi_0``/``wi_1``), and a
+    missing name beside a loaded one in its module (a bias the config turns off) or beside such a stored name (T5's
+    ``wi``). Not the base model's module alone, which holds every tensor."""
+    held = {m for n in loaded for m in _modules(template(n))} - {info.prefix, ""}
+    out = set()
+    for name in unexpected:
+        t = template(name)
+        if any(m in held for m in (*_modules(t), *_modules(f"{info.prefix}.{t}"))):
+            out.add(name)
+    parents = {m[1] for m in (_modules(template(n)) for n in out) if len(m) > 1}
+    for name in missing:
+        mods = _modules(name)
+        if mods and (mods[0] in held or (len(mods) > 1 and mods[1] in parents)):
+            out.add(name)
+    return frozenset(out)
+
+
+# _adjust_missing_and_unexpected_keys: buffers older transformers saved, never reported as unexpected. (It also
+# applies each class's _keys_to_ignore_on_load_unexpected/_missing, which the table does not hold yet.)
+_IGNORED_UNEXPECTED = re.compile(r"rotary_emb\.inv_freq|(^|\.)position_ids$")
+
+
+def missing(info: ClassInfo, loaded: Iterable[str]) -> tuple[str, ...]:
+    """The model's names (templates, ``*`` for a layer index) that no loaded tensor fills: from_pretrained
+    initialises them at random (its missing keys). A tied weight counts as filled where its partner is loaded, as
+    ``tie_weights`` ties whichever of the two the checkpoint has."""
+    have = {template(n) for n in loaded}
+    tied: dict[str, set[str]] = {}  # name -> every name tied with it (T5's shared, embed_tokens and lm_head are one)
+    for a, b in info.tied.items():
+        group = tied.get(template(a), {template(a)}) | tied.get(template(b), {template(b)})
+        for n in group:
+            tied[n] = group
+    return tuple(n for n in sorted(info.names) if n not in have and not tied.get(n, set()) & have)
 
 
 def pinned(info: ClassInfo, dtype: str, loaded: Iterable[str]) -> dict[str, str]:

@@ -218,7 +218,8 @@ def scale_dtypes(inv: Inventory, quant: QuantView) -> list[Finding]:
                 Finding(
                     "quant-scale-dtype",
                     "warning",
-                    f"{t.name} is {t.dtype}; {_LOADER.get(w.scheme.family, 'the loader')} expects {' or '.join(sorted(allowed))} "
+                    # the tensor is the finding's subject, not in its words: one cause is one row of the report
+                    f"is {t.dtype}; {_LOADER.get(w.scheme.family, 'the loader')} expects {' or '.join(sorted(allowed))} "
                     f"for the {role} of {w.scheme.name} and casts or misreads it",
                     tensor=t.name,
                     file=t.file or None,
