@@ -37,7 +37,7 @@ from ..values import ValueStats
 if TYPE_CHECKING:
     import torch
 
-    from ..policy import Policy
+    from ..options import ConvertSettings
     from .mapped import MappedCheckpoint, Progress
     from .plan import Plan
     from .result import Result
@@ -546,16 +546,9 @@ def convert_quantized(
     src_path: Path,
     inv: Inventory,
     view: qm.QuantView,
-    to: str,
+    settings: ConvertSettings,
     *,
     output: str | Path | None,
-    policy: Policy | None,
-    strict: bool,
-    clamp: bool,
-    dry_run: bool,
-    read_values: bool,
-    force: bool,
-    in_place: bool,
     progress_factory: Callable[[str, int], Progress] | None,
 ) -> Result:
     """Dequantize ``inv`` (a quantized directory, safetensors file or GGUF file) to ``to``: planned once, its
@@ -568,8 +561,9 @@ def convert_quantized(
     from .value_policy import apply_value_policy
     from .verify import verify_written
 
-    target = dtypes.conversion_target(to)
-    if in_place:
+    s = settings
+    target, policy, clamp, dry_run = s.to, s.policy, s.clamp, s.dry_run
+    if s.in_place:
         raise UsageError("--in-place cannot dequantize: the output replaces the quantized files with larger ones; give -o")
     supported(view)
     with ExitStack() as stack:
@@ -580,10 +574,10 @@ def convert_quantized(
         reading = Reading(sources, inv.by_name(), clamp)
         is_dir = src_path.is_dir()
         plan, shards = make_dequant_plan(inv, view, target, reading, is_dir=is_dir)
-        plan = with_findings(plan, policy, strict=strict)
+        plan = with_findings(plan, policy, strict=s.strict)
         if plan.failing(policy):
             return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
-        if dry_run and not read_values:
+        if dry_run and not s.read_values:
             return Result(plan, None, [], dry_run=True, values_read=False)
         found: dict[str, ValueStats] = {}
         written: dict[str, Written] = {}
@@ -600,7 +594,7 @@ def convert_quantized(
                 dest = Path(output) if output else default_output(src_path, target, "safetensors")
                 if dest.suffix != ".safetensors":
                     raise UsageError("a dequantized file is written as safetensors; give -o NAME.safetensors")
-            check_destination(src_path, dest, force=force, in_place=False)
+            check_destination(src_path, dest, force=s.force, in_place=False)
             progress = progress_factory("writing", plan.bytes_after) if progress_factory else None
             try:
                 if is_dir:

@@ -511,18 +511,6 @@ def write_file(
     return write_torch_zip(plan, src, out, strip=strip, progress=progress, workers=workers)
 
 
-def parse_size(text: str) -> int:
-    """``5GB``, ``500MB``, ``2GiB``, ``10KB`` or a plain byte count, as transformers' max_shard_size reads them."""
-    import re
-
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", text, re.I)
-    if not m:
-        raise UsageError(f"--max-shard-size must look like 5GB, 500MB or 2GiB, not '{text}'")
-    unit = (m.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    return int(float(m.group(1)) * scale)
-
-
 def write_directory(
     plan: Plan,
     src_dir: Path,
