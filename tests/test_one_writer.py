@@ -1,0 +1,62 @@
+"""A dequantizing conversion writes through the cast's own writer (conversion/write.py): its tensors that are not
+quantized are cast and checked as a plain cast's records are, in the same file as the dequantized weights."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from .helpers import run_cli
+from .test_quant_convert import make_fp8_dir
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_fp8_dir(tmp_path_factory.mktemp("fp8-writer"))
+
+
+def _with_float32_norm(fp8_dir: Path, tmp_path: Path, value: float) -> tuple[Path, str, torch.Tensor]:
+    """A copy of ``fp8_dir`` whose final norm is float32 holding ``value``: a tensor the dequantizer casts."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(fp8_dir, src)
+    name = "model.norm.weight"
+    for f in src.glob("*.safetensors"):
+        state = load_file(f)
+        if name in state:
+            norm = state[name].to(torch.float32)
+            norm[0] = value
+            state[name] = norm
+            save_file(state, f, metadata={"format": "pt"})
+            return src, name, norm
+    raise AssertionError("no final norm")
+
+
+def test_a_cast_tensor_of_a_quantized_folder_gets_the_casts_verdict(fp8_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    src, name, norm = _with_float32_norm(fp8_dir, tmp_path, 1e6)
+    proc = run_cli("convert", str(src), "--to", "fp16", "-o", str(tmp_path / "refused"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"{name}: 1 values beyond ±65504 would become inf" in proc.stdout and "--clamp" in proc.stdout
+    assert not (tmp_path / "refused").exists()
+
+    proc = run_cli("convert", str(src), "--to", "fp16", "--dry-run", "--check-values")
+    assert proc.returncode == 1 and f"{name}: 1 values beyond" in proc.stdout, proc.stdout + proc.stderr
+
+    out = tmp_path / "clamped"
+    proc = run_cli("convert", str(src), "--to", "fp16", "--clamp", "-o", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    want = norm.clamp(-65504, 65504).to(torch.float16)
+    assert torch.equal(got[name].view(torch.int16), want.view(torch.int16))
+    # every other tensor the dequantizer did not dequantize: torch's own cast of the source's values
+    source = {k: v for f in fp8_dir.glob("*.safetensors") for k, v in load_file(f).items()}
+    plain = [k for k, v in source.items() if v.dtype == torch.bfloat16 and k != name]
+    assert plain
+    for k in plain:
+        assert torch.equal(got[k].view(torch.int16), source[k].to(torch.float16).view(torch.int16)), k
