@@ -336,6 +336,8 @@ class ByteProgress:
 
         def advance(n: int) -> None:
             nonlocal done
+            if done >= total:
+                return  # finished: its task is gone
             done += n
             self.bar.update(task, completed=done)
             if done >= total:

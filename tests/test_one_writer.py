@@ -60,3 +60,20 @@ def test_a_cast_tensor_of_a_quantized_folder_gets_the_casts_verdict(fp8_dir: Pat
     assert plain
     for k in plain:
         assert torch.equal(got[k].view(torch.int16), source[k].to(torch.float16).view(torch.int16)), k
+
+
+def test_the_progress_of_a_dequantizing_write_adds_up_to_its_total(fp8_dir: Path, tmp_path: Path) -> None:
+    """The bar is told the bytes the writer will count (a dequantized weight's made, every other record's read),
+    so it ends at its total (a bar advanced past it had lost its task)."""
+    from dtypeaudit import convert
+
+    src, _, _ = _with_float32_norm(fp8_dir, tmp_path, 1.0)
+    bars: list[list[int]] = []
+
+    def bar(label: str, total: int):  # type: ignore[no-untyped-def]
+        bars.append([total, 0])
+        return lambda n: bars[-1].__setitem__(1, bars[-1][1] + n)
+
+    result = convert(src, "bf16", output=tmp_path / "out", progress_factory=bar)
+    assert result.output is not None
+    assert [total for total, _ in bars] == [done for _, done in bars] and bars[0][0] > 0

@@ -524,7 +524,9 @@ def convert_quantized(
         if s.dry_run:  # every value read and checked as the real run would, nothing written
             write(None, None)
         else:
-            progress = progress_factory("writing", plan.bytes_after) if progress_factory else None
+            # as the writer counts: a dequantized weight by the bytes it makes, every other record by those it reads
+            total = sum(p.out_nbytes if p.action == DEQUANTIZE else p.tensor.nbytes for p in plan.tensors if p.action != "drop")
+            progress = progress_factory("writing", total) if progress_factory else None
             try:
                 with atomic_output(dest, mode_from=src_path, is_dir=is_dir) as tmp:
                     written = write(tmp, progress)
