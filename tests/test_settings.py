@@ -52,6 +52,7 @@ CONVERT_MISUSES = [
     (["--to", "fp16", "--target", "t4"], "give --dry-run too"),
     (["--to", "fp16", "--dry-run", "--target", "no-such-gpu"], "no-such-gpu"),
     (["--to", "fp16", "--max-shard-size", "5 parsecs"], "--max-shard-size"),
+    (["--to", "fp16", "--max-shard-size", "5GB"], "applies to Hugging Face directories"),
 ]
 
 

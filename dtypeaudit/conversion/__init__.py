@@ -108,6 +108,8 @@ def convert(
 
         raise UsageError(f"{redact(output)}: a remote output needs a remote source; write it locally and upload it")
     src_path = named.where if isinstance(named.where, Path) else Path(named.text)
+    if s.max_shard_size and not src_path.is_dir():  # known before the source is opened
+        raise UsageError("--max-shard-size applies to Hugging Face directories")
     inv = read_checkpoint(named)
     refused = refusals(inv)
     if refused:
@@ -148,8 +150,6 @@ def convert(
         out_format = output_format(inv.format, dest, src_path)
         if out_format == Format.SAFETENSORS and not output and not s.in_place:
             dest = default_output(src_path, plan.target, Format.SAFETENSORS)
-        if s.max_shard_size and out_format != Format.HF_DIRECTORY:
-            raise UsageError("--max-shard-size applies to Hugging Face directories")
         if s.materialize_ties and out_format != Format.SAFETENSORS:
             raise UsageError("--materialize-ties applies to a .safetensors output (a torch.save output keeps ties as ties)")
         if s.strip_optimizer:
