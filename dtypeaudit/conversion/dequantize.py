@@ -325,10 +325,30 @@ def _write_shard(
         # (BufferError) and would hide this error: drop their locals.
         traceback.clear_frames(exc.__traceback__)
         raise
+    for e in shard.entries:
+        _release(reading, e)
     found.update((name, stats) for name, f in folds.items() if (stats := f.shown()) is not None)
     return Written(
         tensors={name: (dtype, shape) for name, dtype, shape in tensors}, crcs=dict(zip([n for n, _, _ in tensors], crcs, strict=True))
     )
+
+
+def _release(reading: Reading, e: _Entry) -> None:
+    """Unmap the source pages an entry read (they stay in the page cache): a read-only mapping's pages would
+    otherwise count in the process's RSS until the whole checkpoint is done (each shard's, once it is written)."""
+    import mmap
+
+    names = list(e.weight.storage.values()) if e.weight is not None else [e.name]
+    for name in names:
+        t = reading.by_name.get(name)
+        src = reading.files.get(t.file) if t is not None else None
+        if src is None or not isinstance(src.mm, mmap.mmap) or name not in src.spans or not hasattr(mmap, "MADV_DONTNEED"):
+            continue
+        span = src.spans[name]
+        start = span.offset - span.offset % mmap.PAGESIZE
+        end = min(len(src.mm), span.offset + span.length)
+        if end > start:
+            src.mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _dequantized(w: qm.LogicalWeight, shape: tuple[int, ...], target: str, reading: Reading) -> Computed:
