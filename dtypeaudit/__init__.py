@@ -9,6 +9,9 @@ Library API::
     report = dtypeaudit.scan(["ckpts/"], checks=dtypeaudit.checks_for(policy), policy=policy, strict=policy.strict)
     result = dtypeaudit.convert("model.pt", "fp16", policy=policy)      # plan, check, write, verify
     result.refused                                                       # findings that forbid converting; nothing written
+    settings = dtypeaudit.convert_settings("bf16", preset="bf16-mixed", clamp=True)  # checked before any read
+    result = dtypeaudit.convert("model.pt", settings=settings)           # as `dtypeaudit convert` runs
+    report = dtypeaudit.scan(["ckpts/"], settings=dtypeaudit.scan_settings(preset="fp16-mixed", target="t4"))
     findings = dtypeaudit.audit(model, "fp16-mixed", target="t4")        # a live nn.Module, optimizer, scaler, batch or dict
 
 ``policy=`` adds the run's ``unused-rule`` warnings (rules that no checkpoint used). ``strict=True`` raises
@@ -42,6 +45,10 @@ _LAZY = {
     "load_policy": ("policy", "load_policy"),
     "Policy": ("policy", "Policy"),
     "convert": ("conversion", "convert"),
+    "ScanSettings": ("options", "ScanSettings"),
+    "ConvertSettings": ("options", "ConvertSettings"),
+    "scan_settings": ("options", "effective"),
+    "convert_settings": ("options", "convert_settings"),
     "audit": ("live", "audit"),
     "Auditor": ("live", "Auditor"),
     "tune": ("tuning", "tune"),
@@ -70,6 +77,10 @@ __all__ = [
     "checks_for",
     "strict_findings",
     "convert",
+    "ScanSettings",
+    "ConvertSettings",
+    "scan_settings",
+    "convert_settings",
     "audit",
     "Auditor",
     "tune",

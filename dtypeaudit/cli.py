@@ -270,35 +270,33 @@ def scan(
     from .options import effective
     from .pipeline import scan as run_scan
 
+    if include_optimizer and not values:
+        raise UsageError("--include-optimizer applies to --values")
+    if quiet and verbose:
+        raise UsageError("give --quiet or --verbose, not both")
+    # resolved once, before any checkpoint is opened
+    chosen = effective(policy, preset=preset, target=target, fail_on=fail_on, strict=strict)
     named = [parse_target(t) for t in targets]
     require_torch_for_factories(named, model, "scan")
-    chosen = effective(policy, preset=preset, target=target, fail_on=fail_on)
     pol = chosen.policy
     if explain_name is not None:
         return explain(named, pol, explain_name, model)
-    checks = chosen.checks()
-    if include_optimizer and not values:
-        raise UsageError("--include-optimizer applies to --values")
+    extra = []
     if values:
         from .conversion import value_findings
 
-        checks.append(functools.partial(value_findings, include_optimizer=include_optimizer))
+        extra.append(functools.partial(value_findings, include_optimizer=include_optimizer))
     report = run_scan(
         named,
-        checks=checks,
+        settings=chosen,
+        checks=extra,
         model=model,
-        fail_on=chosen.fail_on,
-        policy_name=pol.source if pol else None,
-        policy=pol,
         jobs=jobs,
         cluster=cluster,
         raise_errors=debug,
         exclude=tuple(exclude or ()),
         progress=scan_progress(),
-        strict=strict or (pol.strict if pol else False),
     )
-    if quiet and verbose:
-        raise UsageError("give --quiet or --verbose, not both")
     shown = chosen_format(fmt, output)
     # The report lives until exit: the collector need not walk it again each time the renderer allocates
     # (a tenth of a 10,000-checkpoint scan's time went to that).
@@ -550,68 +548,59 @@ def convert(
       dtypeaudit convert /shared/ft-*/ --to bf16 --cluster tcp://scheduler:8786
     """
     from .conversion import convert as run_convert
-    from .extras import require
-    from .options import effective
+    from .options import convert_settings
     from .render.convert import refusal_lines, render_json, render_text
 
     if fmt not in ("text", "json"):
         raise UsageError(f"--format must be text or json, not '{fmt}'")
-    if in_place and output is not None:
-        raise UsageError("give --in-place or --output, not both")
-    if target is not None and not dry_run:
-        raise UsageError("--target checks a plan: give --dry-run too")
-    if check_values and not dry_run:
-        raise UsageError("--check-values reads the values for a plan: give --dry-run too (a conversion always checks them)")
-    if model:
-        require("torch", "dtypeaudit convert --model")
-    # One resolver for the policy, the target and the failing severity. --target replaces the policy's own
-    # `target:`, as for scan: its findings are the plan's hardware section (below), so the plan is checked
-    # against the policy without its target; otherwise the policy's target holds the plan, as it holds a scan.
-    chosen = effective(policy, preset=preset, target=target)
-    hardware = chosen.target if target is not None else None  # --target only: it checks the plan
-    options: dict[str, Any] = {
-        "policy": chosen.policy_alone if target is not None else chosen.policy,
-        "keep": tuple(keep or ()),
-        "include_optimizer": include_optimizer,
-        "strip_optimizer": strip_optimizer,
-        "clamp": clamp,
-        "keep_unsafe": keep_unsafe,
-        "dry_run": dry_run,
-        "read_values": check_values,
-        "force": force,
-        "in_place": in_place,
-        "max_shard_size": max_shard_size,
-        "model": model,
-        "materialize_ties": materialize_ties,
-        "keep_quantized": keep_quantized,
-        "exclude": tuple(exclude or ()),
-    }
+    if target is not None and (len(sources) > 1 or jobs is not None or cluster is not None):
+        raise UsageError("--target checks one plan: give one SOURCE")
+    # every option resolved and checked once, before any source is opened
+    settings = convert_settings(
+        to,
+        policy=policy,
+        preset=preset,
+        target=target,
+        keep=tuple(keep or ()),
+        include_optimizer=include_optimizer,
+        strip_optimizer=strip_optimizer,
+        clamp=clamp,
+        keep_unsafe=keep_unsafe,
+        dry_run=dry_run,
+        read_values=check_values,
+        force=force,
+        in_place=in_place,
+        max_shard_size=max_shard_size,
+        model=model,
+        materialize_ties=materialize_ties,
+        keep_quantized=keep_quantized,
+        output=output,
+        exclude=tuple(exclude or ()),
+    )
     if len(sources) > 1 or jobs is not None or cluster is not None:
-        if target is not None:
-            raise UsageError("--target checks one plan: give one SOURCE")
-        return convert_many(sources, to, output, options, jobs=jobs, cluster=cluster, as_json=fmt == "json", verbose=verbose, debug=debug)
+        return convert_many(sources, output, settings, jobs=jobs, cluster=cluster, as_json=fmt == "json", verbose=verbose, debug=debug)
     (source,) = sources
     progress = ByteProgress() if sys.stderr.isatty() else None
     try:
-        result = run_convert(source, to, output=output, progress_factory=progress, **options)
+        result = run_convert(source, settings=settings, output=output, progress_factory=progress)
     finally:
         if progress is not None:
             progress.close()
-    checked = hardware if not result.refused else None
+    checked = settings.hardware if not result.refused else None
     unfit = False
     if fmt == "json":
         section = None
         if checked is not None:
             from .hardware import plan_json
 
-            section, unfit = plan_json(result.plan.output_inventory(), checked, fail_on=chosen.fail_on)
+            section, unfit = plan_json(result.plan.output_inventory(), checked, fail_on=settings.fail_on)
         emit(render_json(result, hardware_target=section), None)
     else:
         text = render_text(result, verbose=verbose)
         if checked is not None:
             from .hardware import plan_report
 
-            text, unfit = plan_report(text, result.plan.output_inventory(), checked, fail_on=chosen.fail_on)
+            text, unfit = plan_report(text, result.plan.output_inventory(), checked, fail_on=settings.fail_on)
         emit(text, None)
     for line in refusal_lines(result):
         say(f"dtypeaudit: {line}")
@@ -735,6 +724,8 @@ def trace(
     from .render.trace import renderer_for as trace_renderer_for
     from .trace import trace as run_trace
 
+    if quiet and verbose:
+        raise UsageError("give --quiet or --verbose, not both")
     chosen = effective(policy, preset=preset, target=hardware, fail_on=fail_on)
     report = run_trace(
         model,
@@ -750,8 +741,6 @@ def trace(
         policy=chosen.policy,
         target=chosen.target,
     )
-    if quiet and verbose:
-        raise UsageError("give --quiet or --verbose, not both")
     emit(trace_renderer_for(chosen_format(fmt, output), width=terminal_width(), verbose=verbose, quiet=quiet)(report), output)
     return exitcodes.for_report(report)
 

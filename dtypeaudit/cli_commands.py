@@ -19,6 +19,7 @@ from .render import OutputFormat
 
 if TYPE_CHECKING:
     from .formats.locate import TargetRef
+    from .options import ConvertSettings
     from .policy import Policy
 
 
@@ -218,9 +219,8 @@ def explain(targets: list[TargetRef], pol: Policy | None, name: str, model: Opti
 
 def convert_many(
     sources: list[str],
-    to: str,
     output: Optional[str],
-    options: dict,
+    settings: ConvertSettings,
     *,
     jobs: Optional[int],
     cluster: Optional[str],
@@ -232,7 +232,7 @@ def convert_many(
     the reports in the order given, one line on stderr per source that could not be converted. Exit code: the worst."""
     import json
 
-    from . import dtypes, fleet
+    from . import fleet
     from .conversion import ConvertWork, convert_lost, convert_one
     from .formats.locate import parse_target
     from .render.convert import convert_doc, refusal_lines, render_json, render_text
@@ -251,13 +251,12 @@ def convert_many(
         out_dir = Path(output)
         if not out_dir.is_dir():
             raise UsageError("with several SOURCEs, -o names an existing directory to write each output into", path=str(output))
-        target = dtypes.conversion_target(to)
         for ref in refs:
-            dest = os.path.abspath(out_dir / _output_name(ref, target))
+            dest = os.path.abspath(out_dir / _output_name(ref, settings.to))
             if dest in outputs.values():
                 raise UsageError(f"two sources would be written to {dest}; convert them into different directories")
             outputs[ref.identity] = dest
-    work = ConvertWork(to, options, outputs, raise_errors=debug)
+    work = ConvertWork(settings, outputs, raise_errors=debug)
     done = fleet.run(
         convert_one,
         refs,
@@ -337,6 +336,8 @@ class ByteProgress:
 
         def advance(n: int) -> None:
             nonlocal done
+            if done >= total:
+                return  # finished: its task is gone
             done += n
             self.bar.update(task, completed=done)
             if done >= total:

@@ -10,8 +10,8 @@ record order.
 
 Memory stays bounded whatever the checkpoint's size: a piece is read from the source's map a chunk at a time
 and written as it is made, so each thread holds one chunk's buffers, and ``ordered`` keeps only a few pieces in
-flight. The dequantizer runs its tasks on the same ``ordered``, bounding the bytes its
-results hold.
+flight. A computed record's tasks (a dequantized weight's pieces, ``conversion.write.make_records``) run on the
+same ``ordered``, bounding the bytes their results hold.
 """
 
 from __future__ import annotations

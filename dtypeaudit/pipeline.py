@@ -24,6 +24,7 @@ from .inventory import CheckpointReport, Finding, Inventory, Report, Severity
 from .redact import redact
 
 if TYPE_CHECKING:
+    from .options import ScanSettings
     from .policy import Policy
 
 
@@ -271,6 +272,7 @@ def _audit_one(target: str | TargetRef, work: Work) -> CheckpointReport:
 def scan(
     targets: Sequence[str | TargetRef],
     *,
+    settings: ScanSettings | None = None,
     checks: Sequence[Check] = (),
     model: str | None = None,
     fail_on: Severity | None = None,
@@ -294,7 +296,12 @@ def scan(
     ``exclude``: globs of files that walks and directory safety scans leave out; what a walk leaves out is
     listed in a ``left-out`` note on the first checkpoint. ``fail_on``: the severity at or above which the report
     fails; None takes ``policy``'s own ``fail_on``, else ``error`` (``options.fail_on_for``, as the command line).
+    ``settings`` (``options.effective``, as the command line resolves them) gives the policy, ``fail_on`` and
+    ``strict`` instead, and its checks (the policy's and the target's) come before ``checks``.
     """
+    if settings is not None:
+        checks = (*settings.checks(), *checks)
+        policy, fail_on, strict = settings.policy, settings.fail_on, settings.strict
     left_out: list[tuple[str, str]] = []
     found = expand_targets(targets, exclude=exclude, left_out=left_out)
     model_inv = model_inventory(model)

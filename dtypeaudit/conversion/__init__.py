@@ -14,14 +14,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .. import dtypes
+from .. import torchcast
 from ..errors import DtypeAuditError, UsageError
 from ..formats import Format, read_checkpoint
 from ..formats.locate import TargetRef, as_target, parse_target
 from ..inventory import Inventory, format_of
+from ..options import ConvertSettings, convert_settings
 from ..pieces import Workers
 from ..pipeline import model_inventory, prepare
-from ..policy import Policy
 from ..torchcast import load_torch, one_thread
 from ..values import measures_errors
 from .atomic import atomic_output, check_destination, default_output, flushing
@@ -42,7 +42,6 @@ from .value_policy import (
 from .verify import Written, verify_written
 from .write import (
     casts_need_torch,
-    parse_size,
     require_torch,
     strip_keys,
     strip_notes,
@@ -64,29 +63,19 @@ def output_format(source_format: str, dest: Path, source: Path) -> Format:
 
 def convert(
     source: str | Path | TargetRef,
-    to: str,
+    to: str | None = None,
     *,
+    settings: ConvertSettings | None = None,
     output: str | Path | None = None,
-    policy: Policy | None = None,
-    keep: tuple[str, ...] = (),
-    include_optimizer: bool = False,
-    strip_optimizer: bool = False,
-    clamp: bool = False,
-    keep_unsafe: bool = False,
-    dry_run: bool = False,
-    read_values: bool = True,
-    force: bool = False,
-    in_place: bool = False,
     progress_factory: Callable[[str, int], Progress] | None = None,
-    max_shard_size: str | None = None,
-    model: str | None = None,
-    materialize_ties: bool = False,
-    keep_quantized: bool = False,
-    strict: bool | None = None,
     planned: Plan | None = None,
-    exclude: tuple[str, ...] = (),
+    **options: Any,
 ) -> Result:
     """Plan, check the planned output, check values, write atomically and verify.
+
+    ``settings`` (``options.convert_settings``, as the command line makes them), or ``to`` and that function's
+    keyword arguments (``policy``, ``keep``, ``clamp``, ``dry_run`` ...), resolved and checked here before the
+    source is opened.
 
     A checkpoint ``scan`` flags as an error is refused before anything is written (see ``Result.refused``);
     so is a plan whose output would fail the policy or a built-in check (``Result.failed``: ``scan`` of
@@ -98,113 +87,76 @@ def convert(
     plain ``load_file`` gives every key back (by default it is written once, the tie kept as a metadata alias).
     ``read_values=False`` makes a dry run metadata-only: the plan, its sizes and refusals from the headers alone,
     at the speed of a scan (the CLI's ``--dry-run``; ``--dry-run --check-values`` reads them). A conversion
-    that writes always reads them. ``strict`` (``--strict``) is decided here once, when the caller has not: the
-    policy's ``strict:``; every path checks its planned output with it. ``planned``: the part of a plan made of a
+    that writes always reads them. ``planned``: the part of a plan made of a
     whole that this one file belongs to (a remote folder's weight file, see remote.py), its tensors relabelled
     as this file's; used as it is, not made again (the whole's output was checked when it was made).
     ``exclude``: globs of a folder's files to leave out, as ``scan --exclude``: not read, and not written to the output.
     """
-    strict = bool(policy and policy.strict) if strict is None else strict
+    if settings is None:
+        if to is None:
+            raise TypeError("convert() needs the target dtype (to=) or settings=")
+        settings = convert_settings(to, output=output, **options)
+    elif to is not None or options:
+        raise TypeError("convert() takes settings= or to= with its options, not both")
+    s = settings
     # Parsed once: a URL or a local path (convert takes no factory or bare hub id: there ``org/name`` is a path).
     named = as_target(source, models=False)
     if named.is_remote:
         from .remote_sources import convert_remote
 
-        if exclude:
+        if s.exclude:
             raise UsageError("--exclude applies to a local folder; download the folder, then convert it")
-
-        return convert_remote(
-            named,
-            to,
-            convert,
-            output=output,
-            policy=policy,
-            force=force,
-            dry_run=dry_run,
-            in_place=in_place,
-            max_shard_size=max_shard_size,
-            model=model,
-            strict=strict,
-            options={
-                "keep": keep,
-                "include_optimizer": include_optimizer,
-                "strip_optimizer": strip_optimizer,
-                "clamp": clamp,
-                "keep_unsafe": keep_unsafe,
-                "read_values": read_values,
-                "progress_factory": progress_factory,
-                "materialize_ties": materialize_ties,
-                "keep_quantized": keep_quantized,
-            },
-        )
+        return convert_remote(named, s, convert, output=output, progress_factory=progress_factory)
     if isinstance(output, str) and parse_target(output, models=False).is_remote:
         from ..redact import redact
 
         raise UsageError(f"{redact(output)}: a remote output needs a remote source; write it locally and upload it")
     src_path = named.where if isinstance(named.where, Path) else Path(named.text)
-    if exclude and in_place:  # the folder that replaces the source holds no excluded file: they would be gone
-        raise UsageError("--exclude with --in-place would delete the files it leaves out; write the output elsewhere with -o")
-    inv = read_checkpoint(named, exclude=exclude)
-    if include_optimizer and strip_optimizer:
-        raise UsageError("--include-optimizer and --strip-optimizer contradict each other")
+    if s.max_shard_size and not src_path.is_dir():  # known before the source is opened
+        raise UsageError("--max-shard-size applies to Hugging Face directories")
+    inv = read_checkpoint(named, exclude=s.exclude)
     refused = refusals(inv)
     if refused:
-        return Result(Plan(inv, dtypes.conversion_target(to), []), None, [], dry_run=dry_run, refused=refused)
+        return Result(Plan(inv, s.to, []), None, [], dry_run=s.dry_run, refused=refused)
     from ..quant.group import view as quant_view
 
     quant = quant_view(inv)
     # No writer of ours writes GGUF: an all-float one goes the dequantizing way too, tensor by tensor to safetensors.
-    if (quant or ((fmt := format_of(inv.format)) is not None and fmt.dequantizes)) and not keep_quantized:
+    if (quant or ((fmt := format_of(inv.format)) is not None and fmt.dequantizes)) and not s.keep_quantized:
         from .dequantize import convert_quantized
 
-        if keep or include_optimizer or strip_optimizer or keep_unsafe or max_shard_size or model:
+        if s.keep or s.include_optimizer or s.strip_optimizer or s.keep_unsafe or s.max_shard_size or s.model:
             raise UsageError(
                 "dequantizing takes no --keep, --include-optimizer, --strip-optimizer, --keep-unsafe, "
                 "--max-shard-size or --model; convert the dequantized output again for those"
             )
-        return convert_quantized(
-            src_path,
-            inv,
-            quant,
-            to,
-            output=output,
-            policy=policy,
-            strict=strict,
-            clamp=clamp,
-            dry_run=dry_run,
-            read_values=read_values,
-            force=force,
-            in_place=in_place,
-            progress_factory=progress_factory,
-        )
+        return convert_quantized(src_path, inv, quant, s, output=output, progress_factory=progress_factory)
     parts_of = inv  # the reader's own inventory, whose layout (and a directory's parts) conversion reads from
-    inv = prepare(inv, model_inventory(model))  # the module types the policy sees, as scan sees them
+    inv = prepare(inv, model_inventory(s.model))  # the module types the policy sees, as scan sees them
     with ExitStack() as stack:
         sources = open_sources(src_path, parts_of, stack)
         # the optimizer's entries --strip-optimizer removes are known once the sources are open: planned once, with them
-        stripped = {label: keys for label, src in sources.items() if (keys := strip_keys(src))} if strip_optimizer else {}
-        options: dict[str, Any] = {
-            "policy": policy,
-            "keep": keep,
-            "include_optimizer": include_optimizer,
-            "strip_optimizer": strip_optimizer,
-            "clamp": clamp,
+        stripped = {label: keys for label, src in sources.items() if (keys := strip_keys(src))} if s.strip_optimizer else {}
+        plan_options: dict[str, Any] = {
+            "policy": s.policy,
+            "keep": s.keep,
+            "include_optimizer": s.include_optimizer,
+            "strip_optimizer": s.strip_optimizer,
+            "clamp": s.clamp,
             "quantized": quant.consumed,
             "stripped": stripped,
         }
         if planned is not None and not stripped:
             plan = replace(planned, source=inv)
         else:  # a folder's weight file that holds optimizer state to strip: what is dropped is known only here
-            plan = make_plan(inv, to, **options)
-        dest = src_path if in_place else Path(output) if output else default_output(src_path, plan.target)
+            plan = make_plan(inv, s.to, **plan_options)
+        dest = src_path if s.in_place else Path(output) if output else default_output(src_path, plan.target)
         out_format = output_format(inv.format, dest, src_path)
-        if out_format == Format.SAFETENSORS and not output and not in_place:
+        if out_format == Format.SAFETENSORS and not output and not s.in_place:
             dest = default_output(src_path, plan.target, Format.SAFETENSORS)
-        if max_shard_size and out_format != Format.HF_DIRECTORY:
-            raise UsageError("--max-shard-size applies to Hugging Face directories")
-        if materialize_ties and out_format != Format.SAFETENSORS:
+        if s.materialize_ties and out_format != Format.SAFETENSORS:
             raise UsageError("--materialize-ties applies to a .safetensors output (a torch.save output keeps ties as ties)")
-        if strip_optimizer:
+        if s.strip_optimizer:
             notes = strip_notes(stripped, sources)
             if out_format != Format.TORCH_ZIP:
                 notes.append("safetensors output holds no optimizer state anyway")
@@ -212,15 +164,15 @@ def convert(
         if out_format == Format.HF_DIRECTORY:  # the training state carried unchanged, what --exclude left out
             plan = replace(plan, notes=[*plan.notes, *folder_notes(parts_of, src_path, set(sources))])
         # The planned output must pass what scan would check, before a byte is read.
-        plan = with_findings(plan, policy, strict=strict) if planned is None or stripped else plan
-        if plan.failing(policy):
-            return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
-        if dry_run and not read_values:  # metadata only: no value is read, torch is not even imported
+        plan = with_findings(plan, s.policy, strict=s.strict) if planned is None or stripped else plan
+        if plan.failing(s.policy):
+            return Result(plan, None, [], dry_run=s.dry_run, failed=tuple(plan.failing(s.policy)))
+        if s.dry_run and not s.read_values:  # metadata only: no value is read, torch is not even imported
             return Result(plan, None, [], dry_run=True, values_read=False)
         check_progress = (lambda total: progress_factory("checking values", total)) if progress_factory else None
         casts = units_to_cast(plan, sources).values()
         needed = torch_needed_for(plan, sources)
-        if needed is not None and not dry_run:
+        if needed is not None and not s.dry_run:
             require_torch(needed)  # the light install converts what numpy casts; this, before anything is read
         plan = replace(plan, casts_with_torch=needed is not None)
 
@@ -234,15 +186,15 @@ def convert(
                 dest,
                 out_format,
                 records,
-                force=force,
-                in_place=in_place,
+                force=s.force,
+                in_place=s.in_place,
                 progress_factory=progress_factory,
-                max_shard_size=max_shard_size,
-                materialize_ties=materialize_ties,
+                max_shard_size=s.max_shard_size,
+                materialize_ties=s.materialize_ties,
                 workers=workers,
             )
 
-        if not dry_run and not plan.casts_with_torch:
+        if not s.dry_run and not plan.casts_with_torch:
             # numpy makes every byte: the output is written (and verified) while the value checks run in
             # their child, on the other core, and renamed into place only if they block nothing
             plan, kept = _written_while_checking(plan, sources, check_progress, written)
@@ -252,20 +204,20 @@ def convert(
             # torch's import overlaps the checks when a cast will need it: before a write, and on a dry run
             # only for the casts whose errors numpy cannot measure from the bits (float64's)
             float64 = any(not measures_errors(dtype, target) for _, dtype, _, _, target in casts)
-            torch_next = bool(casts) and (float64 if dry_run else plan.casts_with_torch)
-            if torch_next and dry_run:
+            torch_next = bool(casts) and (float64 if s.dry_run else plan.casts_with_torch)
+            if torch_next and s.dry_run:
                 require_torch("only torch's cast measures the errors of a float64 cast")
             plan = replace(plan, values=check_values(plan, sources, check_progress, meanwhile=load_torch if torch_next else None))
-        plan, unsafe = apply_value_policy(plan, keep_unsafe=keep_unsafe)
-        if keep_unsafe:
-            plan = _hold_unsafe(plan, inv, to, options, sources)
-            plan = with_findings(replace(plan, casts_with_torch=casts_need_torch(plan, sources)), policy, strict=strict)
-            if plan.failing(policy):
-                return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
-        if dry_run and not unsafe:
+        plan, unsafe = apply_value_policy(plan, keep_unsafe=s.keep_unsafe)
+        if s.keep_unsafe:
+            plan = _hold_unsafe(plan, inv, s.to, plan_options, sources)
+            plan = with_findings(replace(plan, casts_with_torch=casts_need_torch(plan, sources)), s.policy, strict=s.strict)
+            if plan.failing(s.policy):
+                return Result(plan, None, [], dry_run=s.dry_run, failed=tuple(plan.failing(s.policy)))
+        if s.dry_run and not unsafe:
             measure_errors(plan, sources)
-        if dry_run or unsafe:
-            return Result(plan, None, unsafe, dry_run=dry_run)
+        if s.dry_run or unsafe:
+            return Result(plan, None, unsafe, dry_run=s.dry_run)
         if plan.casts_with_torch:
             stack.enter_context(one_thread())  # torch's casts and verification's recasts (see one_thread)
         with written(plan):
@@ -333,13 +285,14 @@ def _written_and_verified(
     force: bool,
     in_place: bool,
     progress_factory: Callable[[str, int], Progress] | None,
-    max_shard_size: str | None,
+    max_shard_size: int | None,
     materialize_ties: bool,
     workers: Workers | None = None,
 ) -> Iterator[None]:
     """Write ``plan``'s output to a temporary beside ``dest`` and verify it, each file's ``Written`` left in
     ``records`` (see ``Result.written``); on leaving, fsync and rename it into place."""
     check_destination(src_path, dest, force=force, in_place=in_place)
+    _torch_for_verification_meanwhile(plan)
     records.clear()  # a speculative write abandoned before this one left its files' records
     total = sum(p.tensor.nbytes for p in plan.tensors if p.action != "drop")
     progress = progress_factory("writing", total) if progress_factory else None
@@ -357,7 +310,7 @@ def _written_and_verified(
                     sources,
                     tmp,
                     progress=progress,
-                    max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
+                    max_shard_size=max_shard_size,
                     workers=workers,
                 )
             )
@@ -379,6 +332,17 @@ def _written_and_verified(
                 verify_written(tmp, record)
             records[dest.name] = record
             yield
+
+
+def _torch_for_verification_meanwhile(plan: Plan) -> None:
+    """Verification recasts its samples with torch where it is installed: torch's import (a second of CPU, mostly
+    the interpreter's, while the writer's numpy loops release it) starts now, beside the writing, instead of
+    after the last piece (benchmarks/CONVERT.md, round 7)."""
+    import importlib.util
+    import threading
+
+    if any(p.action == "cast" for p in plan.tensors) and importlib.util.find_spec("torch") is not None:
+        threading.Thread(target=torchcast.installed, name="dtypeaudit-torch-import", daemon=True).start()
 
 
 def _hold_unsafe(plan: Plan, inv: Inventory, to: str, options: dict[str, Any], sources: dict[str, MappedCheckpoint]) -> Plan:
@@ -410,10 +374,8 @@ def _hold_unsafe(plan: Plan, inv: Inventory, to: str, options: dict[str, Any], s
 class ConvertWork:
     """What every source of one ``convert SOURCE...`` goes through (``fleet.run`` sends it once to each worker)."""
 
-    to: str
-    """The target dtype, as ``--to`` gives it."""
-    options: Mapping[str, Any]
-    """Keyword arguments of ``convert`` shared by every source (policy, keep, clamp, dry_run ...)."""
+    settings: ConvertSettings
+    """What every source's conversion does (resolved once, by the caller)."""
     outputs: Mapping[str, str] = field(default_factory=dict)
     """Source (by its ``TargetRef.identity``, which survives the trip to a remote worker, where a relative path is
     sent whole) -> where its output goes (an absolute path), where ``-o`` names a directory or the one source's
@@ -438,7 +400,7 @@ def convert_one(source: TargetRef, work: ConvertWork) -> Converted:
     """Convert one source, parsed once (plan, check, write, verify): the unit of ``convert SOURCE...``, wherever
     ``fleet`` runs it."""
     try:
-        return Converted(source.text, convert(source, work.to, output=work.outputs.get(source.identity), **work.options))
+        return Converted(source.text, convert(source, settings=work.settings, output=work.outputs.get(source.identity)))
     except DtypeAuditError as exc:
         if work.raise_errors:
             raise

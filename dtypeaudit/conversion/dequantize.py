@@ -4,24 +4,27 @@ Shard by shard, a piece at a time: each output shard is the source shard with it
 (packed values, scales, zero points, group indices, quant states) replaced by the dequantized weights at
 their logical names, every other floating tensor cast to the target and the rest copied. config.json loses
 its ``quantization_config`` and names the target dtype, so that a plain ``from_pretrained`` loads the result
-as the model it was. The pieces compute on a few threads while the previous ones are written; memory stays
-bounded by ``PIPELINE_BYTES`` plus the largest single weight of a scheme dequantized whole (its storage, its
-float32 dequantization and its cast), never the shard. FP8 block weights and every tensor stored whole are
+as the model it was. Each shard is written by the one safetensors writer (``write.write_safetensors_records``):
+a dequantized weight is a computed record whose pieces compute on a few threads while the previous ones are
+written, every other tensor a cast's or a copy's record; memory stays bounded by ``write.COMPUTED_BYTES`` plus
+the largest single weight of a scheme dequantized whole (its storage, its float32 dequantization and its
+cast), never the shard. FP8 block weights and every tensor stored whole are
 read and cast with numpy (``quant.dequant.fp8_block_cast_np``, ``npcast``): converting an FP8 checkpoint never
 imports torch. Anything that cannot be dequantized exactly is refused before the output appears (the output
 is written to a temporary and renamed only when verified).
 
-The values get a cast's checks and verdict: each piece's values (dequantized, or read) are folded by
-``values.ValueCheck`` as it is made, and ``checks.apply_value_policy`` decides, as for a cast: NaN/Inf, overflow
-and underflow refuse the output (exit 1, nothing written), ``--clamp`` saturates overflow. ``--dry-run
---check-values`` makes every piece and writes none.
+The values get a cast's checks and verdict: a dequantized weight's values are folded by ``values.ValueCheck``
+as each piece is made, the other tensors' by the writer's own checks (``value_policy.ValueChecks``), and
+``value_policy.apply_value_policy`` decides, as for a cast: NaN/Inf, overflow and underflow refuse the output
+(exit 1, nothing written), ``--clamp`` saturates overflow. ``--dry-run --check-values`` makes every piece and
+writes none.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -37,11 +40,13 @@ from ..values import ValueStats
 if TYPE_CHECKING:
     import torch
 
-    from ..policy import Policy
+    from ..options import ConvertSettings
+    from ..pieces import Workers
     from .mapped import MappedCheckpoint, Progress
     from .plan import Plan
     from .result import Result
     from .verify import Written
+    from .write import Record
 
 DEQUANTIZE = "dequantize"
 """The plan action of a logical weight written dequantized (its storage tensors are dropped)."""
@@ -236,11 +241,6 @@ def _cast(x: torch.Tensor, target: str, name: str, clamp: bool) -> Computed:
     return Computed(tensor_bytes(x.to(getattr(torch, target))), stats)
 
 
-PIPELINE_BYTES = 64 << 20
-"""Results computed ahead of the writer, at most (plus one): a few FP8 pieces, or one whole weight of another scheme."""
-COPY_BYTES = 8 << 20
-"""Source bytes per piece of a tensor copied or cast."""
-
 Task = tuple[Callable[[], Any], int]
 """A piece of an output tensor: what computes its ``Computed``, and the bytes it holds."""
 
@@ -249,94 +249,97 @@ class _Blocked(Exception):
     """Thrown into an output whose values block it: the temporary is removed, and the Result says why."""
 
 
-def _write_shard(shard: _Shard, reading: Reading, out: Path | None, progress: Progress | None, found: dict[str, ValueStats]) -> Written:
-    """One safetensors file, its tensors' bytes computed a piece at a time on a few threads while this one writes
-    the pieces before them, across tensors (a weight's dequantization overlaps the previous one's write); returns
-    what it wrote (each tensor and its bytes' CRC-32) for verification, each tensor's value figures left in
-    ``found``. ``out`` None: the values are read and checked, nothing is written (``--dry-run --check-values``)."""
+@dataclass
+class _Folded:
+    """A dequantized weight's value figures, folded piece by piece as the writer writes them."""
+
+    stats: ValueStats | None = None
+    looked: bool = True
+
+    def add(self, piece: Computed) -> None:
+        self.looked = self.looked and piece.looked
+        if piece.stats is not None:
+            if self.stats is None:
+                self.stats = piece.stats
+            else:
+                self.stats.merge(piece.stats)
+
+    def shown(self) -> ValueStats | None:
+        """A figure not measured is not shown as if it were: such a weight's figures only when it has problems."""
+        return self.stats if self.stats is not None and (self.looked or self.stats.problems()) else None
+
+
+def _records(shard: _Shard, reading: Reading) -> tuple[list[Record], dict[str, _Folded], str | None]:
+    """The shard's records for the one writer (``write.make_records``): a dequantized weight's computed by its
+    scheme's tasks (FP8 block weights with numpy, others with torch), every other tensor cast or copied from its
+    span as a cast's records are (a view a torch.save file holds gathered by torch); each weight's figures, and
+    why torch is needed (None: numpy makes every byte)."""
+    from .mapped import contiguous_span
+    from .write import Record
+
+    records: list[Record] = []
+    folds: dict[str, _Folded] = {}
+    needs_torch: str | None = None
+    where = 0
+    for e in shard.entries:
+        if e.weight is not None:
+            tasks = _fp8_tasks(e.weight, e.shape, e.target, reading)
+            if tasks is None:
+                tasks = [(partial(_dequantized, e.weight, e.shape, e.target, reading), 8 * _numel(e.shape))]
+                needs_torch = needs_torch or f"dequantizing '{e.name}' ({e.weight.scheme.name})"
+            folded = folds[e.name] = _Folded()
+            records.append(Record(None, None, "float32", e.target, where, computed=tuple(tasks), fold=folded.add))
+        else:
+            t = e.tensor
+            assert t is not None
+            src = reading.file_of(t)
+            span = contiguous_span(src, t) if t.dtype in dtypes.DTYPES else src.storage(t.name)
+            if span is None:
+                needs_torch = needs_torch or f"'{e.name}' is a view torch gathers"
+            records.append(Record(src, span, t.dtype, e.target, where, t))
+        where += _numel(e.shape) * dtypes.get(e.target).itemsize
+    return records, folds, needs_torch
+
+
+def _write_shard(
+    shard: _Shard, reading: Reading, plan: Plan, out: Path | None, workers: Workers, progress: Progress | None, found: dict[str, ValueStats]
+) -> Written:
+    """One safetensors file through the one writer (``write.write_safetensors_records``); returns what it wrote
+    (each tensor and its bytes' CRC-32) for verification, each dequantized weight's figures left in ``found``
+    (the casts' and copies' fold into ``workers``' checks). ``out`` None: the values are made and checked,
+    nothing is written (``--dry-run --check-values``)."""
     import traceback
 
+    from ..torchcast import one_thread
+    from .verify import Written
+    from .write import require_torch, write_safetensors_records
+
+    records, folds, needs_torch = _records(shard, reading)
+    tensors = [(e.name, e.target, e.shape) for e in shard.entries]
     try:
-        return _write_pieces(shard, reading, out, progress, found)
+        with ExitStack() as stack:
+            if needs_torch is not None:
+                require_torch(needs_torch)
+                # each task's torch ops on one thread: under load, torch's intra-op threads on a small piece spin
+                # far more than they compute
+                stack.enter_context(one_thread())
+            crcs = write_safetensors_records(out, tensors, {"format": "pt"}, records, plan, workers, progress)
     except BaseException as exc:
         # The frames it leaves behind hold numpy views of the source mappings, which then could not close
         # (BufferError) and would hide this error: drop their locals.
         traceback.clear_frames(exc.__traceback__)
         raise
-
-
-def _write_pieces(shard: _Shard, reading: Reading, out: Path | None, progress: Progress | None, found: dict[str, ValueStats]) -> Written:
-    from ..crc import crc32
-    from ..pieces import Writeback, ordered
-    from ..pieces import thread_count as workers
-    from .verify import Written
-    from .write import safetensors_header
-
-    written = Written(tensors={e.name: (e.target, e.shape) for e in shard.entries})
-    crcs = written.crcs
-    plans = [_pieces(e, reading) for e in shard.entries]
-
-    def tasks() -> Iterator[Task]:
-        for e, (pieces, _) in zip(shard.entries, plans, strict=True):
-            yield from pieces
-            yield partial(_itself, e), 0  # the entry itself, once all of its pieces are written
-
-    with ExitStack() as stack:
-        if any(uses_torch for _, uses_torch in plans):
-            from ..torchcast import one_thread
-            from .write import require_torch
-
-            e = next(e for e, (_, uses_torch) in zip(shard.entries, plans, strict=True) if uses_torch)
-            require_torch(
-                f"dequantizing '{e.name}' ({e.weight.scheme.name})" if e.weight is not None else f"'{e.name}' is a view torch gathers"
-            )
-
-            # each task's torch ops on one thread: under load, torch's intra-op threads on a small piece spin
-            # far more than they compute
-            stack.enter_context(one_thread())
-        fh = stack.enter_context(out.open("wb")) if out is not None else None
-        writeback = stack.enter_context(Writeback()) if out is not None else None
-        if fh is not None:
-            fh.write(safetensors_header([(e.name, e.target, e.shape) for e in shard.entries], {"format": "pt"}))
-        crc, landed = 0, fh.tell() if fh is not None else 0  # what the writeback has been told of
-        stats: ValueStats | None = None
-        looked = True
-        for piece in ordered(tasks(), workers(), budget=PIPELINE_BYTES):
-            if isinstance(piece, _Entry):
-                crcs[piece.name] = crc
-                crc = 0
-                # a figure not measured is not shown as if it were: such a tensor's figures only when it has problems
-                if stats is not None and (looked or stats.problems()):
-                    found[piece.name] = stats
-                stats, looked = None, True
-                _release(reading, piece)
-                if fh is not None and writeback is not None:
-                    fh.flush()
-                    writeback.landed(str(out), fh.tell() - landed)
-                    landed = fh.tell()
-                continue
-            looked = looked and piece.looked
-            if piece.stats is not None:
-                if stats is None:
-                    stats = piece.stats
-                else:
-                    stats.merge(piece.stats)
-            n = memoryview(piece.data).nbytes
-            if n and fh is not None:
-                fh.write(piece.data)
-                crc = crc32(piece.data, crc)
-            if progress:
-                progress(n)
-    return written
-
-
-def _itself(e: _Entry) -> _Entry:
-    return e
+    for e in shard.entries:
+        _release(reading, e)
+    found.update((name, stats) for name, f in folds.items() if (stats := f.shown()) is not None)
+    return Written(
+        tensors={name: (dtype, shape) for name, dtype, shape in tensors}, crcs=dict(zip([n for n, _, _ in tensors], crcs, strict=True))
+    )
 
 
 def _release(reading: Reading, e: _Entry) -> None:
     """Unmap the source pages an entry read (they stay in the page cache): a read-only mapping's pages would
-    otherwise count in the process's RSS until the whole shard is done."""
+    otherwise count in the process's RSS until the whole checkpoint is done (each shard's, once it is written)."""
     import mmap
 
     names = list(e.weight.storage.values()) if e.weight is not None else [e.name]
@@ -352,26 +355,6 @@ def _release(reading: Reading, e: _Entry) -> None:
             src.mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
-def _pieces(e: _Entry, reading: Reading) -> tuple[Iterator[Task], bool]:
-    """An output tensor's bytes as tasks in order, and whether any of them needs torch: FP8 block weights and
-    tensors stored whole (safetensors, GGUF) are read and cast with numpy; other schemes, and views a
-    torch.save file holds, with torch."""
-    if e.weight is not None:
-        fp8 = _fp8_tasks(e.weight, e.shape, e.target, reading)
-        if fp8 is not None:
-            return iter(fp8), False
-        return iter([(partial(_dequantized, e.weight, e.shape, e.target, reading), 8 * _numel(e.shape))]), True
-    from .mapped import contiguous_span
-
-    t = e.tensor
-    assert t is not None
-    src = reading.file_of(t)
-    span = contiguous_span(src, t) if t.dtype in dtypes.DTYPES else None
-    if span is None:
-        return iter([(partial(_gathered, src, t, e.target, reading.clamp), t.numel * dtypes.get(e.target).itemsize)]), True
-    return _cast_pieces(src, span, t, e.target, reading.clamp), False
-
-
 def _dequantized(w: qm.LogicalWeight, shape: tuple[int, ...], target: str, reading: Reading) -> Computed:
     """A whole weight dequantized by its scheme's dequantizer and cast to ``target``, as bytes."""
     from ..quant import dequant
@@ -382,53 +365,6 @@ def _dequantized(w: qm.LogicalWeight, shape: tuple[int, ...], target: str, readi
             raise ConversionError(f"'{w.name}' dequantizes to {list(value.shape)}, not {list(shape)}; refused")
         value = value.reshape(shape)
     return _cast(value, target, w.name, reading.clamp)
-
-
-def _gathered(src: MappedCheckpoint, t: TensorRecord, target: str, clamp: bool) -> Computed:
-    """A tensor that is a view into its storage (torch.save), gathered and cast by torch, as bytes."""
-    from .mapped import materialize
-
-    return _cast(materialize(src, t), target, t.name, clamp)
-
-
-def _cast_pieces(src: MappedCheckpoint, span: Span, t: TensorRecord, target: str, clamp: bool) -> Iterator[Task]:
-    """A contiguous tensor copied (same dtype: quantized storage kept, integers, tensors already in the target) or
-    cast by :mod:`dtypeaudit.npcast` (bit-equal to torch's cast but for NaN payloads), a piece at a time; a
-    floating one's values checked as a cast's (a copy: NaN/Inf only, as for a tensor a cast leaves)."""
-    dtype = t.dtype
-    floating = dtype in dtypes.CASTABLE and t.layout == "strided"
-    itemsize = dtypes.get(dtype).itemsize if dtype in dtypes.DTYPES else 1
-    step = COPY_BYTES // itemsize
-    numel = span.length // itemsize
-    for first in range(0, numel, step):
-        count = min(step, numel - first)
-        offset = span.offset + first * itemsize
-        if dtype == target:
-            yield partial(_copy_piece, src, offset, count, itemsize, t.name, dtype if floating else None), 0
-        else:
-            yield partial(_cast_piece, src, offset, count, dtype, target, t.name, clamp), count * dtypes.get(target).itemsize
-
-
-def _copy_piece(src: MappedCheckpoint, offset: int, count: int, itemsize: int, name: str, floating: str | None) -> Computed:
-    from ..values import count_nonfinite
-
-    stats = None
-    if floating is not None:
-        stats = ValueStats(name, floating, floating, numel=count, nonfinite=count_nonfinite(src.mm, floating, offset, count))
-    return Computed(src.bytes_at(offset, count * itemsize), stats)
-
-
-def _cast_piece(src: MappedCheckpoint, offset: int, count: int, dtype: str, target: str, name: str, clamp: bool) -> Computed:
-    import numpy as np
-
-    from ..values import float32_chunks
-
-    stats = ValueStats(name, dtype, target)
-    check = _value_check()
-    for x, original in float32_chunks(src.mm, dtype, offset, count):
-        check.fold(stats, x, original, clamp=clamp)
-    x = np.frombuffer(src.mm, dtype=npcast.storage_dtype(dtype), count=count, offset=offset)
-    return Computed(npcast.cast(x, dtype, target, clamp=clamp).view(np.uint8), stats)
 
 
 def _array(src: MappedCheckpoint, t: TensorRecord) -> Any:
@@ -509,73 +445,65 @@ def _write_directory(
     inv: Inventory,
     src_dir: Path,
     reading: Reading,
+    plan: Plan,
     tmp: Path | None,
-    target: str,
+    workers: Workers,
     progress: Progress | None,
     found: dict[str, ValueStats],
 ) -> dict[str, Written]:
-    """The dequantized shards (each verified against one read of it) and the files beside them; returns each
-    shard's name in ``tmp`` -> what it holds. ``tmp`` None: the values are checked, nothing is written."""
-    from .modeldir import config_with_dtype, copy_beside_weights, file_mode, output_index, write_index
+    """The dequantized shards (each verified against one read of it); returns each shard's name in ``tmp`` ->
+    what it holds. ``tmp`` None: the values are checked, nothing is written. The files beside them are
+    ``_beside``'s."""
+    from .modeldir import file_mode
     from .verify import verify_written
 
-    weight_map: dict[str, str] = {}
-    total = 0
     written: dict[str, Written] = {}
     for shard in shards:
         if not shard.entries:
             continue  # a shard that held only storage of weights written elsewhere (scales of another shard's weights)
         out = tmp / shard.label if tmp is not None else None
-        written[shard.label] = _write_shard(shard, reading, out, progress, found)
+        written[shard.label] = _write_shard(shard, reading, plan, out, workers, progress, found)
         if out is not None:
             verify_written(out, written[shard.label])
             os.chmod(out, file_mode(reading.files[shard.label].path))
-        for e in shard.entries:
-            weight_map[e.name] = shard.label
-            total += _numel(e.shape) * dtypes.get(e.target).itemsize
-    if tmp is None or _blocking(found, reading.clamp):
-        return written
-    index = output_index(inv)  # its weight map renamed: storage names become the logical weights'
-    skip = {*reading.files, *([index] if index else [])}
-    copy_beside_weights(src_dir, tmp, source=inv, skip=skip, edit_config=lambda config: config_with_dtype(config, target, dequantized=True))
-    write_index(src_dir, tmp, index, total, weight_map)
     return written
 
 
-def _blocking(found: dict[str, ValueStats], clamp: bool) -> bool:
-    from .value_policy import blocking_values
+def _beside(shards: list[_Shard], inv: Inventory, src_dir: Path, reading: Reading, tmp: Path, target: str) -> None:
+    """config.json (its quantization_config gone, the target dtype named), the index (its weight map renamed:
+    storage names become the logical weights') and every other file of the folder."""
+    from .modeldir import config_with_dtype, copy_beside_weights, output_index, write_index
 
-    return bool(blocking_values(found, clamp=clamp))
+    weight_map = {e.name: shard.label for shard in shards for e in shard.entries}
+    total = sum(_numel(e.shape) * dtypes.get(e.target).itemsize for shard in shards for e in shard.entries)
+    index = output_index(inv)
+    skip = {*reading.files, *([index] if index else [])}
+    copy_beside_weights(src_dir, tmp, source=inv, skip=skip, edit_config=lambda config: config_with_dtype(config, target, dequantized=True))
+    write_index(src_dir, tmp, index, total, weight_map)
 
 
 def convert_quantized(
     src_path: Path,
     inv: Inventory,
     view: qm.QuantView,
-    to: str,
+    settings: ConvertSettings,
     *,
     output: str | Path | None,
-    policy: Policy | None,
-    strict: bool,
-    clamp: bool,
-    dry_run: bool,
-    read_values: bool,
-    force: bool,
-    in_place: bool,
     progress_factory: Callable[[str, int], Progress] | None,
 ) -> Result:
-    """Dequantize ``inv`` (a quantized directory, safetensors file or GGUF file) to ``to``: planned once, its
-    output checked as a cast's (``plan.with_findings``, ``strict`` as the caller decided), its values too, with
-    the same verdict (``checks.apply_value_policy``: unsafe values refuse the write, ``--clamp`` saturates)."""
+    """Dequantize ``inv`` (a quantized directory, safetensors file or GGUF file) to ``settings.to``: planned once,
+    its output checked as a cast's (``plan.with_findings``, ``strict`` as the settings decided), its values too,
+    with the same verdict (``apply_value_policy``: unsafe values refuse the write, ``--clamp`` saturates), written
+    by the one writer."""
     from .atomic import atomic_output, check_destination, default_output
     from .mapped import open_sources
     from .plan import unit_of, with_findings
     from .result import Result
-    from .value_policy import apply_value_policy
+    from .value_policy import ValueChecks, apply_value_policy, blocking_values, workers_for
     from .verify import verify_written
 
-    target = dtypes.conversion_target(to)
-    if in_place:
+    s = settings
+    if s.in_place:
         raise UsageError("--in-place cannot dequantize: the output replaces the quantized files with larger ones; give -o")
     supported(view)
     with ExitStack() as stack:
@@ -583,56 +511,65 @@ def convert_quantized(
         if inv.format == Format.GGUF:
             for src in sources.values():
                 src.spans = {t.name: _span(t) for t in inv.tensors}
-        reading = Reading(sources, inv.by_name(), clamp)
+        reading = Reading(sources, inv.by_name(), s.clamp)
         is_dir = src_path.is_dir()
-        plan, shards = make_dequant_plan(inv, view, target, reading, is_dir=is_dir)
-        plan = with_findings(plan, policy, strict=strict)
-        if plan.failing(policy):
-            return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
-        if dry_run and not read_values:
+        plan, shards = make_dequant_plan(inv, view, s.to, reading, is_dir=is_dir)
+        plan = with_findings(plan, s.policy, strict=s.strict)
+        if plan.failing(s.policy):
+            return Result(plan, None, [], dry_run=s.dry_run, failed=tuple(plan.failing(s.policy)))
+        if s.dry_run and not s.read_values:
             return Result(plan, None, [], dry_run=True, values_read=False)
-        found: dict[str, ValueStats] = {}
-        written: dict[str, Written] = {}
-        if dry_run:  # every value read and checked as the real run would, nothing written
+        if not s.dry_run:
             if is_dir:
-                _write_directory(shards, inv, src_path, reading, None, target, None, found)
+                dest = Path(output) if output else default_output(src_path, s.to)
             else:
-                for shard in shards:
-                    _write_shard(shard, reading, None, None, found)
-        else:
-            if is_dir:
-                dest = Path(output) if output else default_output(src_path, target)
-            else:
-                dest = Path(output) if output else default_output(src_path, target, "safetensors")
+                dest = Path(output) if output else default_output(src_path, s.to, "safetensors")
                 if dest.suffix != ".safetensors":
                     raise UsageError("a dequantized file is written as safetensors; give -o NAME.safetensors")
-            check_destination(src_path, dest, force=force, in_place=False)
-            progress = progress_factory("writing", plan.bytes_after) if progress_factory else None
-            try:
+            check_destination(src_path, dest, force=s.force, in_place=False)
+        checks = ValueChecks(plan, sources)  # the casts' and copies' figures, as a cast's (value_policy.py)
+        found: dict[str, ValueStats] = {}
+        units = {p.tensor.name: unit_of(p.tensor) for p in plan.tensors if p.action == DEQUANTIZE}
+
+        def values() -> dict[str, ValueStats]:
+            # a dequantized weight's figures as a cast's: where it was cast, and where it holds NaN/Inf
+            made = {units[name]: st for name, st in found.items() if st.source != st.target or st.nonfinite}
+            return {**checks.outcome(), **made}
+
+        def write(tmp: Path | None, progress: Progress | None) -> dict[str, Written]:
+            with workers_for(plan, sources, checks) as workers:
                 if is_dir:
-                    with atomic_output(dest, mode_from=src_path, is_dir=True) as tmp:
-                        written = _write_directory(shards, inv, src_path, reading, tmp, target, progress, found)
-                        if _blocking(found, clamp):
-                            raise _Blocked
+                    written = _write_directory(shards, inv, src_path, reading, plan, tmp, workers, progress, found)
                 else:
                     (shard,) = shards if shards else (_Shard(""),)
-                    with atomic_output(dest, mode_from=src_path) as tmp:
-                        written = {dest.name: _write_shard(shard, reading, tmp, progress, found)}
-                        if _blocking(found, clamp):
-                            raise _Blocked
+                    written = {dest.name if tmp else "": _write_shard(shard, reading, plan, tmp, workers, progress, found)}
+                workers.run(checks.remaining())  # a record torch gathered or cast: checked apart, as for a cast
+            return written
+
+        written: dict[str, Written] = {}
+        if s.dry_run:  # every value read and checked as the real run would, nothing written
+            write(None, None)
+        else:
+            # as the writer counts: a dequantized weight by the bytes it makes, every other record by those it reads
+            total = sum(p.out_nbytes if p.action == DEQUANTIZE else p.tensor.nbytes for p in plan.tensors if p.action != "drop")
+            progress = progress_factory("writing", total) if progress_factory else None
+            try:
+                with atomic_output(dest, mode_from=src_path, is_dir=is_dir) as tmp:
+                    written = write(tmp, progress)
+                    if blocking_values(values(), clamp=s.clamp):
+                        raise _Blocked
+                    if is_dir:
+                        _beside(shards, inv, src_path, reading, tmp, s.to)
+                    else:
                         verify_written(tmp, written[dest.name])
             except _Blocked:
                 written = {}
-        units = {p.tensor.name: unit_of(p.tensor) for p in plan.tensors if p.action != "drop"}
-        # as a cast's (checks.ValueChecks.outcome): every cast's figures, and a copy's only where it holds NaN/Inf
-        values = {units[name]: s for name, s in found.items() if s.source != s.target or s.nonfinite}
-        plan, unsafe = apply_value_policy(replace(plan, values=values), keep_unsafe=False)
-        if dry_run or unsafe:
-            return Result(plan, None, unsafe, dry_run=dry_run)
+        plan, unsafe = apply_value_policy(replace(plan, values=values()), keep_unsafe=False)
+        if s.dry_run or unsafe:
+            return Result(plan, None, unsafe, dry_run=s.dry_run)
     return Result(plan, dest, [], written=written)
 
 
 def _span(t: TensorRecord) -> Any:
-    from ..inventory import Span
 
     return Span(t.offset, t.nbytes)

@@ -22,18 +22,18 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .. import dtypes
 from ..errors import ConversionError, UsageError
 from ..formats import Format, read_checkpoint
 from ..formats import directory as hfdir
 from ..formats.locate import TargetRef, parse_target
 from ..formats.remote import RemotePath, filesystem, remote_call, remote_fs
 from ..inventory import Inventory
+from ..options import ConvertSettings
 from ..pipeline import model_inventory, prepare
-from ..policy import Policy
 from ..redact import redact
 from .atomic import atomic_output
 from .modeldir import config_with_dtype, index_with_sizes, output_index, read_json, write_json
@@ -42,7 +42,7 @@ from .result import Result, refusals
 from .verify import Written
 
 Local = Callable[..., Any]
-"""The local ``convert`` (passed in, so that this module does not import its package)."""
+"""The local ``convert`` (passed in, so that this module does not import its package), or it with the settings."""
 
 
 def _shape_map(inv: Inventory, file: str | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -142,26 +142,20 @@ def _shown_plan(result: Result, shown: str) -> Result:
 
 def convert_remote(
     source: TargetRef,
-    to: str,
+    settings: ConvertSettings,
     local_convert: Local,
     *,
     output: str | Path | None,
-    policy: Policy | None,
-    force: bool,
-    dry_run: bool,
-    in_place: bool,
-    max_shard_size: str | None,
-    model: str | None,
-    strict: bool,
-    options: dict[str, Any],
+    progress_factory: Callable[[str, int], Any] | None,
 ) -> Result:
     """``convert`` for a URL source (see the module's docstring); the Result names the source and output as given."""
+    s = settings
     shown = redact(source.text)
-    if in_place:
+    if s.in_place:
         raise UsageError(f"{shown}: --in-place cannot replace a remote checkpoint; give -o")
-    if output is None and not dry_run:
+    if output is None and not s.dry_run:
         raise UsageError(f"{shown}: a remote checkpoint needs -o (a local path or a URL) for the converted output")
-    if max_shard_size:
+    if s.max_shard_size:
         raise UsageError("--max-shard-size re-shards local directories only")
     # Located once (a hub id: the cache, else the hub), then read where it lies: headers only, so that what is
     # refused is refused before a byte is downloaded.
@@ -170,31 +164,31 @@ def convert_remote(
     inv = read_checkpoint(TargetRef(source.text, source.kind, root, origin))
     refused = refusals(inv)
     if refused:
-        return Result(Plan(inv, dtypes.conversion_target(to), []), None, [], dry_run=dry_run, refused=refused)
+        return Result(Plan(inv, s.to, []), None, [], dry_run=s.dry_run, refused=refused)
+    local = partial(local_convert, settings=s, progress_factory=progress_factory)
     if isinstance(root, Path):  # a hub id found in the local cache: a local conversion
-        return local_convert(root, to, output=output, policy=policy, force=force, dry_run=dry_run, model=model, strict=strict, **options)
+        return local(root, output=output)
     dest = _Dest(output) if output is not None else None
-    if dest is not None and not dry_run:
-        dest.check(force)
+    if dest is not None and not s.dry_run:
+        dest.check(s.force)
     if inv.format == Format.HF_DIRECTORY:
         from ..quant.group import view as quant_view
 
-        if quant_view(inv) and not options.get("keep_quantized"):
+        if quant_view(inv) and not s.keep_quantized:
             # a weight's storage may lie in several files (its scales in another shard): dequantized as one folder
-            return _whole(root, to, local_convert, dest, shown, dry_run, policy=policy, model=model, strict=strict, **options)
-        return _directory(root, inv, to, local_convert, dest, policy=policy, dry_run=dry_run, model=model, strict=strict, options=options)
+            return _whole(root, local, dest, shown, s.dry_run)
+        return _directory(root, inv, s, local, dest)
     with tempfile.TemporaryDirectory(prefix="dtypeaudit-remote-") as td:
         local_src = Path(td) / "in" / (root.name or "checkpoint")
         _download(root, local_src)
-        kw: dict[str, Any] = {"policy": policy, "dry_run": dry_run, "model": model, "strict": strict, **options}
         if dest is None or not dest.remote:
-            out = local_convert(local_src, to, output=dest.local if dest else None, force=force, **kw)
+            out = local(local_src, output=dest.local if dest else None)
             if out.output is not None:
                 out.output = dest.shown if dest else None
             return _shown_plan(out, shown)
         local_out = Path(td) / "out" / posixpath.basename(dest.path)
         local_out.parent.mkdir()
-        result = local_convert(local_src, to, output=local_out, **kw)  # verified there, before the upload
+        result = local(local_src, output=local_out)  # verified there, before the upload
         local_src.unlink()
         _shown_plan(result, shown)
         if result.output is None:
@@ -212,79 +206,62 @@ def convert_remote(
         return result
 
 
-def _directory(
-    root: RemotePath,
-    inv: Inventory,
-    to: str,
-    local_convert: Local,
-    dest: _Dest | None,
-    *,
-    policy: Policy | None,
-    dry_run: bool,
-    model: str | None,
-    strict: bool,
-    options: dict[str, Any],
-) -> Result:
+def _directory(root: RemotePath, inv: Inventory, s: ConvertSettings, local: Local, dest: _Dest | None) -> Result:
     """The directory planned once, from its remote headers; each weight file then downloaded and converted alone
     by the local path as that plan says (its part of it: ``_part``), and published together."""
     res = hfdir.resolve(root)
     if res is None:
         raise ConversionError("directory holds no weights to convert", path=str(root))
-    full = prepare(inv, model_inventory(model))
-    plan_options = {k: options[k] for k in ("keep", "include_optimizer", "strip_optimizer", "clamp")}
-    if options.get("keep_quantized"):
+    full = prepare(inv, model_inventory(s.model))
+    plan_options: dict[str, Any] = {
+        "keep": s.keep,
+        "include_optimizer": s.include_optimizer,
+        "strip_optimizer": s.strip_optimizer,
+        "clamp": s.clamp,
+    }
+    if s.keep_quantized:
         from ..quant.group import view as quant_view
 
         plan_options["quantized"] = quant_view(inv).consumed
-    plan = with_findings(make_plan(full, to, policy=policy, **plan_options), policy, strict=strict)
-    if plan.failing(policy):
-        return Result(plan, None, [], dry_run=dry_run, failed=tuple(plan.failing(policy)))
-    if dry_run and not options.get("read_values", True):  # metadata only: the remote headers said it all
+    plan = with_findings(make_plan(full, s.to, policy=s.policy, **plan_options), s.policy, strict=s.strict)
+    if plan.failing(s.policy):
+        return Result(plan, None, [], dry_run=s.dry_run, failed=tuple(plan.failing(s.policy)))
+    if s.dry_run and not s.read_values:  # metadata only: the remote headers said it all
         return Result(plan, None, [], dry_run=True, values_read=False)
     unsafe: list[Any] = []
     values: dict[str, Any] = {}
     total = 0
     written: dict[str, Written] = {}
-    with tempfile.TemporaryDirectory(prefix="dtypeaudit-remote-") as td, _staging(dest, dry_run, Path(td) / "out") as stage:
+    with tempfile.TemporaryDirectory(prefix="dtypeaudit-remote-") as td, _staging(dest, s.dry_run, Path(td) / "out") as stage:
         for label in res.files:
             local_src = Path(td) / "in" / label
             _download(root / label, local_src)
-            r = local_convert(
-                local_src,
-                to,
-                output=stage.place(label),
-                policy=policy,
-                dry_run=dry_run,
-                model=model,
-                strict=strict,
-                planned=_part(plan, label),
-                **options,
-            )
+            r = local(local_src, output=stage.place(label), planned=_part(plan, label))
             local_src.unlink()
             if r.refused or r.failed:
-                return Result(plan, None, [], dry_run=dry_run, refused=r.refused, failed=r.failed)
+                return Result(plan, None, [], dry_run=s.dry_run, refused=r.refused, failed=r.failed)
             unsafe.extend(r.unsafe)
             values.update(r.plan.values)
-            if dry_run or r.unsafe:
+            if s.dry_run or r.unsafe:
                 continue
             # the local convert verified the file against what it wrote (verify_written), before stage.put uploads it
             total += r.plan.bytes_after
             (written[label],) = r.written.values()
             stage.put(label, written[label])
         plan = replace(plan, values=values)
-        if unsafe or dry_run:
-            return Result(plan, None, unsafe, dry_run=dry_run)
+        if unsafe or s.dry_run:
+            return Result(plan, None, unsafe, dry_run=s.dry_run)
         # every other file: config.json with the planned dtype and the output's index (modeldir decides which, as
         # for a local directory) rewritten, the rest copied; published last, the index after config.json
         index = output_index(inv)
         extras = _other_files(root, set(res.files))
         for name in extras:
-            local = stage.place(name)
-            _download(root / name, local)
+            local_file = stage.place(name)
+            _download(root / name, local_file)
             if name == "config.json":
-                write_json(local, config_with_dtype(read_json(local), plan.config_dtype))
+                write_json(local_file, config_with_dtype(read_json(local_file), plan.config_dtype))
             if name == index:
-                write_json(local, index_with_sizes(read_json(local), total))
+                write_json(local_file, index_with_sizes(read_json(local_file), total))
             stage.put(name, None)
         stage.publish(list(written), sorted(extras, key=lambda n: (n == index, n == "config.json", n)))
     return Result(plan, dest.shown if dest else None, [], written=written)
@@ -297,11 +274,11 @@ def _part(plan: Plan, label: str) -> Plan:
     return replace(plan, tensors=tensors, notes=[], values={}, findings=[])
 
 
-def _whole(root: RemotePath, to: str, local_convert: Local, dest: _Dest | None, shown: str, dry_run: bool, **kw: Any) -> Result:
+def _whole(root: RemotePath, local: Local, dest: _Dest | None, shown: str, dry_run: bool) -> Result:
     """A folder converted as one: downloaded whole to a local temporary, converted there by the local path (one
     plan, the one a local copy gets: a quantized folder is dequantized, its values checked), its output published
     as a directory's is (weights, then the other files, config.json and the index last). Local disk holds the
-    folder and its output, not one file. ``kw``: the local convert's other arguments."""
+    folder and its output, not one file."""
     import shutil
 
     res = hfdir.resolve(root)
@@ -312,7 +289,7 @@ def _whole(root: RemotePath, to: str, local_convert: Local, dest: _Dest | None, 
         for name in [*res.files, *_other_files(root, set(res.files))]:
             _download(root / name, _made(local_src / name))
         made = Path(td) / "made"
-        result = local_convert(local_src, to, output=None if dry_run else made, dry_run=dry_run, **kw)
+        result = local(local_src, output=None if dry_run else made)
         _shown_plan(result, shown)
         if result.output is None:
             return result

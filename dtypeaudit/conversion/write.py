@@ -6,9 +6,10 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from ..formats.torchpickle import children, is_optimizer_state
 from ..formats.training import is_training_state
 from ..formats.zipwrite import StoredZipWriter
 from ..inventory import Format, Inventory, Span, TensorRecord
-from ..pieces import Job, Workers, write_at
+from ..pieces import Job, Workers, Writeback, ordered, thread_count, write_at
 from ..values import CHUNK_BYTES, ValueStats, measures_errors
 from .atomic import flushing
 from .mapped import MappedCheckpoint, Progress, contiguous_span, materialize
@@ -35,49 +36,94 @@ from .verify import Origin, Written, verify_written
 @dataclass(frozen=True)
 class Record:
     """One record of an output file, written at ``out_offset``: ``span`` of ``src`` cast from ``dtype`` to
-    ``target`` (copied when they are equal), or, with no span, ``tensor``, a view torch gathers first. ``stats``:
-    the unit's statistics, into which torch's cast folds the errors the value checks do not measure."""
+    ``target`` (copied when they are equal), or, with no span, ``tensor``, a view torch gathers first; or, with
+    ``computed``, bytes its own tasks make (a dequantized weight). ``stats``: the unit's statistics, into which
+    torch's cast folds the errors the value checks do not measure."""
 
-    src: MappedCheckpoint
+    src: MappedCheckpoint | None
     span: Span | None
     dtype: str
     target: str
     out_offset: int
     tensor: TensorRecord | None = None
     stats: ValueStats | None = None
+    computed: tuple[tuple[Callable[[], Any], int], ...] = ()
+    """The tasks that make the record's bytes in order, each with the bytes its result holds; a result has the
+    bytes as ``data`` and is handed to ``fold`` once written (its value figures)."""
+    fold: Callable[[Any], None] | None = None
 
 
-def make_records(records: list[Record], out: Path, plan: Plan, workers: Workers | None, progress: Progress | None) -> list[int]:
+COMPUTED_BYTES = 64 << 20
+"""Results of computed records made ahead of the writer, at most (plus one): a few FP8 pieces, or one whole
+weight of another scheme dequantized."""
+
+
+def make_records(records: list[Record], out: Path | None, plan: Plan, workers: Workers | None, progress: Progress | None) -> list[int]:
     """Write every record into ``out`` (already laid out: each record's place reserved) and return their
-    CRC-32s. numpy makes what it can (``casts_with_numpy``), piece by piece on the threads (``pieces.Workers``,
-    folding the value checks that claim those bytes); torch the rest, here, one after another."""
-    with_torch = [i for i, r in enumerate(records) if _torch_makes(r, plan)]
+    CRC-32s: the one per-record pipeline, bytes -> (dequantize) -> cast -> value figures -> CRC -> written at
+    its place. numpy makes what it can (``casts_with_numpy``), piece by piece on the threads (``pieces.Workers``,
+    folding the value checks that claim those bytes); computed records' tasks run on the same threads
+    (``pieces.ordered``); torch the rest, here, one after another. ``out`` None: every record is made and
+    checked, nothing written (a dry run's value checks; torch's casts are left to the checks alone)."""
     crcs = [0] * len(records)
-    if with_torch:
-        fd = os.open(out, os.O_WRONLY)
-        try:
+    computed = [i for i, r in enumerate(records) if r.computed]
+    with_torch = [i for i, r in enumerate(records) if not r.computed and _torch_makes(r, plan)]
+    fd = os.open(out, os.O_WRONLY) if out is not None and (computed or with_torch) else None
+    try:
+        if computed:
+            _make_computed([(i, records[i]) for i in computed], fd, str(out), crcs, progress)
+        if fd is not None:
             for i in with_torch:
-                r = records[i]
-                crcs[i] = _torch_cast_into(fd, r, clamp=plan.clamp, progress=progress)
-        finally:
+                crcs[i] = _torch_cast_into(fd, records[i], clamp=plan.clamp, progress=progress)
+    finally:
+        if fd is not None:
             os.close(fd)
-    torch_made = set(with_torch)
-    numpy_made = [i for i in range(len(records)) if i not in torch_made]
+    made = set(computed) | set(with_torch)
+    numpy_made = [i for i in range(len(records)) if i not in made]
     if not numpy_made:
         return crcs
     with ExitStack() as stack:
         if workers is None:
-            workers = stack.enter_context(workers_for(plan, {str(r.src.path): r.src for r in records}, None))
+            workers = stack.enter_context(workers_for(plan, {str(r.src.path): r.src for r in records if r.src is not None}, None))
         jobs = []
         for i in numpy_made:
             r = records[i]
-            assert r.span is not None
+            assert r.span is not None and r.src is not None
             source = str(r.src.path)
             unit = workers.unit_of(source, r.span.offset, r.span.length)
-            jobs.append(Job(source, r.span.offset, r.span.length, r.dtype, r.target, str(out), r.out_offset, unit))
+            jobs.append(Job(source, r.span.offset, r.span.length, r.dtype, r.target, str(out) if out else None, r.out_offset, unit))
         for i, crc in zip(numpy_made, workers.run(jobs, progress=progress), strict=True):
             crcs[i] = crc
     return crcs
+
+
+def _make_computed(records: list[tuple[int, Record]], fd: int | None, out: str, crcs: list[int], progress: Progress | None) -> None:
+    """The computed records' tasks on the threads, in order, each result written after the one before it."""
+
+    def tasks() -> Iterator[tuple[Callable[[], tuple[int, Any]], int]]:
+        for i, r in records:
+            for task, cost in r.computed:
+                yield partial(_indexed, i, task), cost
+
+    at = {i: r.out_offset for i, r in records}
+    folds = {i: r.fold for i, r in records}
+    with Writeback() as disk:
+        for i, piece in ordered(tasks(), thread_count(), budget=COMPUTED_BYTES):
+            data = memoryview(piece.data).cast("B")
+            if fd is not None and len(data):
+                write_at(fd, data, at[i])
+                crcs[i] = crc32(data, crcs[i])
+                disk.landed(out, len(data))
+            at[i] += len(data)
+            fold = folds[i]
+            if fold is not None:
+                fold(piece)
+            if progress:
+                progress(len(data))
+
+
+def _indexed(i: int, task: Callable[[], Any]) -> tuple[int, Any]:
+    return i, task()
 
 
 def _torch_makes(r: Record, plan: Plan) -> bool:
@@ -94,6 +140,7 @@ def _torch_makes(r: Record, plan: Plan) -> bool:
 def _torch_cast_into(fd: int, r: Record, *, clamp: bool, progress: Progress | None) -> int:
     """torch's cast of one record (gathered first when it is a view), written at its place; its CRC-32."""
     itemsize = dtypes.get(r.dtype).itemsize
+    assert r.src is not None
     if r.span is not None:
         numel = r.span.length // itemsize
         pieces = iter(r.src.tensor_at(r.dtype, numel, r.span.offset).split(max(1, CHUNK_BYTES // itemsize)) if numel else ())
@@ -454,20 +501,38 @@ def _write_safetensors_file(
         meta["dtypeaudit.aliases"] = json.dumps(aliases, sort_keys=True)
     written = Written.planned(plan)
     written.aliases = aliases
-    header = safetensors_header([(p.tensor.name, p.target, p.tensor.shape) for p, _, _ in entries], meta)
     records: list[Record] = []
-    where = len(header)
+    where = 0
     for p, src, span in entries:
         t = p.tensor
         records.append(Record(src, span, t.dtype, p.target, where, t, plan.values.get(unit_of(t))))
         written.origins[t.name] = Origin(src, span, t.dtype, p.target, t, names=(t.name,))
         where += p.out_nbytes
-    with out.open("wb") as fh:
-        fh.write(header)
-        fh.truncate(where)  # the records are written beside this file object, at their places
-    for (p, _, _), crc in zip(entries, make_records(records, out, plan, workers, progress), strict=True):
+    tensors = [(p.tensor.name, p.target, p.tensor.shape) for p, _, _ in entries]
+    for (p, _, _), crc in zip(entries, write_safetensors_records(out, tensors, meta, records, plan, workers, progress), strict=True):
         written.crcs[p.tensor.name] = crc
     return written
+
+
+def write_safetensors_records(
+    out: Path | None,
+    tensors: list[tuple[str, str, tuple[int, ...]]],
+    meta: dict[str, str],
+    records: list[Record],
+    plan: Plan,
+    workers: Workers | None,
+    progress: Progress | None,
+) -> list[int]:
+    """The one safetensors writer: the header of ``tensors`` (name, dtype, shape, in order), then each tensor's
+    record (``out_offset`` counted from the end of the header) made at its place (``make_records``); their
+    CRC-32s. ``out`` None: made and checked, nothing written."""
+    header = safetensors_header(tensors, meta)
+    records = [replace(r, out_offset=len(header) + r.out_offset) for r in records]
+    if out is not None:
+        with out.open("wb") as fh:
+            fh.write(header)
+            fh.truncate(len(header) + sum(math.prod(shape) * dtypes.get(dtype).itemsize for _, dtype, shape in tensors))
+    return make_records(records, out, plan, workers, progress)
 
 
 def safetensors_header(tensors: list[tuple[str, str, tuple[int, ...]]], meta: dict[str, str]) -> bytes:
@@ -510,18 +575,6 @@ def write_file(
     if out_format == Format.SAFETENSORS:
         return write_safetensors(plan, src, out, progress=progress, materialize_ties=materialize_ties, workers=workers)
     return write_torch_zip(plan, src, out, strip=strip, progress=progress, workers=workers)
-
-
-def parse_size(text: str) -> int:
-    """``5GB``, ``500MB``, ``2GiB``, ``10KB`` or a plain byte count, as transformers' max_shard_size reads them."""
-    import re
-
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", text, re.I)
-    if not m:
-        raise UsageError(f"--max-shard-size must look like 5GB, 500MB or 2GiB, not '{text}'")
-    unit = (m.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    return int(float(m.group(1)) * scale)
 
 
 def write_directory(
