@@ -602,15 +602,20 @@ def convert_quantized(
                     raise UsageError("a dequantized file is written as safetensors; give -o NAME.safetensors")
             check_destination(src_path, dest, force=force, in_place=False)
             progress = progress_factory("writing", plan.bytes_after) if progress_factory else None
+
+            def unchanged() -> None:
+                for src in sources.values():
+                    src.check_unchanged()
+
             try:
                 if is_dir:
-                    with atomic_output(dest, mode_from=src_path, is_dir=True) as tmp:
+                    with atomic_output(dest, mode_from=src_path, is_dir=True, sources_unchanged=unchanged) as tmp:
                         written = _write_directory(shards, inv, src_path, reading, tmp, target, progress, found)
                         if _blocking(found, clamp):
                             raise _Blocked
                 else:
                     (shard,) = shards if shards else (_Shard(""),)
-                    with atomic_output(dest, mode_from=src_path) as tmp:
+                    with atomic_output(dest, mode_from=src_path, sources_unchanged=unchanged) as tmp:
                         written = {dest.name: _write_shard(shard, reading, tmp, progress, found)}
                         if _blocking(found, clamp):
                             raise _Blocked

@@ -1,0 +1,178 @@
+"""Faults and bad input on real converts and real writers: one line each, exit 2, the source as its writer left
+it, and nothing of ours left behind."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from .helpers import ROOT
+
+# The child converts; when the chosen point of the convert comes (the first open of its temporary for writing, or
+# for reading back to verify: after every byte was read once; as the source is mapped; as the first piece of a
+# dry run's value checks is made), another process truncates or rewrites the source,
+# as a `torch.save` over the file being converted does, and the child waits for it. The writer prints the sha256
+# of what it left.
+TRUNCATE_CHILD = """
+import os, runpy, subprocess, sys
+source, stage, how = sys.argv[1:4]
+done = []
+WRITERS = {
+    "torch.save": "import torch, sys; torch.save({'small': torch.ones(3)}, sys.argv[1])",
+    "truncate": "import os, sys; os.truncate(sys.argv[1], os.path.getsize(sys.argv[1]) // 3)",
+}
+PRINT = "; import hashlib; print(hashlib.sha256(open(sys.argv[1], 'rb').read()).hexdigest())"
+def chosen(event, args):
+    if stage == "map":
+        return event == "mmap.__new__" and sys._getframe(2).f_code.co_filename.endswith("mapped.py")
+    if stage == "values":
+        return event == "call" and args.f_code.co_name == "make" and args.f_code.co_filename.endswith("pieces.py")
+    if event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)):
+        return False
+    name = os.path.basename(os.fsdecode(args[0]))
+    return ".dtypeaudit-" in name and name.endswith(".tmp") and (args[1] == "r") == (stage == "verify")
+def hook(event, args):
+    if not done and chosen(event, args):
+        done.append(1)
+        sys.stdout.write(subprocess.run([sys.executable, "-c", WRITERS[how] + PRINT, source], capture_output=True,
+                                        text=True, check=True).stdout)
+sys.addaudithook(hook)
+if stage == "values":
+    import threading
+    profile = lambda frame, event, arg: hook(event, frame)
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+sys.argv = ["dtypeaudit", *sys.argv[4:]]
+runpy.run_module("dtypeaudit", run_name="__main__")
+"""
+
+
+CHANGED = (
+    "the source changed while it was being converted (rewritten, replaced or removed); nothing was written: "
+    "convert it again once it is written"
+)
+
+
+def _leases_work(where: Path) -> bool:
+    """Whether this process may take a read lease on a file in ``where`` (the protection under test)."""
+    import fcntl
+
+    probe = where / "probe"
+    probe.write_bytes(b"x")
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="read leases are Linux's")
+@pytest.mark.parametrize("how", ["torch.save", "truncate"])
+@pytest.mark.parametrize("stage", ["write", "verify"])
+@pytest.mark.parametrize("kind", ["pt", "safetensors"])
+def test_a_source_truncated_during_convert_is_refused_in_one_line(tmp_path: Path, kind: str, stage: str, how: str) -> None:
+    """It was a SIGBUS from the mapped source: exit 135, no message, the temporary left."""
+    if not _leases_work(tmp_path):
+        pytest.skip("this file system gives no read leases")
+    from safetensors.torch import save_file
+
+    weights = {f"w{i}": torch.randn(256, 256) for i in range(8)}  # 2 MiB: pages past a third of it are read late
+    source = tmp_path / f"model.{kind}"
+    if kind == "pt":
+        torch.save(weights, source)
+    else:
+        save_file(weights, str(source))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1"}
+    args = [sys.executable, "-c", TRUNCATE_CHILD, str(source), stage, how, "convert", str(source), "--to", "fp16"]
+    r = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.strip().splitlines() == [f"dtypeaudit: error: {source}: {CHANGED}"]
+    # the source is what its writer left, and nothing else is there: no output, no temporary
+    assert hashlib.sha256(source.read_bytes()).hexdigest() == r.stdout.split()[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [source.name]
+
+
+def _truncated_run(tmp_path: Path, source: Path, stage: str, how: str, *args: str) -> subprocess.CompletedProcess[str]:
+    if not _leases_work(tmp_path):
+        pytest.skip("this file system gives no read leases")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1"}
+    command = [sys.executable, "-c", TRUNCATE_CHILD, str(source), stage, how, "convert", str(source), *args]
+    return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="read leases are Linux's")
+@pytest.mark.parametrize("stage", ["map", "values"])
+def test_a_source_truncated_during_a_dry_runs_value_checks_gives_no_verdict(tmp_path: Path, stage: str) -> None:
+    """What is read after the truncation is not the file's: the dry run says the source changed instead of judging it."""
+    source = tmp_path / "model.pt"
+    torch.save({f"w{i}": torch.full((256, 256), 1e6) for i in range(8)}, source)  # every value overflows float16
+    r = _truncated_run(tmp_path, source, stage, "truncate", "--to", "fp16", "--dry-run", "--check-values")
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.strip().splitlines() == [f"dtypeaudit: error: {source}: {CHANGED}"]
+    assert hashlib.sha256(source.read_bytes()).hexdigest() == r.stdout.split()[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [source.name]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="read leases are Linux's")
+@pytest.mark.parametrize("stage", ["write", "verify"])
+def test_a_quantized_source_truncated_while_it_is_dequantized(tmp_path: Path, stage: str) -> None:
+    import gguf
+    import numpy as np
+
+    source = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(source), "llama")
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        data = rng.standard_normal((256, 256)).astype(np.float32)
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", gguf.quants.quantize(data, q8), raw_dtype=q8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    out = tmp_path / "out.safetensors"
+    r = _truncated_run(tmp_path, source, stage, "truncate", "--to", "fp16", "-o", str(out))
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.strip().splitlines() == [f"dtypeaudit: error: {source}: {CHANGED}"]
+    assert hashlib.sha256(source.read_bytes()).hexdigest() == r.stdout.split()[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [source.name]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="read leases are Linux's")
+def test_a_mapping_reads_zeros_once_a_writer_came_and_closing_says_the_source_changed(tmp_path: Path) -> None:
+    """The path of a read straight from the mapping (the value checks hand it to numpy): no SIGBUS, zeros, and the
+    sources' close refuses whatever was made of them."""
+    import threading
+    from contextlib import ExitStack
+
+    from safetensors.torch import save_file
+
+    from dtypeaudit.conversion.mapped import LEASES, open_sources
+    from dtypeaudit.errors import ConversionError
+    from dtypeaudit.formats import read_checkpoint
+
+    if threading.current_thread() is not threading.main_thread() or not _leases_work(tmp_path):
+        pytest.skip("leases are taken from the main thread, on a file system that gives them")
+    source = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(512, 512)}, str(source))
+    inv = read_checkpoint(source)
+    with pytest.raises(ConversionError, match="the source changed while it was being converted"), ExitStack() as stack:
+        (src,) = open_sources(source, inv, stack).values()
+        assert id(src) in LEASES.held
+        assert bytes(src.mm[-4:]) == torch.ones(1).numpy().tobytes()
+        truncate = "import os, sys; os.truncate(sys.argv[1], 100)"
+        subprocess.run([sys.executable, "-c", truncate, str(source)], check=True, timeout=120)
+        assert src.lost and source.stat().st_size == 100
+        assert bytes(src.mm[-4096:]) == bytes(4096)  # past the new end: zeros, not SIGBUS
+    assert not LEASES.held
