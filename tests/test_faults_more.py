@@ -176,3 +176,53 @@ def test_a_mapping_reads_zeros_once_a_writer_came_and_closing_says_the_source_ch
         assert src.lost and source.stat().st_size == 100
         assert bytes(src.mm[-4096:]) == bytes(4096)  # past the new end: zeros, not SIGBUS
     assert not LEASES.held
+
+
+def _gguf_with_dims(path: Path, dims: list[int]) -> None:
+    """A GGUF file from gguf's own writer, its first tensor's dims (innermost first) patched to ``dims``."""
+    import struct
+
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("a", np.zeros((4, 8), np.float32))
+    writer.add_tensor("b", np.ones((2, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = bytearray(path.read_bytes())
+    key = struct.pack("<Q", 1) + b"a" + struct.pack("<I", 2)  # the name "a", then its two dims
+    at = data.index(key) + len(key)
+    data[at : at + 16] = struct.pack("<QQ", *dims)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "dims",
+    [[0, 1 << 62], [1 << 62, 0], [0, 1 << 63], [1 << 32, 1 << 32], [1 << 62, 4], [1 << 31, (1 << 31) + 1], [1 << 63, 1], [0, 8], [8, 0]],
+)
+def test_gguf_dims_the_loaders_cannot_count_are_refused(tmp_path: Path, dims: list[int]) -> None:
+    """A zero dim beside a huge one is no empty tensor to gguf-py (numpy: "array is too big") nor to llama.cpp
+    (its element count must be an int64): it passed as one. A plain zero-size tensor still reads."""
+    import gguf
+
+    from .helpers import run_cli
+
+    path = tmp_path / "m.gguf"
+    _gguf_with_dims(path, dims)
+    try:
+        reference = {t.name: tuple(int(d) for d in t.shape) for t in gguf.GGUFReader(str(path)).tensors}
+    except ValueError:
+        reference = None
+    r = run_cli("scan", str(path), "-q", process=True)
+    if reference is None:
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip().splitlines() == [
+            f"dtypeaudit: error: {path}: GGUF tensor 'a' has dims {dims}, whose sizes overflow a 64-bit count; "
+            "llama.cpp and gguf-py refuse it"
+        ]
+    else:
+        assert r.returncode == 0, r.stderr
+        assert reference["a"] == tuple(dims)  # gguf-py's shapes are innermost first too
