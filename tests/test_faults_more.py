@@ -226,3 +226,90 @@ def test_gguf_dims_the_loaders_cannot_count_are_refused(tmp_path: Path, dims: li
     else:
         assert r.returncode == 0, r.stderr
         assert reference["a"] == tuple(dims)  # gguf-py's shapes are innermost first too
+
+
+def _sharded_gpt2(folder: Path) -> dict[str, torch.Tensor]:
+    """A tiny GPT-2 written by save_pretrained in two shards and an index; its state dict as loaded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = GPT2LMHeadModel(config)
+    model.save_pretrained(folder, max_shard_size="40KB")
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _rename_in_index(folder: Path, shard: str, to: str) -> None:
+    import json
+
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {k: (to if v == shard else v) for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+
+
+def _from_pretrained(folder: Path) -> dict[str, torch.Tensor] | str:
+    from transformers import GPT2LMHeadModel
+
+    try:
+        return GPT2LMHeadModel.from_pretrained(folder).state_dict()
+    except Exception as exc:  # what the loader says, for the comparison
+        return type(exc).__name__
+
+
+def test_a_shard_path_through_a_subfolder_that_stays_inside_is_read(tmp_path: Path) -> None:
+    """``sub/../shard`` opens the folder's own shard, as from_pretrained reads it: it was refused."""
+    import json
+
+    from .helpers import run_cli
+
+    folder = tmp_path / "m"
+    expected = _sharded_gpt2(folder)
+    shards = sorted(p.name for p in folder.glob("model-*.safetensors"))
+    assert len(shards) >= 2
+    (folder / "sub").mkdir()
+    _rename_in_index(folder, shards[0], f"sub/../{shards[0]}")
+    loaded = _from_pretrained(folder)
+    assert not isinstance(loaded, str) and all(torch.equal(loaded[k], v) for k, v in expected.items())
+
+    r = run_cli("scan", str(folder), "-f", "json", process=True)
+    assert r.returncode == 0, r.stderr
+    (checkpoint,) = json.loads(r.stdout)["checkpoints"]
+    held = {t["name"] for t in checkpoint["tensors"]}
+    assert set(loaded) - held <= {"lm_head.weight"}  # the tied head is no tensor of the files
+    out = tmp_path / "out"
+    c = run_cli("convert", str(folder), "--to", "fp16", "-o", str(out), process=True)
+    assert c.returncode == 0, c.stderr
+    converted = _from_pretrained(out)
+    assert not isinstance(converted, str)
+    assert all(torch.equal(converted[k], v.to(torch.float16).to(converted[k].dtype)) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("where", ["up", "link", "missing"])
+def test_a_shard_path_that_leaves_the_folder_or_is_missing_is_refused(tmp_path: Path, where: str) -> None:
+    """What leaves the folder is refused, lexically (``../``) or through a link (``link/..`` walks the link's
+    parent); a path through a folder that is not there is missing to the loader too."""
+    import shutil
+
+    from .helpers import run_cli
+
+    folder = tmp_path / "m"
+    _sharded_gpt2(folder)
+    shard = sorted(p.name for p in folder.glob("model-*.safetensors"))[0]
+    outside = tmp_path / "elsewhere" / "deeper"
+    outside.mkdir(parents=True)
+    shutil.copy(folder / shard, outside.parent / shard)  # the same bytes, outside the folder
+    name = {"up": f"sub/../../elsewhere/{shard}", "link": f"link/../{shard}", "missing": f"missing/../{shard}"}[where]
+    (folder / "sub").mkdir()
+    os.symlink(outside, folder / "link")  # link/.. is tmp_path/elsewhere
+    _rename_in_index(folder, shard, name)
+    loaded = _from_pretrained(folder)
+    if where == "missing":
+        assert isinstance(loaded, str)  # the loader cannot open it
+        why = f"shard '{name}' named by the index is missing"
+    else:
+        assert not isinstance(loaded, str)  # the loader reads the copy outside: that is what is refused
+        why = f"shard name '{name}' leaves the directory; refused"
+    r = run_cli("scan", str(folder), "-q", process=True)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [f"dtypeaudit: error: {folder / 'model.safetensors.index.json'}: {why}"]
