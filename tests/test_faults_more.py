@@ -313,3 +313,61 @@ def test_a_shard_path_that_leaves_the_folder_or_is_missing_is_refused(tmp_path: 
     r = run_cli("scan", str(folder), "-q", process=True)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [f"dtypeaudit: error: {folder / 'model.safetensors.index.json'}: {why}"]
+
+
+def _views_file(path: Path, where: str, value: float, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A torch.save file whose tensors view parts of larger storages, ``value`` planted where ``where`` says:
+    outside every view (``hidden``) or inside one (``seen``, in the strided view ``t``)."""
+    torch.manual_seed(0)
+    flat = torch.randn(100, dtype=dtype)
+    grid = torch.randn(10, 10, dtype=dtype)
+    if where == "hidden":
+        flat[0] = flat[99] = value  # w sees 10..19, v sees 40..49
+        grid[:, 0] = value  # t is grid[:, 1:]: column 0 is no tensor's
+    else:
+        grid[3, 4] = value
+    state = {"w": flat[10:20], "v": flat[40:50], "t": grid[:, 1:], "b": torch.ones(3, dtype=dtype)}
+    torch.save(state, path)
+    return state
+
+
+@pytest.mark.parametrize("value", [float("nan"), 1e6, float("inf")])
+@pytest.mark.parametrize("where", ["hidden", "seen"])
+def test_values_outside_every_view_are_carried_not_judged(tmp_path: Path, where: str, value: float) -> None:
+    """torch.save writes a view's whole storage, but torch.load gives only what the views see: a NaN or 1e6 in
+    the rest was refused, and named a tensor that does not see it."""
+    import json
+
+    from .helpers import run_cli
+
+    source = tmp_path / "views.pt"
+    _views_file(source, where, value)
+    loaded = torch.load(source, weights_only=True)
+    fits = all(bool(torch.isfinite(t).all()) and float(t.abs().max()) < 65504 for t in loaded.values())
+    assert fits == (where == "hidden")  # what the loader gives: the reference
+    scan = run_cli("scan", str(source), "--values", "-f", "json")
+    findings = json.loads(scan.stdout)["checkpoints"][0]["findings"]
+    convert = run_cli("convert", str(source), "--to", "fp16", "-o", str(tmp_path / "out.pt"))
+    if where == "hidden":
+        assert scan.returncode == 0 and findings == [], findings
+        assert convert.returncode == 0, convert.stdout + convert.stderr
+        out = torch.load(tmp_path / "out.pt", weights_only=True)
+        for name, t in loaded.items():
+            assert torch.equal(out[name], t.to(torch.float16)), name  # each view as torch casts it
+            assert out[name].untyped_storage().nbytes() == t.untyped_storage().nbytes() // 2  # the storage carried whole
+    else:
+        assert scan.returncode == 1
+        assert {f["tensor"] for f in findings if f["severity"] == "error"} == {"t"}  # the tensor that sees it
+        assert convert.returncode == 1 and not (tmp_path / "out.pt").exists()
+
+
+def test_a_value_outside_the_views_of_a_storage_left_as_it_is_is_not_judged(tmp_path: Path) -> None:
+    """The same for a float16 file (nothing to cast: its NaN/Inf alone are looked for)."""
+    from .helpers import run_cli
+
+    source = tmp_path / "half.pt"
+    _views_file(source, "hidden", float("nan"), torch.float16)
+    r = run_cli("scan", str(source), "--values", "-q")
+    assert r.returncode == 0, r.stdout
+    _views_file(source, "seen", float("nan"), torch.float16)
+    assert run_cli("scan", str(source), "--values", "-q").returncode == 1

@@ -13,6 +13,7 @@ import mmap
 import os
 import sys
 import threading
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import ExitStack
 from functools import cache, cached_property
@@ -29,6 +30,8 @@ from ..formats.picklevm import PickleVM
 from ..formats.ziparchive import ZipArchive
 from ..inventory import Format, Inventory, Layout, Span, TensorRecord
 from ..torchcast import frombuffer
+from ..values import View
+from .plan import Plan, unit_of
 
 Progress = Callable[[int], None]
 
@@ -309,6 +312,17 @@ def materialize(src: MappedCheckpoint, t: TensorRecord) -> Any:
     itemsize = dtypes.get(t.dtype).itemsize
     flat = src.tensor_at(t.dtype, base.length // itemsize, base.offset)
     return torch.as_strided(flat, t.shape, t.stride or (), t.offset).contiguous()
+
+
+def views_by_unit(plan: Plan) -> defaultdict[str, list[View]]:
+    """Each unit's views of its storage (offset, shape, strides, in elements), from every tensor of the plan that
+    views it: what the value checks judge (``values.viewed_runs``); a tensor of its own sees all of it."""
+    out: defaultdict[str, list[View]] = defaultdict(list)
+    for p in plan.tensors:
+        t = p.tensor
+        if t.storage is not None and t.layout == "strided":
+            out[unit_of(t)].append((t.offset, t.shape, t.stride))
+    return out
 
 
 def open_sources(path: Path, inv: Inventory, stack: ExitStack) -> dict[str, MappedCheckpoint]:

@@ -11,8 +11,8 @@ from .. import dtypes
 from ..inventory import Finding, Inventory, Severity, Span, TensorRecord, format_of, unique_tensors
 from ..pieces import Job, Workers
 from ..torchcast import TorchCaster, chunks, load_torch, one_thread
-from ..values import UNDERFLOW_BLOCK_FRACTION, ValueStats, count_nonfinite, measures_errors
-from .mapped import MappedCheckpoint, Progress, open_sources
+from ..values import UNDERFLOW_BLOCK_FRACTION, ValueStats, View, count_nonfinite, measures_errors, viewed_runs
+from .mapped import MappedCheckpoint, Progress, open_sources, views_by_unit
 from .plan import Plan, TensorPlan, make_plan, unit_of
 
 # Top-level keys under which training code keeps its own state beside the weights: Lightning's ``callbacks``
@@ -39,16 +39,22 @@ class ValueChecks:
         self.held: dict[str, ValueStats] = {}
         self._where: dict[str, tuple[str, Span, str]] = {}
         self._unclaimed: dict[tuple[str, int, int], str] = {}
+        self._runs: dict[str, list[tuple[int, int]]] = {}  # units that views see in part: only those parts judged
+        views = views_by_unit(plan)
         for unit, (src, dtype, span, names, target) in units_to_cast(plan, sources, weights_only=True).items():
             self.results[unit] = ValueStats(", ".join(names), dtype, target)
-            self._add(unit, src, dtype, span)
+            self._add(unit, src, dtype, span, views[unit])
         for unit, (src, dtype, span, names) in units_held(plan, sources).items():
             self.held[unit] = ValueStats(", ".join(names), dtype, dtype)
-            self._add(unit, src, dtype, span)
+            self._add(unit, src, dtype, span, views[unit])
 
-    def _add(self, unit: str, src: MappedCheckpoint, dtype: str, span: Span) -> None:
+    def _add(self, unit: str, src: MappedCheckpoint, dtype: str, span: Span, views: list[View]) -> None:
         self._where[unit] = (str(src.path), span, dtype)
-        self._unclaimed[(str(src.path), span.offset, span.length)] = unit
+        runs = viewed_runs(views, span.length // dtypes.get(dtype).itemsize)
+        if runs is None:
+            self._unclaimed[(str(src.path), span.offset, span.length)] = unit
+        else:  # the writer carries the whole storage unchecked; the viewed runs are checked alone
+            self._runs[unit] = runs
 
     @property
     def every(self) -> dict[str, ValueStats]:
@@ -65,7 +71,12 @@ class ValueChecks:
         for unit in self._unclaimed.values():
             source, span, dtype = self._where[unit]
             jobs.append(Job(source, span.offset, span.length, dtype, self.every[unit].target, unit=unit))
+        for unit, runs in self._runs.items():
+            source, span, dtype = self._where[unit]
+            size = dtypes.get(dtype).itemsize
+            jobs.extend(Job(source, span.offset + first * size, n * size, dtype, self.every[unit].target, unit=unit) for first, n in runs)
         self._unclaimed.clear()
+        self._runs.clear()
         return jobs
 
     def outcome(self) -> dict[str, ValueStats]:
@@ -202,6 +213,7 @@ def _nonfinite_elsewhere(plan: Plan, sources: dict[str, MappedCheckpoint], check
     """NaN/Inf counts for floating tensors that no cast check read (already float16, kept, left)."""
     out: dict[str, int] = {}
     seen = set(checked)
+    views = views_by_unit(plan)
     for p in plan.tensors:
         t = p.tensor
         unit = unit_of(t)
@@ -210,7 +222,10 @@ def _nonfinite_elsewhere(plan: Plan, sources: dict[str, MappedCheckpoint], check
         seen.add(unit)
         src = sources[t.file]
         span = src.storage(t.storage) if t.storage is not None else src.storage(t.name)
-        bad = count_nonfinite(src.mm, t.dtype, span.offset, span.length // dtypes.get(t.dtype).itemsize)
+        size, numel = dtypes.get(t.dtype).itemsize, span.length // dtypes.get(t.dtype).itemsize
+        runs = viewed_runs(views[unit], numel)
+        runs = [(0, numel)] if runs is None else runs
+        bad = sum(count_nonfinite(src.mm, t.dtype, span.offset + first * size, n) for first, n in runs)
         if bad:
             out[t.name] = bad
     return out
