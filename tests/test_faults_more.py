@@ -371,3 +371,18 @@ def test_a_value_outside_the_views_of_a_storage_left_as_it_is_is_not_judged(tmp_
     assert r.returncode == 0, r.stdout
     _views_file(source, "seen", float("nan"), torch.float16)
     assert run_cli("scan", str(source), "--values", "-q").returncode == 1
+
+
+def test_a_casts_error_figures_are_of_the_viewed_values(tmp_path: Path) -> None:
+    """float64's errors are measured by torch's own cast (``measure_errors``): of the viewed values too."""
+    from dtypeaudit.conversion import convert
+
+    torch.manual_seed(0)
+    flat = torch.randn(100, dtype=torch.float64)
+    flat[0] = 60001.3  # float16 rounds it by 1.3: no tensor sees it
+    source = tmp_path / "f64.pt"
+    torch.save({"w": flat[10:20]}, source)
+    view = torch.load(source, weights_only=True)["w"]
+    result = convert(source, "fp16", dry_run=True, read_values=True)
+    (stats,) = result.plan.values.values()
+    assert stats.max_abs_error == pytest.approx(float((view - view.half().double()).abs().max()), rel=1e-6)

@@ -148,18 +148,21 @@ def measure_errors(plan: Plan, sources: dict[str, MappedCheckpoint]) -> None:
     """Make every planned cast whose errors the value checks did not measure from the bits (float64's), without
     writing it, folding its errors into ``plan.values`` (dry runs, ``scan --values``). Imports torch only then."""
     todo = [
-        (stats, src, dtype, span, target)
+        (unit, (stats, src, dtype, span, target))
         for unit, (src, dtype, span, _, target) in units_to_cast(plan, sources).items()
         if (stats := plan.values.get(unit)) is not None and not stats.errors_measured
     ]
     if not todo:
         return
+    views = views_by_unit(plan)
     with one_thread():
-        for stats, src, dtype, span, target in todo:
+        for unit, (stats, src, dtype, span, target) in todo:
             cast = TorchCaster(dtype, target, clamp=plan.clamp, stats=stats)
             itemsize = dtypes.get(dtype).itemsize
-            for x in chunks(src.mm, dtype, span.offset, span.length // itemsize, itemsize):
-                cast(x)
+            runs = viewed_runs(views[unit], span.length // itemsize)
+            for first, n in [(0, span.length // itemsize)] if runs is None else runs:
+                for x in chunks(src.mm, dtype, span.offset + first * itemsize, n, itemsize):
+                    cast(x)
 
 
 def units_to_cast(
