@@ -14,6 +14,8 @@ quantized by a random scheme, with random block sizes, scale dtypes and config v
 * ``ct``: compressed-tensors' own compressors (pack-quantized int4/int8 groups, float-quantized FP8 per channel).
   Reference: ``from_pretrained`` with ``CompressedTensorsConfig(dequantize=True)`` (compressed-tensors'
   decompress).
+* ``mxfp4``: gpt-oss's experts (``*_blocks`` / ``*_scales``, E8M0 exponents in random ranges; no MXFP4 writer
+  runs on a CPU, so the blocks are random bytes). Reference: ``from_pretrained`` with ``Mxfp4Config(dequantize=True)``.
 * ``bnb``: bitsandbytes' CPU backend quantizing on load and ``save_pretrained`` (int8, nf4, fp4, double quant),
   at times its int8 ``SCB`` stored as bfloat16. Reference: the folder loaded and ``model.dequantize()``.
 
@@ -39,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SCHEMES = ("fp8", "ct", "bnb")
+SCHEMES = ("fp8", "ct", "bnb", "mxfp4")
 
 
 def _llama(rng: random.Random, folder: Path, *, multiple: int = 1) -> dict[str, Any]:
@@ -214,7 +216,52 @@ def build_bnb(rng: random.Random, base: Path) -> tuple[Path, dict[str, Any], Any
     return path, {"kind": kind, "variant": variant, "double": getattr(qconfig, "bnb_4bit_use_double_quant", None)}, None
 
 
-BUILDERS = {"fp8": build_fp8, "ct": build_ct, "bnb": build_bnb}
+def build_mxfp4(rng: random.Random, base: Path) -> tuple[Path, dict[str, Any], Any]:
+    """gpt-oss's layout (experts' ``*_blocks`` / ``*_scales``, E8M0 exponents): no MXFP4 writer runs on a CPU, so
+    the blocks are random bytes and the scales random exponents."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config
+
+    hidden = rng.choice([64, 128])
+    cfg = GptOssConfig(
+        vocab_size=64,
+        hidden_size=hidden,
+        intermediate_size=rng.choice([64, 128]),
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        num_local_experts=rng.choice([2, 4]),
+        num_experts_per_tok=2,
+        layer_types=["full_attention"],
+    )
+    torch.manual_seed(rng.randrange(1 << 30))
+    GptOssForCausalLM(cfg).to(torch.bfloat16).save_pretrained(base / "bf16")
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    low = rng.choice([100, 118, 124])
+    state = {}
+    for k, v in load_file(base / "bf16" / "model.safetensors").items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, rows, cols = v.shape  # the parameter is [E, in, out]; its blocks are [E, out, in/32, 16]
+            state[k + "_blocks"] = torch.randint(0, 256, (experts, cols, rows // 32, 16), dtype=torch.uint8, generator=gen)
+            state[k + "_scales"] = torch.randint(low, 131, (experts, cols, rows // 32), dtype=torch.uint8, generator=gen)
+        else:
+            state[k] = v
+    path = base / "q"
+    path.mkdir()
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((base / "bf16" / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    }
+    dtype = _config_dtype(rng, config)
+    (path / "config.json").write_text(json.dumps(config))
+    return path, {"scales_from": low, "experts": cfg.num_local_experts, "config_dtype": dtype}, Mxfp4Config(dequantize=True)
+
+
+BUILDERS = {"fp8": build_fp8, "ct": build_ct, "bnb": build_bnb, "mxfp4": build_mxfp4}
 
 
 def reference_state(scheme: str, path: Path, qconfig: Any) -> dict[str, Any] | str:
@@ -287,7 +334,7 @@ def compare(reference: dict[str, Any] | str, dtypes_: dict[str, str] | str, conv
     else:
         wrong = sorted(k for k, v in reference.items() if k in dtypes_ and dtypes_[k] != str(v.dtype).removeprefix("torch."))
         if wrong:
-            quantized = any(k.endswith("_proj.weight") for k in wrong)
+            quantized = any(k.endswith(("_proj.weight", "experts.gate_up_proj", "experts.down_proj")) for k in wrong)
             problems.append(f"scan: loaded dtypes differ ({'quantized weights' if quantized else 'unquantized parts'})")
     if isinstance(converted, str):
         problems.append("convert refuses what the loader loads")
@@ -305,7 +352,7 @@ def compare(reference: dict[str, Any] | str, dtypes_: dict[str, str] | str, conv
         if got.dtype != torch.bfloat16 or got.shape != want.shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
             differ.append(k)
     if differ:
-        quantized = any(k.endswith("_proj.weight") for k in differ)
+        quantized = any(k.endswith(("_proj.weight", "experts.gate_up_proj", "experts.down_proj")) for k in differ)
         problems.append(f"convert: values differ ({'dequantized weights' if quantized else 'unquantized parts'})")
     return problems
 

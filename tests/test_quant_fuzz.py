@@ -1,4 +1,4 @@
-"""The differential fuzzer's quantized mode (fuzz/quant_cases.py) as tests: random FP8 / MXFP8, compressed-tensors
+"""The differential fuzzer's quantized mode (fuzz/quant_cases.py) as tests: random FP8 / MXFP8, MXFP4, compressed-tensors
 and bitsandbytes folders written by the real writers, against from_pretrained on CPU (dequantize=True),
 compressed-tensors' decompress and bitsandbytes' dequantize: scan's loaded dtypes and convert's values.
 
