@@ -413,3 +413,21 @@ def viewed_runs(views: list[View], numel: int) -> list[tuple[int, int]] | None:
     if merged == [(0, numel)]:
         return None
     return [(b, e - b) for b, e in merged]
+
+
+def runs_of(views: list[View], numel: int) -> list[tuple[int, int]]:
+    """``viewed_runs``, with the whole storage as its one run where that is what is judged."""
+    runs = viewed_runs(views, numel)
+    return [(0, numel)] if runs is None else runs
+
+
+def figures_of_runs(buffer: Any, dtype: str, target: str, offset: int, runs: list[tuple[int, int]]) -> ValueStats:
+    """The value figures of the elements in ``runs`` of the storage at ``offset``: which view of a storage sees
+    the values that make it unsafe."""
+    from .dtypes import get
+
+    stats, check, size = ValueStats("", dtype, target), ValueCheck(), get(dtype).itemsize
+    for first, n in runs:
+        for x, original in float32_chunks(buffer, dtype, offset + first * size, n):
+            check.fold(stats, x, original)
+    return stats

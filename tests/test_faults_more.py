@@ -317,22 +317,25 @@ def test_a_shard_path_that_leaves_the_folder_or_is_missing_is_refused(tmp_path: 
 
 def _views_file(path: Path, where: str, value: float, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """A torch.save file whose tensors view parts of larger storages, ``value`` planted where ``where`` says:
-    outside every view (``hidden``) or inside one (``seen``, in the strided view ``t``)."""
+    outside every view (``hidden``), inside one (``seen``, in the strided view ``t``), or inside the one of two views
+    of a storage that sees it (``shared``: ``v``, not ``w``)."""
     torch.manual_seed(0)
     flat = torch.randn(100, dtype=dtype)
     grid = torch.randn(10, 10, dtype=dtype)
     if where == "hidden":
         flat[0] = flat[99] = value  # w sees 10..19, v sees 40..49
         grid[:, 0] = value  # t is grid[:, 1:]: column 0 is no tensor's
-    else:
+    elif where == "seen":
         grid[3, 4] = value
+    else:  # "shared": seen by v alone, of the two views of its storage
+        flat[45] = value
     state = {"w": flat[10:20], "v": flat[40:50], "t": grid[:, 1:], "b": torch.ones(3, dtype=dtype)}
     torch.save(state, path)
     return state
 
 
 @pytest.mark.parametrize("value", [float("nan"), 1e6, float("inf")])
-@pytest.mark.parametrize("where", ["hidden", "seen"])
+@pytest.mark.parametrize("where", ["hidden", "seen", "shared"])
 def test_values_outside_every_view_are_carried_not_judged(tmp_path: Path, where: str, value: float) -> None:
     """torch.save writes a view's whole storage, but torch.load gives only what the views see: a NaN or 1e6 in
     the rest was refused, and named a tensor that does not see it."""
@@ -357,7 +360,8 @@ def test_values_outside_every_view_are_carried_not_judged(tmp_path: Path, where:
             assert out[name].untyped_storage().nbytes() == t.untyped_storage().nbytes() // 2  # the storage carried whole
     else:
         assert scan.returncode == 1
-        assert {f["tensor"] for f in findings if f["severity"] == "error"} == {"t"}  # the tensor that sees it
+        # named by the tensor that sees it
+        assert {f["tensor"] for f in findings if f["severity"] == "error"} == {"t" if where == "seen" else "v"}
         assert convert.returncode == 1 and not (tmp_path / "out.pt").exists()
 
 
@@ -369,8 +373,13 @@ def test_a_value_outside_the_views_of_a_storage_left_as_it_is_is_not_judged(tmp_
     _views_file(source, "hidden", float("nan"), torch.float16)
     r = run_cli("scan", str(source), "--values", "-q")
     assert r.returncode == 0, r.stdout
-    _views_file(source, "seen", float("nan"), torch.float16)
-    assert run_cli("scan", str(source), "--values", "-q").returncode == 1
+    import json
+
+    for where, tensor in (("seen", "t"), ("shared", "v")):
+        _views_file(source, where, float("nan"), torch.float16)
+        r = run_cli("scan", str(source), "--values", "-f", "json")
+        assert r.returncode == 1
+        assert [f["tensor"] for f in json.loads(r.stdout)["checkpoints"][0]["findings"] if f["rule"] == "non-finite"] == [tensor]
 
 
 def test_a_casts_error_figures_are_of_the_viewed_values(tmp_path: Path) -> None:

@@ -314,14 +314,14 @@ def materialize(src: MappedCheckpoint, t: TensorRecord) -> Any:
     return torch.as_strided(flat, t.shape, t.stride or (), t.offset).contiguous()
 
 
-def views_by_unit(plan: Plan) -> defaultdict[str, list[View]]:
-    """Each unit's views of its storage (offset, shape, strides, in elements), from every tensor of the plan that
-    views it: what the value checks judge (``values.viewed_runs``); a tensor of its own sees all of it."""
-    out: defaultdict[str, list[View]] = defaultdict(list)
+def views_by_unit(plan: Plan) -> defaultdict[str, dict[str, View]]:
+    """Each unit's views of its storage by tensor name (offset, shape, strides, in elements), from every tensor of
+    the plan that views it: what the value checks judge (``values.viewed_runs``); a tensor of its own sees all of it."""
+    out: defaultdict[str, dict[str, View]] = defaultdict(dict)
     for p in plan.tensors:
         t = p.tensor
         if t.storage is not None and t.layout == "strided":
-            out[unit_of(t)].append((t.offset, t.shape, t.stride))
+            out[unit_of(t)][t.name] = (t.offset, t.shape, t.stride)
     return out
 
 

@@ -11,7 +11,7 @@ from .. import dtypes
 from ..inventory import Finding, Inventory, Severity, Span, TensorRecord, format_of, unique_tensors
 from ..pieces import Job, Workers
 from ..torchcast import TorchCaster, chunks, load_torch, one_thread
-from ..values import UNDERFLOW_BLOCK_FRACTION, ValueStats, View, count_nonfinite, measures_errors, viewed_runs
+from ..values import UNDERFLOW_BLOCK_FRACTION, ValueStats, View, count_nonfinite, figures_of_runs, measures_errors, runs_of, viewed_runs
 from .mapped import MappedCheckpoint, Progress, open_sources, views_by_unit
 from .plan import Plan, TensorPlan, make_plan, unit_of
 
@@ -40,6 +40,7 @@ class ValueChecks:
         self._where: dict[str, tuple[str, Span, str]] = {}
         self._unclaimed: dict[tuple[str, int, int], str] = {}
         self._runs: dict[str, list[tuple[int, int]]] = {}  # units that views see in part: only those parts judged
+        self._partial: dict[str, tuple[MappedCheckpoint, dict[str, View]]] = {}
         views = views_by_unit(plan)
         for unit, (src, dtype, span, names, target) in units_to_cast(plan, sources, weights_only=True).items():
             self.results[unit] = ValueStats(", ".join(names), dtype, target)
@@ -48,13 +49,14 @@ class ValueChecks:
             self.held[unit] = ValueStats(", ".join(names), dtype, dtype)
             self._add(unit, src, dtype, span, views[unit])
 
-    def _add(self, unit: str, src: MappedCheckpoint, dtype: str, span: Span, views: list[View]) -> None:
+    def _add(self, unit: str, src: MappedCheckpoint, dtype: str, span: Span, views: dict[str, View]) -> None:
         self._where[unit] = (str(src.path), span, dtype)
-        runs = viewed_runs(views, span.length // dtypes.get(dtype).itemsize)
+        runs = viewed_runs(list(views.values()), span.length // dtypes.get(dtype).itemsize)
         if runs is None:
             self._unclaimed[(str(src.path), span.offset, span.length)] = unit
         else:  # the writer carries the whole storage unchecked; the viewed runs are checked alone
             self._runs[unit] = runs
+            self._partial[unit] = (src, views)
 
     @property
     def every(self) -> dict[str, ValueStats]:
@@ -83,6 +85,15 @@ class ValueChecks:
         """``plan.values``: every cast unit's statistics, and the held units that hold NaN/Inf (to block the write)."""
         results = dict(self.results)
         results.update((unit, stats) for unit, stats in self.held.items() if stats.nonfinite)
+        for unit, (src, views) in self._partial.items():  # an unsafe storage seen in parts: named by the views that see it
+            stats = results.get(unit)
+            if stats is not None and stats.unsafe:
+                _, span, dtype = self._where[unit]
+                numel = span.length // dtypes.get(dtype).itemsize
+                seeing = [
+                    n for n, v in views.items() if figures_of_runs(src.mm, dtype, stats.target, span.offset, runs_of([v], numel)).unsafe
+                ]
+                stats.name = ", ".join(seeing) or stats.name
         return results
 
 
@@ -159,8 +170,7 @@ def measure_errors(plan: Plan, sources: dict[str, MappedCheckpoint]) -> None:
         for unit, (stats, src, dtype, span, target) in todo:
             cast = TorchCaster(dtype, target, clamp=plan.clamp, stats=stats)
             itemsize = dtypes.get(dtype).itemsize
-            runs = viewed_runs(views[unit], span.length // itemsize)
-            for first, n in [(0, span.length // itemsize)] if runs is None else runs:
+            for first, n in runs_of(list(views[unit].values()), span.length // itemsize):
                 for x in chunks(src.mm, dtype, span.offset + first * itemsize, n, itemsize):
                     cast(x)
 
@@ -226,11 +236,12 @@ def _nonfinite_elsewhere(plan: Plan, sources: dict[str, MappedCheckpoint], check
         src = sources[t.file]
         span = src.storage(t.storage) if t.storage is not None else src.storage(t.name)
         size, numel = dtypes.get(t.dtype).itemsize, span.length // dtypes.get(t.dtype).itemsize
-        runs = viewed_runs(views[unit], numel)
-        runs = [(0, numel)] if runs is None else runs
-        bad = sum(count_nonfinite(src.mm, t.dtype, span.offset + first * size, n) for first, n in runs)
-        if bad:
-            out[t.name] = bad
+        parts = views[unit] if viewed_runs(list(views[unit].values()), numel) is not None else {t.name: None}
+        for name, view in parts.items():  # a storage seen in parts: each view's own NaN/Inf, under its name
+            runs = runs_of([view], numel) if view is not None else [(0, numel)]
+            bad = sum(count_nonfinite(src.mm, t.dtype, span.offset + first * size, n) for first, n in runs)
+            if bad:
+                out[name] = bad
     return out
 
 
