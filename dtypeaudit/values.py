@@ -359,3 +359,78 @@ def count_nonfinite(buffer: Any, dtype: str, offset: int, numel: int) -> int:
         values = original if original.dtype == np.float64 else x  # doubles beyond float32's range are still finite
         bad += len(values) - int(np.count_nonzero(np.isfinite(values)))
     return bad
+
+
+MAX_VIEW_RUNS = 1 << 16
+"""The most runs ``viewed_runs`` lists for one storage; beyond it the whole storage is judged (as it is written)."""
+
+View = tuple[int, tuple[int, ...], "tuple[int, ...] | None"]
+"""A tensor's view of its storage, in elements: offset, shape, strides (None: contiguous)."""
+
+
+def viewed_runs(views: list[View], numel: int) -> list[tuple[int, int]] | None:
+    """The runs ``(first, count)`` of a storage's ``numel`` elements that some view sees, sorted and merged; None
+    where that is the whole storage, no views are known, or too many runs to list (then the whole storage is judged).
+
+    torch.save writes a view's whole storage, and a conversion carries it whole, but the values a loaded model
+    holds are only the viewed ones: bytes outside every view are no tensor's and are not judged."""
+    import numpy as np
+
+    if not views:
+        return None
+    starts: list[Any] = []
+    lengths: list[int] = []
+    listed = 0
+    for offset, shape, stride in views:
+        if 0 in shape:
+            continue
+        if stride is None:
+            stride = tuple(int(np.prod(shape[k + 1 :], dtype=np.int64)) for k in range(len(shape)))
+        dims = [(size, step) for size, step in zip(shape, stride, strict=True) if size > 1]
+        run = 1
+        while dims and dims[-1][1] == run:  # the innermost dims that are contiguous make one run
+            run *= dims.pop()[0]
+        count = int(np.prod([size for size, _ in dims], dtype=np.int64)) if dims else 1
+        listed += count
+        if listed > MAX_VIEW_RUNS:
+            return None
+        first = np.array([offset], dtype=np.int64)
+        for size, step in dims:
+            first = (first[:, None] + np.arange(size, dtype=np.int64) * step).ravel()
+        starts.append(first)
+        lengths.extend([run] * len(first))
+    if not starts:
+        return []
+    begin = np.concatenate(starts)
+    end = begin + np.array(lengths, dtype=np.int64)
+    order = np.argsort(begin, kind="stable")
+    merged: list[tuple[int, int]] = []
+    for b, e in zip(begin[order].tolist(), end[order].tolist(), strict=True):
+        b, e = max(0, b), min(numel, e)
+        if e <= b:
+            continue
+        if merged and b <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((b, e))
+    if merged == [(0, numel)]:
+        return None
+    return [(b, e - b) for b, e in merged]
+
+
+def runs_of(views: list[View], numel: int) -> list[tuple[int, int]]:
+    """``viewed_runs``, with the whole storage as its one run where that is what is judged."""
+    runs = viewed_runs(views, numel)
+    return [(0, numel)] if runs is None else runs
+
+
+def figures_of_runs(buffer: Any, dtype: str, target: str, offset: int, runs: list[tuple[int, int]]) -> ValueStats:
+    """The value figures of the elements in ``runs`` of the storage at ``offset``: which view of a storage sees
+    the values that make it unsafe."""
+    from .dtypes import get
+
+    stats, check, size = ValueStats("", dtype, target), ValueCheck(), get(dtype).itemsize
+    for first, n in runs:
+        for x, original in float32_chunks(buffer, dtype, offset + first * size, n):
+            check.fold(stats, x, original)
+    return stats

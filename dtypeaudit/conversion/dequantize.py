@@ -554,7 +554,12 @@ def convert_quantized(
             total = sum(p.out_nbytes if p.action == DEQUANTIZE else p.tensor.nbytes for p in plan.tensors if p.action != "drop")
             progress = progress_factory("writing", total) if progress_factory else None
             try:
-                with atomic_output(dest, mode_from=src_path, is_dir=is_dir) as tmp:
+
+                def unchanged() -> None:
+                    for src in sources.values():
+                        src.check_unchanged()
+
+                with atomic_output(dest, mode_from=src_path, is_dir=is_dir, sources_unchanged=unchanged) as tmp:
                     written = write(tmp, progress)
                     if blocking_values(values(), clamp=s.clamp):
                         raise _Blocked

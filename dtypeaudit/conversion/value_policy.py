@@ -12,8 +12,18 @@ from ..formats.training import is_training_state
 from ..inventory import Finding, Inventory, Severity, Span, format_of, unique_tensors
 from ..pieces import Job, Workers
 from ..torchcast import TorchCaster, chunks, load_torch, one_thread
-from ..values import UNDERFLOW_BLOCK_FRACTION, UNDERFLOW_WARN_FRACTION, ValueStats, count_nonfinite, measures_errors
-from .mapped import MappedCheckpoint, Progress, open_sources
+from ..values import (
+    UNDERFLOW_BLOCK_FRACTION,
+    UNDERFLOW_WARN_FRACTION,
+    ValueStats,
+    View,
+    count_nonfinite,
+    figures_of_runs,
+    measures_errors,
+    runs_of,
+    viewed_runs,
+)
+from .mapped import MappedCheckpoint, Progress, open_sources, views_by_unit
 from .plan import Plan, TensorPlan, make_plan, unit_of
 
 
@@ -29,16 +39,24 @@ class ValueChecks:
         self.held: dict[str, ValueStats] = {}
         self._where: dict[str, tuple[str, Span, str]] = {}
         self._unclaimed: dict[tuple[str, int, int], str] = {}
+        self._runs: dict[str, list[tuple[int, int]]] = {}  # units that views see in part: only those parts judged
+        self._partial: dict[str, tuple[MappedCheckpoint, dict[str, View]]] = {}
+        views = views_by_unit(plan)
         for unit, (src, dtype, span, names, target) in units_to_cast(plan, sources, weights_only=True).items():
             self.results[unit] = ValueStats(", ".join(names), dtype, target)
-            self._add(unit, src, dtype, span)
+            self._add(unit, src, dtype, span, views[unit])
         for unit, (src, dtype, span, names) in units_held(plan, sources).items():
             self.held[unit] = ValueStats(", ".join(names), dtype, dtype)
-            self._add(unit, src, dtype, span)
+            self._add(unit, src, dtype, span, views[unit])
 
-    def _add(self, unit: str, src: MappedCheckpoint, dtype: str, span: Span) -> None:
+    def _add(self, unit: str, src: MappedCheckpoint, dtype: str, span: Span, views: dict[str, View]) -> None:
         self._where[unit] = (str(src.path), span, dtype)
-        self._unclaimed[(str(src.path), span.offset, span.length)] = unit
+        runs = viewed_runs(list(views.values()), span.length // dtypes.get(dtype).itemsize)
+        if runs is None:
+            self._unclaimed[(str(src.path), span.offset, span.length)] = unit
+        else:  # the writer carries the whole storage unchecked; the viewed runs are checked alone
+            self._runs[unit] = runs
+            self._partial[unit] = (src, views)
 
     @property
     def every(self) -> dict[str, ValueStats]:
@@ -55,13 +73,27 @@ class ValueChecks:
         for unit in self._unclaimed.values():
             source, span, dtype = self._where[unit]
             jobs.append(Job(source, span.offset, span.length, dtype, self.every[unit].target, unit=unit))
+        for unit, runs in self._runs.items():
+            source, span, dtype = self._where[unit]
+            size = dtypes.get(dtype).itemsize
+            jobs.extend(Job(source, span.offset + first * size, n * size, dtype, self.every[unit].target, unit=unit) for first, n in runs)
         self._unclaimed.clear()
+        self._runs.clear()
         return jobs
 
     def outcome(self) -> dict[str, ValueStats]:
         """``plan.values``: every cast unit's statistics, and the held units that hold NaN/Inf (to block the write)."""
         results = dict(self.results)
         results.update((unit, stats) for unit, stats in self.held.items() if stats.nonfinite)
+        for unit, (src, views) in self._partial.items():  # an unsafe storage seen in parts: named by the views that see it
+            stats = results.get(unit)
+            if stats is not None and stats.unsafe:
+                _, span, dtype = self._where[unit]
+                numel = span.length // dtypes.get(dtype).itemsize
+                seeing = [
+                    n for n, v in views.items() if figures_of_runs(src.mm, dtype, stats.target, span.offset, runs_of([v], numel)).unsafe
+                ]
+                stats.name = ", ".join(seeing) or stats.name
         return results
 
 
@@ -127,18 +159,20 @@ def measure_errors(plan: Plan, sources: dict[str, MappedCheckpoint]) -> None:
     """Make every planned cast whose errors the value checks did not measure from the bits (float64's), without
     writing it, folding its errors into ``plan.values`` (dry runs, ``scan --values``). Imports torch only then."""
     todo = [
-        (stats, src, dtype, span, target)
+        (unit, (stats, src, dtype, span, target))
         for unit, (src, dtype, span, _, target) in units_to_cast(plan, sources).items()
         if (stats := plan.values.get(unit)) is not None and not stats.errors_measured
     ]
     if not todo:
         return
+    views = views_by_unit(plan)
     with one_thread():
-        for stats, src, dtype, span, target in todo:
+        for unit, (stats, src, dtype, span, target) in todo:
             cast = TorchCaster(dtype, target, clamp=plan.clamp, stats=stats)
             itemsize = dtypes.get(dtype).itemsize
-            for x in chunks(src.mm, dtype, span.offset, span.length // itemsize, itemsize):
-                cast(x)
+            for first, n in runs_of(list(views[unit].values()), span.length // itemsize):
+                for x in chunks(src.mm, dtype, span.offset + first * itemsize, n, itemsize):
+                    cast(x)
 
 
 def units_to_cast(
@@ -192,6 +226,7 @@ def _nonfinite_elsewhere(plan: Plan, sources: dict[str, MappedCheckpoint], check
     """NaN/Inf counts for floating tensors that no cast check read (already float16, kept, left)."""
     out: dict[str, int] = {}
     seen = set(checked)
+    views = views_by_unit(plan)
     for p in plan.tensors:
         t = p.tensor
         unit = unit_of(t)
@@ -200,9 +235,13 @@ def _nonfinite_elsewhere(plan: Plan, sources: dict[str, MappedCheckpoint], check
         seen.add(unit)
         src = sources[t.file]
         span = src.storage(t.storage) if t.storage is not None else src.storage(t.name)
-        bad = count_nonfinite(src.mm, t.dtype, span.offset, span.length // dtypes.get(t.dtype).itemsize)
-        if bad:
-            out[t.name] = bad
+        size, numel = dtypes.get(t.dtype).itemsize, span.length // dtypes.get(t.dtype).itemsize
+        parts = views[unit] if viewed_runs(list(views[unit].values()), numel) is not None else {t.name: None}
+        for name, view in parts.items():  # a storage seen in parts: each view's own NaN/Inf, under its name
+            runs = runs_of([view], numel) if view is not None else [(0, numel)]
+            bad = sum(count_nonfinite(src.mm, t.dtype, span.offset + first * size, n) for first, n in runs)
+            if bad:
+                out[name] = bad
     return out
 
 

@@ -230,9 +230,29 @@ def _sharded(path: AnyPath, index_name: str, chosen: str, docs: Documents) -> Re
     # get_checkpoint_shard_files: sorted(set(weight_map.values())), each joined to the model directory
     # (not to the index's own folder); merged in that order, so a later shard wins a name.
     shards = sorted(set(weight_map.values()))
-    for name in shards:
-        confine(path, name, origin=path / index_name)
-    return Resolution(tuple(_label(s) for s in shards), chosen, index_name, weight_map)
+    labels = {name: _shard_label(path, name, origin=path / index_name) for name in shards}
+    for label in labels.values():
+        confine(path, label, origin=path / index_name)
+    named = {tensor: labels[name] for tensor, name in weight_map.items()}
+    return Resolution(tuple(dict.fromkeys(labels[s] for s in shards)), chosen, index_name, named)
+
+
+def _shard_label(root: AnyPath, name: str, *, origin: AnyPath) -> str:
+    """The file an index's shard name opens, relative to ``root``: the loader joins the name to the folder and
+    the system walks it, so ``sub/../shard`` is a shard of the folder (``sub`` must exist, and a link ``sub``
+    leads where it leads). Refused where it leaves the folder; ``..`` is not followed in a remote store."""
+    parts = name.split("/")
+    if not _unsafe_name(name):
+        return _label(name)
+    if ".." not in parts or "\\" in name or name.startswith("/") or ":" in name[:3] or not isinstance(root, Path):
+        return name  # confine refuses it
+    folder, base = root / "/".join(parts[:-1]), parts[-1]
+    leaves = _label(name).split("/")[0] == ".."
+    if not leaves and (base in ("", ".", "..") or not folder.is_dir()):
+        raise CheckpointError(f"shard '{name}' named by the index is missing", path=str(origin))
+    if leaves or not folder.resolve().is_relative_to(root.resolve()):
+        raise CheckpointError(f"shard name '{name}' leaves the directory; refused", path=str(origin))
+    return _label(str((folder.resolve() / base).relative_to(root.resolve())))
 
 
 def resolve(path: AnyPath, docs: Documents | None = None) -> Resolution | None:

@@ -32,6 +32,7 @@ MAX_KV = 1 << 20
 MAX_STRING = 1 << 24
 MAX_ARRAY = 1 << 26
 MAX_DIMS = 4  # GGML_MAX_DIMS
+INT64_MAX = (1 << 63) - 1
 CHUNK = 1 << 20
 
 # ggml_type -> (name, elements per block, bytes per block): ggml's type traits (ggml.c), as gguf.constants'
@@ -220,6 +221,13 @@ def read(path: AnyPath | Source, *, file_label: str = "") -> Inventory:
                 f"GGUF tensor '{tname}': its row of {dims[0]} is not a whole number of {type_name} blocks ({block})", path=name
             )
         nbytes = numel // block * type_size
+        # ggml's dims are int64, and the elements must be countable in one (llama.cpp); gguf-py's numpy refuses a
+        # shape whose bytes, zero dims left out, overflow it: a zero dim beside a huge one is no empty tensor to them
+        if math.prod(d for d in dims if d) // block * type_size > INT64_MAX:
+            raise CheckpointError(
+                f"GGUF tensor '{tname}' has dims {dims}, whose sizes overflow a 64-bit count; llama.cpp and gguf-py refuse it",
+                path=name,
+            )
         if offset % alignment or offset + nbytes > data_size:
             raise CheckpointError(
                 f"GGUF tensor '{tname}' lies at {offset} (+{nbytes} bytes), outside the {data_size}-byte data area or unaligned",
