@@ -311,15 +311,20 @@ def test_verification_fails_on_a_changed_byte_and_a_short_file(
     assert len(failures) == 2 and "differs from" in failures[0]
 
 
-def test_verification_holds_every_value_but_not_which_nan_torch_writes(tmp_path: Path) -> None:
-    """Training state is cast unchecked, NaN and all. A float16 signalling NaN widened: numpy keeps it
-    signalling, torch quiets it, and neither is promised, so verification (torch's recast) accepts the output;
-    every other value must be bit-equal (test_convert.py: a changed finite value is refused)."""
+def test_a_nan_is_never_cast_it_is_refused_or_kept_bit_for_bit(tmp_path: Path) -> None:
+    """Which NaN a widening cast writes is not promised (a float16 signalling NaN: numpy keeps it signalling,
+    torch quiets it), so convert casts no NaN at all: callback state is left as stored, and optimizer state with a
+    NaN is unsafe (refused) unless --keep-unsafe keeps it in its own dtype, bit for bit."""
     snan = torch.tensor([0x7C01, 0x3C00, 0xFE00 - 0x10000], dtype=torch.int16).view(torch.float16)  # sNaN, 1.0, -qNaN
     src = tmp_path / "m.pt"
-    torch.save({"w": torch.ones(4, dtype=torch.float16), "callbacks": {"best": snan}}, src)
-    result = convert(src, "fp32")
-    assert result.output is not None
-    got = torch.load(result.output, weights_only=True)["callbacks"]["best"]
-    assert got.dtype == torch.float32 and got.view(torch.int32).tolist() == [0x7F802000, 0x3F800000, -0x400000]
-    assert snan.float().view(torch.int32).tolist() != got.view(torch.int32).tolist()  # torch's bits differ: a quiet NaN
+    optimizer = {"state": {0: {"exp_avg": snan}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    torch.save({"w": torch.ones(4, dtype=torch.float16), "optimizer": optimizer, "callbacks": {"best": snan}}, src)
+    refused = convert(src, "fp32", include_optimizer=True)
+    assert refused.output is None and [u.name for u in refused.unsafe] == ["optimizer.state.0.exp_avg"]
+    kept = convert(src, "fp32", include_optimizer=True, keep_unsafe=True)
+    assert kept.output is not None
+    got = torch.load(kept.output, weights_only=True)
+    assert got["w"].dtype == torch.float32
+    for stored in (got["optimizer"]["state"][0]["exp_avg"], got["callbacks"]["best"]):
+        assert stored.dtype == torch.float16 and stored.view(torch.int16).tolist() == snan.view(torch.int16).tolist()
+
