@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -294,6 +294,15 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
     only, never from ``module_guess``: a guess is recomputed here, not taken for a fact. The forwards a
     factory measured come from the inventory's ``module_forward`` metadata.
     """
+    return [Module(*parts) for parts in _module_parts(inv)]
+
+
+_Parts = tuple[str, ModuleKind, "str | None", Confidence, tuple[TensorRecord, ...], "str | None", "Mapping[str, str] | None", bool]
+
+
+def _module_parts(inv: Inventory | Iterable[TensorRecord]) -> Iterator[_Parts]:
+    """``infer_modules``'s modules as the arguments of ``Module``, so that ``annotate`` makes each module once, over
+    its tagged records."""
     tensors = inv.tensors if isinstance(inv, Inventory) else tuple(inv)
     measured = inv.metadata.get("module_forward") if isinstance(inv, Inventory) else None
     probes: Mapping[str, Mapping[str, str]] = measured if isinstance(measured, Mapping) else {}
@@ -304,7 +313,6 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
     for t in tensors:
         if t.region == "model":
             groups.setdefault(t.name.rpartition(".")[0], []).append(t)
-    out = []
     for prefix, members in groups.items():
         leaves = {t.name.rpartition(".")[2]: t for t in members}
         type_name = next((t.module for t in members if t.module), None)
@@ -317,7 +325,7 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
         else:
             # what names and shapes say depends on the prefix's last part and the tensors' leaves, dtypes and
             # shapes alone, which repeat layer after layer: guessed once per signature
-            signature = (prefix.rpartition(".")[2], *((leaf, t.dtype, t.shape) for leaf, t in leaves.items()))
+            signature = (prefix.rpartition(".")[2], *[(leaf, t.dtype, t.shape) for leaf, t in leaves.items()])
             known = seen.get(signature)
             if known is None:
                 kind, conf = _guess(prefix, leaves)
@@ -331,8 +339,7 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
             table = probes.get(type_name) if type_name else None
             if kind == "norm" and isinstance(table, Mapping) and set(leaves) == {"weight"}:
                 forward, conf = table, "fact"  # its own forward, measured by the factory
-        out.append(Module(prefix, kind, type_name, conf, tuple(members), guessed, forward, prefix in casts))
-    return out
+        yield prefix, kind, type_name, conf, tuple(members), guessed, forward, prefix in casts
 
 
 @dataclass(frozen=True)
@@ -369,21 +376,23 @@ def annotate(inv: Inventory) -> Inventory:
     """
     if _known(inv) is not None:
         return inv
-    modules = infer_modules(inv)
     records = list(inv.tensors)
-    place = {id(t): i for i, t in enumerate(records)}
-    for k, m in enumerate(modules):
-        # the same module over the annotated records (inference reads ``module``, never ``module_guess``)
-        g = m.guessed_type
-        for t in m.tensors:
+    place: dict[int, int] | None = None
+    modules = []
+    for prefix, kind, type_name, conf, members, g, forward, cast in _module_parts(inv):
+        # each module made once, over the annotated records (inference reads ``module``, never ``module_guess``)
+        for t in members:
             if t.module_guess != g:
                 break
         else:
+            modules.append(Module(prefix, kind, type_name, conf, members, g, forward, cast))
             continue  # every tensor already carries the guess
-        tagged = tuple(t if t.module_guess == g else t.with_(module_guess=g) for t in m.tensors)
-        for old, new in zip(m.tensors, tagged, strict=True):
+        if place is None:
+            place = {id(t): i for i, t in enumerate(records)}
+        tagged = tuple(t if t.module_guess == g else t.with_(module_guess=g) for t in members)
+        for old, new in zip(members, tagged, strict=True):
             records[place[id(old)]] = new
-        modules[k] = Module(m.prefix, m.kind, m.type_name, m.confidence, tagged, g, m.forward, m.input_cast)
+        modules.append(Module(prefix, kind, type_name, conf, tagged, g, forward, cast))
     if any(t.region != "model" for t in inv.tensors):
         # a tensor outside the model (optimizer state) takes the guess of a model tensor of its name, if any
         guesses = {t.name: m.guessed_type for m in modules for t in m.tensors}

@@ -127,10 +127,7 @@ class _Later:
 
 def checkpoint_dict(c: CheckpointReport) -> dict[str, Any]:
     """The checkpoint's part of the report, every list made."""
-    out = _checkpoint_doc(c)
-    later: _Later = out["tensors"]
-    out["tensors"] = list(later.items())
-    return out
+    return {key: list(value.items()) if isinstance(value, _Later) else value for key, value in _checkpoint_doc(c).items()}
 
 
 def _checkpoint_doc(c: CheckpointReport) -> dict[str, Any]:
@@ -153,7 +150,7 @@ def _checkpoint_doc(c: CheckpointReport) -> dict[str, Any]:
         },
         "tensors": _Later(len(tensors), lambda: _tensor_dicts(tensors, quant)),
         **_quant_fields(c, quant),
-        "findings": [finding_dict(f) for f in c.findings],
+        "findings": _Later(len(c.findings), lambda: map(finding_dict, c.findings)),
         "metadata": _jsonable(dict(c.inventory.metadata)) if c.inventory else {},
     }
 
@@ -172,7 +169,21 @@ def report_dict(report: Report) -> dict[str, Any]:
 # Lists whose items are written one per line: readable at 10 tensors, and fast at a million, since each
 # line comes from json's C encoder (an indented dump goes through its pure-Python encoder instead).
 ONE_PER_LINE = frozenset({"tensors", "findings", "by_dtype", "quantized", "by_scheme"})
-_encode = json.JSONEncoder(ensure_ascii=False).encode
+_encoder = json.JSONEncoder(ensure_ascii=False)
+_make_c_encoder = getattr(json.encoder, "c_make_encoder", None)  # None where Python is built without _json
+_c_encoder = (
+    _make_c_encoder(None, _encoder.default, json.encoder.encode_basestring, None, ": ", ", ", False, False, True)
+    if _make_c_encoder
+    else None
+)
+
+
+def _encode(value: Any) -> str:
+    """``JSONEncoder(ensure_ascii=False).encode``, without the encoder it makes again for each value (a line per tensor
+    of a million-tensor header): its C encoder, made once."""
+    if _c_encoder is None or isinstance(value, str):
+        return _encoder.encode(value)
+    return "".join(_c_encoder(value, 0))
 
 
 def dumps(value: Any, indent: str = "") -> str:
