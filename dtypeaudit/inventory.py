@@ -179,9 +179,10 @@ _RECORD_INDEX = {f.name: i for i, f in enumerate(fields(TensorRecord))}
 _record_values = attrgetter(*_RECORD_INDEX)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Finding:
-    """Something a reader or a check wants the user to know."""
+    """Something a reader or a check wants the user to know. Slots, not a ``__dict__``: a million-tensor header may
+    raise hundreds of thousands."""
 
     rule: str
     """Stable identifier (``unsafe-global``, ``dtype-mismatch``)."""

@@ -286,15 +286,31 @@ _SIGNATURES = 1 << 16
 """At most this many module signatures remembered per inference: a header of a million different ones costs no more."""
 
 
-def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
+def infer_modules(inv: Inventory | Iterable[TensorRecord], *, tagged: list[TensorRecord] | None = None) -> list[Module]:
     """Every module of the model region, in the order its first tensor appears.
 
     Grouping uses the names as written: wrapper prefixes are stripped for naming only, so two prefixes that
     differ only by a wrapper stay two modules. Module types come from ``TensorRecord.module`` (``--model``)
     only, never from ``module_guess``: a guess is recomputed here, not taken for a fact. The forwards a
     factory measured come from the inventory's ``module_forward`` metadata.
+
+    ``tagged``: ``inv``'s records in order (``annotate``'s), where each record whose ``module_guess`` is not its
+    module's guessed type is replaced by one that is; the modules are then made over those, each once.
     """
-    return [Module(*parts) for parts in _module_parts(inv)]
+    if tagged is None:
+        return [Module(*parts) for parts in _module_parts(inv)]
+    place: dict[int, int] | None = None
+    modules = []
+    for prefix, kind, type_name, conf, members, g, forward, cast in _module_parts(inv):
+        if any(t.module_guess != g for t in members):
+            if place is None:
+                place = {id(t): i for i, t in enumerate(tagged)}
+            old = members
+            members = tuple(t if t.module_guess == g else t.with_(module_guess=g) for t in old)
+            for was, new in zip(old, members, strict=True):
+                tagged[place[id(was)]] = new
+        modules.append(Module(prefix, kind, type_name, conf, members, g, forward, cast))
+    return modules
 
 
 _Parts = tuple[str, ModuleKind, "str | None", Confidence, tuple[TensorRecord, ...], "str | None", "Mapping[str, str] | None", bool]
@@ -377,22 +393,7 @@ def annotate(inv: Inventory) -> Inventory:
     if _known(inv) is not None:
         return inv
     records = list(inv.tensors)
-    place: dict[int, int] | None = None
-    modules = []
-    for prefix, kind, type_name, conf, members, g, forward, cast in _module_parts(inv):
-        # each module made once, over the annotated records (inference reads ``module``, never ``module_guess``)
-        for t in members:
-            if t.module_guess != g:
-                break
-        else:
-            modules.append(Module(prefix, kind, type_name, conf, members, g, forward, cast))
-            continue  # every tensor already carries the guess
-        if place is None:
-            place = {id(t): i for i, t in enumerate(records)}
-        tagged = tuple(t if t.module_guess == g else t.with_(module_guess=g) for t in members)
-        for old, new in zip(members, tagged, strict=True):
-            records[place[id(old)]] = new
-        modules.append(Module(prefix, kind, type_name, conf, tagged, g, forward, cast))
+    modules = infer_modules(inv, tagged=records)  # over the annotated records (inference reads ``module``, never ``module_guess``)
     if any(t.region != "model" for t in inv.tensors):
         # a tensor outside the model (optimizer state) takes the guess of a model tensor of its name, if any
         guesses = {t.name: m.guessed_type for m in modules for t in m.tensors}
