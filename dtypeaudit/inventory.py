@@ -6,6 +6,7 @@ Frozen dataclasses, no torch: readers produce them, checks and renderers consume
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -198,6 +199,12 @@ class Finding:
     """The dtypes a rule expected, for dtype findings."""
     actual: str | None = None
     """The dtype found, for dtype findings."""
+
+    def __post_init__(self) -> None:
+        # One string for one message: a check raises the same words for each of thousands of alike modules, and a
+        # million-tensor header's hundreds of thousands of findings held a copy each (a tenth of the scan's memory).
+        if type(self.message) is str:  # sys.intern takes no subclass
+            object.__setattr__(self, "message", sys.intern(self.message))
 
 
 class Span(NamedTuple):

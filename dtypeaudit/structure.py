@@ -298,17 +298,13 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord], *, tagged: list[Tenso
     module's guessed type is replaced by one that is; the modules are then made over those, each once.
     """
     if tagged is None:
-        return [Module(*parts) for parts in _module_parts(inv)]
-    place: dict[int, int] | None = None
+        return [Module(*parts) for parts, _ in _module_parts(inv)]
     modules = []
-    for prefix, kind, type_name, conf, members, g, forward, cast in _module_parts(inv):
+    for (prefix, kind, type_name, conf, members, g, forward, cast), places in _module_parts(inv):
         if any(t.module_guess != g for t in members):
-            if place is None:
-                place = {id(t): i for i, t in enumerate(tagged)}
-            old = members
-            members = tuple(t if t.module_guess == g else t.with_(module_guess=g) for t in old)
-            for was, new in zip(old, members, strict=True):
-                tagged[place[id(was)]] = new
+            members = tuple(t if t.module_guess == g else t.with_(module_guess=g) for t in members)
+            for i, t in zip(places, members, strict=True):
+                tagged[i] = t
         modules.append(Module(prefix, kind, type_name, conf, members, g, forward, cast))
     return modules
 
@@ -316,20 +312,21 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord], *, tagged: list[Tenso
 _Parts = tuple[str, ModuleKind, "str | None", Confidence, tuple[TensorRecord, ...], "str | None", "Mapping[str, str] | None", bool]
 
 
-def _module_parts(inv: Inventory | Iterable[TensorRecord]) -> Iterator[_Parts]:
-    """``infer_modules``'s modules as the arguments of ``Module``, so that ``annotate`` makes each module once, over
-    its tagged records."""
+def _module_parts(inv: Inventory | Iterable[TensorRecord]) -> Iterator[tuple[_Parts, list[int]]]:
+    """``infer_modules``'s modules as the arguments of ``Module``, each with where its tensors stand in ``inv``, so
+    that ``annotate`` makes each module once, over its tagged records."""
     tensors = inv.tensors if isinstance(inv, Inventory) else tuple(inv)
     measured = inv.metadata.get("module_forward") if isinstance(inv, Inventory) else None
     probes: Mapping[str, Mapping[str, str]] = measured if isinstance(measured, Mapping) else {}
     cast_list = inv.metadata.get("input_casts") if isinstance(inv, Inventory) else None
     casts = frozenset(cast_list) if isinstance(cast_list, list) else frozenset()
     seen: dict[tuple[object, ...], tuple[ModuleKind, Confidence, str | None]] = {}
-    groups: dict[str, list[TensorRecord]] = {}
-    for t in tensors:
+    groups: dict[str, list[int]] = {}
+    for i, t in enumerate(tensors):
         if t.region == "model":
-            groups.setdefault(t.name.rpartition(".")[0], []).append(t)
-    for prefix, members in groups.items():
+            groups.setdefault(t.name.rpartition(".")[0], []).append(i)
+    for prefix, places in groups.items():
+        members = tuple(map(tensors.__getitem__, places))
         leaves = {t.name.rpartition(".")[2]: t for t in members}
         type_name = next((t.module for t in members if t.module), None)
         fact = _TYPE_KINDS.get(type_name) if type_name else None
@@ -355,7 +352,7 @@ def _module_parts(inv: Inventory | Iterable[TensorRecord]) -> Iterator[_Parts]:
             table = probes.get(type_name) if type_name else None
             if kind == "norm" and isinstance(table, Mapping) and set(leaves) == {"weight"}:
                 forward, conf = table, "fact"  # its own forward, measured by the factory
-        yield prefix, kind, type_name, conf, tuple(members), guessed, forward, prefix in casts
+        yield (prefix, kind, type_name, conf, members, guessed, forward, prefix in casts), places
 
 
 @dataclass(frozen=True)
