@@ -190,6 +190,7 @@ def _read_header(src: Source) -> tuple[dict[str, Any], int]:
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 """What ``json`` skips between tokens (its ``WHITESPACE``), as serde_json does."""
+_BLANKS = frozenset(" \t\n\r")
 
 
 def _quick_pairs(text: str) -> Iterator[tuple[str, Any]]:
@@ -211,23 +212,31 @@ def _quick_pairs(text: str) -> Iterator[tuple[str, Any]]:
     at = skip(text, at + 1).end()  # type: ignore[union-attr]
     if text[at : at + 1] != "}":
         while True:
+            # the crate writes no whitespace between tokens: the pattern is tried only where some stands
             if text[at : at + 1] != '"':
                 raise _NotQuick("a name expected")
             name, at = scanstring(text, at + 1, True)
-            at = skip(text, at).end()  # type: ignore[union-attr]
+            if text[at : at + 1] in _BLANKS:
+                at = skip(text, at).end()  # type: ignore[union-attr]
             if text[at : at + 1] != ":":
                 raise _NotQuick("':' expected")
+            at += 1
+            if text[at : at + 1] in _BLANKS:
+                at = skip(text, at).end()  # type: ignore[union-attr]
             try:
-                value, at = scan(text, skip(text, at + 1).end())  # type: ignore[union-attr]
+                value, at = scan(text, at)
             except StopIteration:
                 raise _NotQuick("a value expected") from None
             yield name, value
-            at = skip(text, at).end()  # type: ignore[union-attr]
+            if text[at : at + 1] in _BLANKS:
+                at = skip(text, at).end()  # type: ignore[union-attr]
             if text[at : at + 1] == "}":
                 break
             if text[at : at + 1] != ",":
                 raise _NotQuick("',' expected")
-            at = skip(text, at + 1).end()  # type: ignore[union-attr]
+            at += 1
+            if text[at : at + 1] in _BLANKS:
+                at = skip(text, at).end()  # type: ignore[union-attr]
     if skip(text, at + 1).end() != len(text):  # type: ignore[union-attr]
         raise _NotQuick("trailing data")
 
