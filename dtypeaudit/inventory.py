@@ -356,14 +356,20 @@ class DtypeTotals:
 
 def unique_tensors(tensors: Iterable[TensorRecord]) -> list[TensorRecord]:
     """Tensors with one copy of each tensor that appears under several names (same storage and view)."""
-    seen: set[tuple[object, ...]] = set()
+    records = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
+    if set(map(_STORAGE, records)) <= {None} and len(set(map(id, records))) == len(records):
+        return list(records)  # no storage named, each record once (safetensors, GGUF): all unique, found in C calls
+    seen: set[object] = set()
     out = []
-    for t in tensors:
-        key = (t.file, t.storage, t.offset, t.shape, t.stride, t.dtype) if t.storage is not None else (id(t),)
+    for t in records:
+        key = (t.file, t.storage, t.offset, t.shape, t.stride, t.dtype) if t.storage is not None else id(t)
         if key not in seen:
             seen.add(key)
             out.append(t)
     return out
+
+
+_STORAGE = attrgetter("storage")
 
 
 def floating_bytes(tensors: Iterable[TensorRecord]) -> Counter[str]:

@@ -190,3 +190,18 @@ def test_a_name_twice_is_refused_however_the_header_is_read(tmp_path: Path) -> N
     path.write_bytes(len(body).to_bytes(8, "little") + body + raw[8 + n :])
     with pytest.raises(CheckpointError, match="names 'a' twice"):
         read_checkpoint(path)
+
+
+def test_each_tensor_line_is_what_the_encoder_writes_of_its_dict() -> None:
+    """The JSON report writes the usual record's line out itself; every kind of record gives the encoder's text."""
+    from dtypeaudit.inventory import TensorRecord
+
+    records = [
+        TensorRecord("a.weight", "float16", (2, 3), 12),
+        TensorRecord('odd "name"\\ é\n\u2028', "bfloat16", (), 2, kind="parameter", file="sub/w.safetensors", offset=7),
+        TensorRecord("b", "float32", (0, 4), 0, storage="3", offset=2, module="Linear", module_guess="Linear"),
+        TensorRecord("c", "float32", (4,), 16, storage="3", stride=(1,), shares_with=("d",), layout="sparse_coo"),
+        TensorRecord("e", "int8", (True, 2), 2),  # type: ignore[arg-type]  # no plain integer: the encoder's path
+        TensorRecord("f", "float32", (1 << 70,), 4, region="optimizer"),
+    ]
+    assert [json_render._tensor_line(t) for t in records] == [json_render._encode(json_render.tensor_dict(t)) for t in records]
