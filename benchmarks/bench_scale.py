@@ -24,12 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common import WORK, measure_all, python
+from common import WORK, python, run_once
 
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
 
@@ -76,26 +78,30 @@ def write_safetensors(path: Path, tensors: list[tuple[str, str, list[int]]]) -> 
     tmp.rename(path)
 
 
-def make_inputs(root: Path, count: int) -> tuple[Path, Path]:
-    """The million-tensor file and the million-entry index folder (made once per count)."""
+def make_inputs(root: Path, count: int) -> tuple[Path, Path, Path]:
+    """The million-tensor file, the million-entry index folder and the no-findings file (made once per count)."""
     root = root / str(count)
     root.mkdir(parents=True, exist_ok=True)
     big = root / "million.safetensors"
-    tensors = tensor_names(count)
     if not big.exists():
-        write_safetensors(big, tensors)
+        write_safetensors(big, tensor_names(count))
+    plain = root / "plain.safetensors"
+    if not plain.exists():
+        # issue 31's own file: a million F32 [1] tensors, no finding (the reference that the load touches alike)
+        write_safetensors(plain, [(f"t{i}", "F32", [1]) for i in range(count)])
     folder = root / "index"
     index = folder / "model.safetensors.index.json"
     if not index.exists():
         folder.mkdir(exist_ok=True)
         (folder / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "float16"}))
         # a short shard name: a million entries then stay under the 64 MiB cap on JSON files
+        tensors = tensor_names(count)
         write_safetensors(folder / "w.safetensors", tensors[:1000])
         weight_map = {name: "w.safetensors" for name, _, _ in tensors}
         tmp = index.with_suffix(".tmp")
         tmp.write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}, separators=(",", ":")))
         tmp.rename(index)
-    return big, folder
+    return big, folder, plain
 
 
 def main() -> None:
@@ -103,21 +109,51 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--no-write", action="store_true", help="print the figures, leave SCALE.md as it is")
+    ap.add_argument("--baseline", type=Path, help="a folder holding an earlier dtypeaudit package, run alike in the same run (its column)")
+    ap.add_argument("--make-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    big, folder = make_inputs(WORK / "scale", args.tensors)
+    if args.make_only:
+        make_inputs(WORK / "scale", args.tensors)
+        return
+    # Made in a child: each measured command is forked from this process, and a child's peak RSS counts what
+    # its parent held when it forked (the lists that write a million-tensor header are hundreds of MB).
+    subprocess.run([python(), __file__, "--tensors", str(args.tensors), "--make-only"], check=True)
+    big, folder, plain = (WORK / "scale" / str(args.tensors) / name for name in ("million.safetensors", "index", "plain.safetensors"))
     out = WORK / "scale" / "report.json"
-    scan = [python(), "-m", "dtypeaudit", "scan"]
     commands: dict[str, tuple[list[str], Path | None]] = {}
     for label, target in (("1M-tensor header", big), ("1M-entry index", folder)):
-        commands[f"{label}, -q"] = ([*scan, str(target), "-q", "-f", "plain"], None)
-        commands[f"{label}, table"] = ([*scan, str(target), "-f", "plain"], None)
-        commands[f"{label}, --format json"] = ([*scan, str(target), "--format", "json", "-o", str(out)], out)
+        commands[f"{label}, -q"] = ([str(target), "-q", "-f", "plain"], None)
+        commands[f"{label}, table"] = ([str(target), "-f", "plain"], None)
+        commands[f"{label}, --format json"] = ([str(target), "--format", "json", "-o", str(out)], out)
+    commands["1M F32 [1] header, no findings, -q"] = ([str(plain), "-q", "-f", "plain"], None)
+    here = Path(__file__).resolve().parent.parent  # this checkout's package, whatever the working directory
+    trees = {"this": here, "baseline": args.baseline.resolve()} if args.baseline else {"this": here}
     load_before = os.getloadavg()
-    results = measure_all(commands, repeat=args.repeat)
+    # interleaved (A B C ..., A B C ...) and the baseline beside each, so that a drifting machine touches each alike
+    runs: dict[tuple[str, str], list] = {}
+    for _ in range(args.repeat):
+        for label, (cmd_args, output) in commands.items():
+            for tree, where in trees.items():
+                # -P: the working directory's package, if any, is not put before PYTHONPATH's
+                cmd = ["env", f"PYTHONPATH={where}", python(), "-P", "-m", "dtypeaudit", "scan", *cmd_args]
+                runs.setdefault((label, tree), []).append(run_once(cmd, output, [out]))
     load_after = os.getloadavg()
-    rows = [f"| {label} | {m.wall_s:.1f} | {m.peak_rss_mb:.0f} |" for label, m in results.items()]
+    head = ["command", "wall (s)", "CPU (s)", "peak RSS (MB)"]
+    if args.baseline:
+        head += ["baseline wall (s)", "baseline CPU (s)", "baseline peak RSS (MB)"]
+    rows = []
+    for label in commands:
+        cells = [label]
+        for tree in trees:
+            rs = runs[(label, tree)]
+            cells += [
+                f"{statistics.median(r.wall_s for r in rs):.1f}",
+                f"{statistics.median(r.cpu_s for r in rs):.1f}",
+                f"{max(r.peak_rss_mb for r in rs):.0f}",
+            ]
+        rows.append("| " + " | ".join(cells) + " |")
     load = f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after, on {os.cpu_count()} cores"
-    table = "\n".join(["| command | wall (s) | peak RSS (MB) |", "|---|---:|---:|", *rows])
+    table = "\n".join(["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|", *rows])
     print(f"{args.tensors} tensors; {load}\n{table}")
     if args.no_write:
         return
@@ -125,7 +161,8 @@ def main() -> None:
 
 Whole `dtypeaudit scan` processes on a header of {args.tensors:,} tensors ({big.stat().st_size / 1e6:.0f} MB file)
 and a shard index of {args.tensors:,} entries, measured by `python benchmarks/bench_scale.py` (median of
-{args.repeat} run(s) each; peak RSS of the process and its children). Target: at most 15 s and 1 GB each.
+{args.repeat} run(s) each; CPU: user + system time; peak RSS of the process and its children). Target: at most 15 s
+and 1 GB each.
 
 Measured {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, Python {sys.version.split()[0]}, {load}
 (a shared machine: the figures are noisy).

@@ -6,6 +6,7 @@ Frozen dataclasses, no torch: readers produce them, checks and renderers consume
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -179,9 +180,10 @@ _RECORD_INDEX = {f.name: i for i, f in enumerate(fields(TensorRecord))}
 _record_values = attrgetter(*_RECORD_INDEX)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Finding:
-    """Something a reader or a check wants the user to know."""
+    """Something a reader or a check wants the user to know. Slots, not a ``__dict__``: a million-tensor header may
+    raise hundreds of thousands."""
 
     rule: str
     """Stable identifier (``unsafe-global``, ``dtype-mismatch``)."""
@@ -197,6 +199,12 @@ class Finding:
     """The dtypes a rule expected, for dtype findings."""
     actual: str | None = None
     """The dtype found, for dtype findings."""
+
+    def __post_init__(self) -> None:
+        # One string for one message: a check raises the same words for each of thousands of alike modules, and a
+        # million-tensor header's hundreds of thousands of findings held a copy each (a tenth of the scan's memory).
+        if type(self.message) is str:  # sys.intern takes no subclass
+            object.__setattr__(self, "message", sys.intern(self.message))
 
 
 class Span(NamedTuple):
@@ -348,14 +356,20 @@ class DtypeTotals:
 
 def unique_tensors(tensors: Iterable[TensorRecord]) -> list[TensorRecord]:
     """Tensors with one copy of each tensor that appears under several names (same storage and view)."""
-    seen: set[tuple[object, ...]] = set()
+    records = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
+    if set(map(_STORAGE, records)) <= {None} and len(set(map(id, records))) == len(records):
+        return list(records)  # no storage named, each record once (safetensors, GGUF): all unique, found in C calls
+    seen: set[object] = set()
     out = []
-    for t in tensors:
-        key = (t.file, t.storage, t.offset, t.shape, t.stride, t.dtype) if t.storage is not None else (id(t),)
+    for t in records:
+        key = (t.file, t.storage, t.offset, t.shape, t.stride, t.dtype) if t.storage is not None else id(t)
         if key not in seen:
             seen.add(key)
             out.append(t)
     return out
+
+
+_STORAGE = attrgetter("storage")
 
 
 def floating_bytes(tensors: Iterable[TensorRecord]) -> Counter[str]:

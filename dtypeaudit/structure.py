@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -286,26 +286,47 @@ _SIGNATURES = 1 << 16
 """At most this many module signatures remembered per inference: a header of a million different ones costs no more."""
 
 
-def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
+def infer_modules(inv: Inventory | Iterable[TensorRecord], *, tagged: list[TensorRecord] | None = None) -> list[Module]:
     """Every module of the model region, in the order its first tensor appears.
 
     Grouping uses the names as written: wrapper prefixes are stripped for naming only, so two prefixes that
     differ only by a wrapper stay two modules. Module types come from ``TensorRecord.module`` (``--model``)
     only, never from ``module_guess``: a guess is recomputed here, not taken for a fact. The forwards a
     factory measured come from the inventory's ``module_forward`` metadata.
+
+    ``tagged``: ``inv``'s records in order (``annotate``'s), where each record whose ``module_guess`` is not its
+    module's guessed type is replaced by one that is; the modules are then made over those, each once.
     """
+    if tagged is None:
+        return [Module(*parts) for parts, _ in _module_parts(inv)]
+    modules = []
+    for (prefix, kind, type_name, conf, members, g, forward, cast), places in _module_parts(inv):
+        if any(t.module_guess != g for t in members):
+            members = tuple(t if t.module_guess == g else t.with_(module_guess=g) for t in members)
+            for i, t in zip(places, members, strict=True):
+                tagged[i] = t
+        modules.append(Module(prefix, kind, type_name, conf, members, g, forward, cast))
+    return modules
+
+
+_Parts = tuple[str, ModuleKind, "str | None", Confidence, tuple[TensorRecord, ...], "str | None", "Mapping[str, str] | None", bool]
+
+
+def _module_parts(inv: Inventory | Iterable[TensorRecord]) -> Iterator[tuple[_Parts, list[int]]]:
+    """``infer_modules``'s modules as the arguments of ``Module``, each with where its tensors stand in ``inv``, so
+    that ``annotate`` makes each module once, over its tagged records."""
     tensors = inv.tensors if isinstance(inv, Inventory) else tuple(inv)
     measured = inv.metadata.get("module_forward") if isinstance(inv, Inventory) else None
     probes: Mapping[str, Mapping[str, str]] = measured if isinstance(measured, Mapping) else {}
     cast_list = inv.metadata.get("input_casts") if isinstance(inv, Inventory) else None
     casts = frozenset(cast_list) if isinstance(cast_list, list) else frozenset()
     seen: dict[tuple[object, ...], tuple[ModuleKind, Confidence, str | None]] = {}
-    groups: dict[str, list[TensorRecord]] = {}
-    for t in tensors:
+    groups: dict[str, list[int]] = {}
+    for i, t in enumerate(tensors):
         if t.region == "model":
-            groups.setdefault(t.name.rpartition(".")[0], []).append(t)
-    out = []
-    for prefix, members in groups.items():
+            groups.setdefault(t.name.rpartition(".")[0], []).append(i)
+    for prefix, places in groups.items():
+        members = tuple(map(tensors.__getitem__, places))
         leaves = {t.name.rpartition(".")[2]: t for t in members}
         type_name = next((t.module for t in members if t.module), None)
         fact = _TYPE_KINDS.get(type_name) if type_name else None
@@ -317,7 +338,7 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
         else:
             # what names and shapes say depends on the prefix's last part and the tensors' leaves, dtypes and
             # shapes alone, which repeat layer after layer: guessed once per signature
-            signature = (prefix.rpartition(".")[2], *((leaf, t.dtype, t.shape) for leaf, t in leaves.items()))
+            signature = (prefix.rpartition(".")[2], *[(leaf, t.dtype, t.shape) for leaf, t in leaves.items()])
             known = seen.get(signature)
             if known is None:
                 kind, conf = _guess(prefix, leaves)
@@ -331,8 +352,7 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord]) -> list[Module]:
             table = probes.get(type_name) if type_name else None
             if kind == "norm" and isinstance(table, Mapping) and set(leaves) == {"weight"}:
                 forward, conf = table, "fact"  # its own forward, measured by the factory
-        out.append(Module(prefix, kind, type_name, conf, tuple(members), guessed, forward, prefix in casts))
-    return out
+        yield (prefix, kind, type_name, conf, members, guessed, forward, prefix in casts), places
 
 
 @dataclass(frozen=True)
@@ -369,21 +389,8 @@ def annotate(inv: Inventory) -> Inventory:
     """
     if _known(inv) is not None:
         return inv
-    modules = infer_modules(inv)
     records = list(inv.tensors)
-    place = {id(t): i for i, t in enumerate(records)}
-    for k, m in enumerate(modules):
-        # the same module over the annotated records (inference reads ``module``, never ``module_guess``)
-        g = m.guessed_type
-        for t in m.tensors:
-            if t.module_guess != g:
-                break
-        else:
-            continue  # every tensor already carries the guess
-        tagged = tuple(t if t.module_guess == g else t.with_(module_guess=g) for t in m.tensors)
-        for old, new in zip(m.tensors, tagged, strict=True):
-            records[place[id(old)]] = new
-        modules[k] = Module(m.prefix, m.kind, m.type_name, m.confidence, tagged, g, m.forward, m.input_cast)
+    modules = infer_modules(inv, tagged=records)  # over the annotated records (inference reads ``module``, never ``module_guess``)
     if any(t.region != "model" for t in inv.tensors):
         # a tensor outside the model (optimizer state) takes the guess of a model tensor of its name, if any
         guesses = {t.name: m.guessed_type for m in modules for t in m.tensors}

@@ -366,9 +366,9 @@ def inferences(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     calls: Counter[str] = Counter()
     infer = structure.infer_modules
 
-    def counted(inv: Any) -> Any:
+    def counted(inv: Any, **kwargs: Any) -> Any:
         calls[inv.path if isinstance(inv, Inventory) else "records"] += 1
-        return infer(inv)
+        return infer(inv, **kwargs)
 
     monkeypatch.setattr(structure, "infer_modules", counted)
     return calls

@@ -129,3 +129,79 @@ def test_annotate_over_many_modules_matches_inference_alone(tmp_path: Path) -> N
     by_name = done.by_name()
     for m in modules_of(done):  # what annotate carries: its modules hold the annotated records themselves
         assert all(by_name[t.name] is t for t in m.tensors)
+
+
+def _rewritten(tmp_path: Path, source: Path, spelled: str) -> Path:
+    """``source``'s header written again as ``spelled`` says (the crate writes it compact, metadata first), its data
+    unchanged: by hand, since no writer spells a header otherwise."""
+    raw = source.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    meta = {"__metadata__": header.pop("__metadata__")}
+    if spelled == "indented":
+        text = json.dumps({**meta, **header}, indent=2)
+    elif spelled == "metadata last":
+        text = json.dumps({**header, **meta}, separators=(",", ":"))
+    elif spelled == "spaced":
+        text = " \n" + json.dumps({**header, **meta}, separators=(" ,\t", " : ")) + "\r\n"
+    else:
+        raise AssertionError(spelled)
+    body = text.encode() + b" " * (-len(text) % 8)
+    path = tmp_path / f"{spelled.replace(' ', '-')}.safetensors"
+    path.write_bytes(len(body).to_bytes(8, "little") + body + raw[8 + n :])
+    return path
+
+
+@pytest.mark.parametrize("spelled", ["indented", "metadata last", "spaced"])
+def test_a_header_spelled_otherwise_reads_as_the_crate_reads_it(tmp_path: Path, spelled: str) -> None:
+    """A header is parsed an entry at a time; whitespace between tokens and the metadata's place change nothing of
+    what safe_open gives."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source = tmp_path / "a.safetensors"
+    save_file({"a.weight": torch.zeros(2, 3), "a.bias": torch.ones(2, dtype=torch.float16), "b": torch.zeros(0)}, str(source), {"k": "v"})
+    path = _rewritten(tmp_path, source, spelled)
+    with safe_open(str(path), "pt") as f:
+        loaded = {k: (str(f.get_tensor(k).dtype).removeprefix("torch."), tuple(f.get_tensor(k).shape)) for k in f.keys()}  # noqa: SIM118
+        metadata = f.metadata()
+    inv = read_checkpoint(path)
+    assert {t.name: (t.dtype, t.shape) for t in inv.tensors} == loaded
+    assert inv.metadata["safetensors_metadata"] == metadata
+    assert [t.name for t in inv.tensors] == [t.name for t in read_checkpoint(source).tensors]
+    assert dict(inv.layout.storages) == {  # type: ignore[union-attr]
+        k: (s.offset + len(path.read_bytes()) - len(source.read_bytes()), s.length)
+        for k, s in read_checkpoint(source).layout.storages.items()  # type: ignore[union-attr]
+    }
+
+
+def test_a_name_twice_is_refused_however_the_header_is_read(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from dtypeaudit.errors import CheckpointError
+
+    source = tmp_path / "a.safetensors"
+    save_file({"a": torch.zeros(1), "b": torch.zeros(1)}, str(source))
+    raw = source.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    text = raw[8 : 8 + n].decode().rstrip().replace('"b"', '"a"')
+    body = text.encode() + b" " * (-len(text) % 8)
+    path = tmp_path / "twice.safetensors"
+    path.write_bytes(len(body).to_bytes(8, "little") + body + raw[8 + n :])
+    with pytest.raises(CheckpointError, match="names 'a' twice"):
+        read_checkpoint(path)
+
+
+def test_each_tensor_line_is_what_the_encoder_writes_of_its_dict() -> None:
+    """The JSON report writes the usual record's line out itself; every kind of record gives the encoder's text."""
+    from dtypeaudit.inventory import TensorRecord
+
+    records = [
+        TensorRecord("a.weight", "float16", (2, 3), 12),
+        TensorRecord('odd "name"\\ é\n\u2028', "bfloat16", (), 2, kind="parameter", file="sub/w.safetensors", offset=7),
+        TensorRecord("b", "float32", (0, 4), 0, storage="3", offset=2, module="Linear", module_guess="Linear"),
+        TensorRecord("c", "float32", (4,), 16, storage="3", stride=(1,), shares_with=("d",), layout="sparse_coo"),
+        TensorRecord("e", "int8", (True, 2), 2),  # type: ignore[arg-type]  # no plain integer: the encoder's path
+        TensorRecord("f", "float32", (1 << 70,), 4, region="optimizer"),
+    ]
+    assert [json_render._tensor_line(t) for t in records] == [json_render._encode(json_render.tensor_dict(t)) for t in records]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from .. import dtypes
@@ -113,7 +114,7 @@ def _bytes_item(
     except DtypeAuditError as exc:
         raise CheckpointError(f"bytes item '{fqn}' in {rel}: {exc.message}", path=str(path)) from None
     tensors = [t.with_(name=f"{fqn}.{t.name}" if t.name else fqn, file=rel, shares_with=()) for t in inv.tensors]
-    findings = [Finding(**{**f.__dict__, "message": f"bytes item '{fqn}': {f.message}", "file": rel}) for f in inv.findings]
+    findings = [replace(f, message=f"bytes item '{fqn}': {f.message}", file=rel) for f in inv.findings]
     return tensors, findings
 
 

@@ -575,7 +575,7 @@ def read(path: AnyPath, read_file: Callable[[Any], Inventory], docs: Documents, 
         parts[label] = inv
         if i == 0:
             first_tensors = inv.tensors
-        findings.extend(f if f.file else Finding(**{**f.__dict__, "file": label}) for f in inv.findings)
+        findings.extend(f if f.file else replace(f, file=label) for f in inv.findings)
         for t in inv.tensors:
             if t.name in holder:
                 findings.append(

@@ -13,7 +13,10 @@ import json
 import math
 import re
 import struct
+from array import array
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from json.decoder import scanstring  # type: ignore[attr-defined]  # typeshed leaves out what the decoder uses
 from operator import attrgetter
 from typing import Any
 
@@ -133,15 +136,10 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out if len(out) == len(pairs) else unique_pairs(pairs)
 
 
-def _loads(text: str, *, careful: bool = True) -> Any:
-    """JSON as serde_json accepts it: no NaN, no number beyond f64, no lone surrogate escape.
-
-    ``careful=False`` reads integers as Python does, without a call per number: ``-0`` and integers beyond
-    i64/u64 read differently, so what it gives is only good where every integer is then found in range.
-    """
+def _loads(text: str) -> Any:
+    """JSON as serde_json accepts it: no NaN, no number beyond f64, no lone surrogate escape."""
     # The crate keeps the last of two equal tensor names; other JSON readers keep the first: refused.
-    parse_int = _parse_int if careful or "-0" in text else None
-    value = json.loads(text, object_pairs_hook=_unique, parse_int=parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+    value = json.loads(text, object_pairs_hook=_unique, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
     # Python decodes a lone surrogate escape (\ud800) to a lone code point; serde_json refuses it.
     if _ESCAPED_SURROGATE.search(text) and _has_surrogate(value):
         raise _Refused("the header holds a lone UTF-16 surrogate escape, which the safetensors crate refuses")
@@ -151,8 +149,8 @@ def _loads(text: str, *, careful: bool = True) -> Any:
 # -- the header -----------------------------------------------------------------------------------
 
 
-def _read_header(src: Source, *, careful: bool = True) -> tuple[dict[str, Any], int]:
-    """The parsed header and the offset where the data area starts: 8 bytes, then the header, nothing else."""
+def _header_text(src: Source) -> tuple[str, int]:
+    """The header's text and the offset where the data area starts: 8 bytes, then the header, nothing else."""
     path = src.name
     size = src.size
     raw = src.read(0, 8)
@@ -166,11 +164,17 @@ def _read_header(src: Source, *, careful: bool = True) -> tuple[dict[str, Any], 
             f"safetensors header claims {n} bytes but the file has {size - 8} after the length (truncated?)", path=str(path)
         )
     try:
-        text = src.read(8, n).decode("utf-8")  # the bytes freed before parsing: a header may be 100 MB
+        return src.read(8, n).decode("utf-8"), 8 + n  # the bytes freed before parsing: a header may be 100 MB
     except UnicodeDecodeError:
         raise CheckpointError("safetensors header is not UTF-8", path=str(path)) from None
+
+
+def _read_header(src: Source) -> tuple[dict[str, Any], int]:
+    """The parsed header, read the careful way, and the offset where the data area starts."""
+    path = src.name
+    text, start = _header_text(src)
     try:
-        header = _loads(text, careful=careful)
+        header = _loads(text)
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"safetensors header is not JSON ({exc.msg} at char {exc.pos})", path=str(path)) from None
     except DuplicateKey as exc:
@@ -181,7 +185,60 @@ def _read_header(src: Source, *, careful: bool = True) -> tuple[dict[str, Any], 
         raise CheckpointError("safetensors header nests too deeply", path=str(path)) from None
     if not isinstance(header, dict):
         raise CheckpointError("safetensors header is not a JSON object", path=str(path))
-    return header, 8 + n
+    return header, start
+
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+"""What ``json`` skips between tokens (its ``WHITESPACE``), as serde_json does."""
+_BLANKS = frozenset(" \t\n\r")
+
+
+def _quick_pairs(text: str) -> Iterator[tuple[str, Any]]:
+    """The top-level object's (name, value) pairs, each value parsed only when its turn comes, so that a million
+    entries are never held parsed at once (they were most of a million-tensor scan's memory). Integers are read as
+    Python reads them, without a call per number (``-0`` and integers beyond i64/u64 read differently, so what it
+    gives is only good where every integer is then found in range). Only the plain form: anything else (a name twice, a lone surrogate
+    escape, a syntax error) raises ``_NotQuick``, for the careful reading to refuse or accept."""
+    if _ESCAPED_SURROGATE.search(text):
+        raise _NotQuick("a surrogate escape")
+    parse_int = _parse_int if "-0" in text else None
+    scan = json.JSONDecoder(
+        object_pairs_hook=_unique, parse_int=parse_int, parse_float=_parse_float, parse_constant=_parse_constant
+    ).scan_once  # type: ignore[attr-defined]  # the C scanner json.loads runs
+    skip = _WHITESPACE.match
+    at = skip(text, 0).end()  # type: ignore[union-attr]  # matches everywhere, if only the empty string
+    if text[at : at + 1] != "{":
+        raise _NotQuick("not an object")
+    at = skip(text, at + 1).end()  # type: ignore[union-attr]
+    if text[at : at + 1] != "}":
+        while True:
+            # the crate writes no whitespace between tokens: the pattern is tried only where some stands
+            if text[at : at + 1] != '"':
+                raise _NotQuick("a name expected")
+            name, at = scanstring(text, at + 1, True)
+            if text[at : at + 1] in _BLANKS:
+                at = skip(text, at).end()  # type: ignore[union-attr]
+            if text[at : at + 1] != ":":
+                raise _NotQuick("':' expected")
+            at += 1
+            if text[at : at + 1] in _BLANKS:
+                at = skip(text, at).end()  # type: ignore[union-attr]
+            try:
+                value, at = scan(text, at)
+            except StopIteration:
+                raise _NotQuick("a value expected") from None
+            yield name, value
+            if text[at : at + 1] in _BLANKS:
+                at = skip(text, at).end()  # type: ignore[union-attr]
+            if text[at : at + 1] == "}":
+                break
+            if text[at : at + 1] != ",":
+                raise _NotQuick("',' expected")
+            at += 1
+            if text[at : at + 1] in _BLANKS:
+                at = skip(text, at).end()  # type: ignore[union-attr]
+    if skip(text, at + 1).end() != len(text):  # type: ignore[union-attr]
+        raise _NotQuick("trailing data")
 
 
 def _usize(value: Any) -> bool:
@@ -205,7 +262,7 @@ def _usizes(values: list[Any]) -> bool:
 
 
 class _NotQuick(ValueError):
-    """A header read the quick way (``_loads(careful=False)``) holds an entry that is not the usual kind."""
+    """A header read the quick way (``_quick_pairs``) is not the plain form, or holds an entry that is not the usual kind."""
 
 
 def _entry(name: str, raw: Any, path: str, *, quick: bool = False) -> HeaderEntry:
@@ -293,28 +350,51 @@ def parse(path: AnyPath | Source) -> Header:
 
 
 def _parse(src: Source) -> Header:
-    # First with integers read the quick way, and only the usual entries; where that header is not accepted as it
-    # stands, again the careful way, whose refusal is the one reported. The two readings differ only for -0 (a
-    # float to serde_json, refused in a shape; ``_loads`` reads it carefully anyway) and for integers beyond u64,
-    # which a header read the quick way cannot hold once accepted: every number in it is then a shape or an
-    # offset, checked to be a usize (no field of other names), and the metadata holds only strings.
+    # First the quick way (``_quick_pairs``: integers read as Python reads them, each entry checked as it is parsed,
+    # only the usual entries); where that header is not accepted as it stands, again the careful way, whose refusal
+    # is the one reported. The two readings differ only for -0 (a float to serde_json, refused in a shape; read
+    # carefully anyway) and for integers beyond u64, which a header read the quick way cannot hold once accepted:
+    # every number in it is then a shape or an offset, checked to be a usize (no field of other names), and the
+    # metadata holds only strings.
     try:
-        return _checked(src, *_read_header(src, careful=False), quick=True)
-    except (CheckpointError, ValueError):
+        text, start = _header_text(src)
+        return _quick(src, text, start)
+    except (CheckpointError, ValueError, RecursionError):
         pass
-    return _checked(src, *_read_header(src), quick=False)
-
-
-def _checked(src: Source, header: dict[str, Any], start: int, *, quick: bool) -> Header:
-    path = src.name
-    data_size = src.size - start
+    header, start = _read_header(src)
     metadata = header.pop("__metadata__", None)
+    _check_metadata(metadata, src.name)
+    # each raw entry dropped as soon as it is checked: the parsed JSON and the entries are never held whole together
+    entries = [_entry(name, header.pop(name), src.name) for name in list(header)]
+    return _validated(src, entries, metadata, start)
+
+
+def _quick(src: Source, text: str, start: int) -> Header:
+    path = src.name
+    metadata = None
+    entries = []
+    for name, raw in _quick_pairs(text):
+        if name == "__metadata__":
+            metadata = raw
+        else:
+            entries.append(_entry(name, raw, path, quick=True))
+    del text
+    if len({e.name for e in entries}) != len(entries) or (metadata is not None and any(e.name == "__metadata__" for e in entries)):
+        raise _NotQuick("a name twice")
+    _check_metadata(metadata, path)
+    return _validated(src, entries, metadata, start)
+
+
+def _check_metadata(metadata: Any, path: str) -> None:
     if metadata is not None and (
         not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
     ):
         raise CheckpointError("safetensors __metadata__ must map strings to strings", path=str(path))
-    # each raw entry dropped as soon as it is checked: the parsed JSON and the entries are never held whole together
-    entries = [_entry(name, header.pop(name), path, quick=quick) for name in list(header)]
+
+
+def _validated(src: Source, entries: list[HeaderEntry], metadata: dict[str, str] | None, start: int) -> Header:
+    path = src.name
+    data_size = src.size - start
     # Metadata::validate: sorted by offsets, each tensor starts where the one before ended.
     entries.sort(key=attrgetter("begin", "end"))
     cursor = 0
@@ -370,12 +450,47 @@ def _record(entry: HeaderEntry, path: str, file: str) -> TensorRecord:
     return TensorRecord(entry.name, dtype, (*shape[:-1], shape[-1] // per_byte), nbytes, file=file, offset=entry.begin)
 
 
+class _Spans(Mapping[str, Span]):
+    """Tensor name -> where its bytes lie, held in two arrays rather than a ``Span`` each (a million-tensor header's
+    spans took a tenth of its scan's memory); looked up by name only by conversion, which makes the index then."""
+
+    __slots__ = ("_names", "_offsets", "_lengths", "_index")
+
+    def __init__(self, names: tuple[str, ...], offsets: array[int], lengths: array[int]) -> None:
+        self._names = names
+        self._offsets = offsets
+        self._lengths = lengths
+        self._index: dict[str, int] | None = None
+
+    def __getitem__(self, name: str) -> Span:
+        if self._index is None:
+            self._index = {n: i for i, n in enumerate(self._names)}
+        i = self._index[name]
+        return Span(self._offsets[i], self._lengths[i])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _Spans, (self._names, self._offsets, self._lengths)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
 def read(path: AnyPath | Source, *, file_label: str = "") -> Inventory:
     with locate.opened(path) as src:
         header = _parse(src)
         name = src.name
     tensors = tuple(_record(e, name, file_label) for e in header.entries)
     start = header.start
-    layout = Layout("safetensors", {e.name: Span(start + e.begin, e.end - e.begin) for e in header.entries})
+    entries = header.entries
+    spans = _Spans(
+        tuple(e.name for e in entries), array("Q", [start + e.begin for e in entries]), array("Q", [e.end - e.begin for e in entries])
+    )
+    layout = Layout("safetensors", spans)
     meta: dict[str, object] = {"safetensors_metadata": header.metadata}
     return Inventory(name, "safetensors", tensors, (), meta, layout=layout)

@@ -4,6 +4,8 @@ usual case) imports none of the grouping (group.py), its records (model.py) or i
 
 from __future__ import annotations
 
+from operator import attrgetter, methodcaller
+
 from ..inventory import Format, Inventory, TensorRecord
 
 FLOAT8 = frozenset({"float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"})
@@ -18,4 +20,15 @@ def hints_quantization(t: TensorRecord) -> bool:
 def might_be_quantized(inv: Inventory) -> bool:
     """False only where group.view finds no logical weight and quant/consistency.py no finding: no
     ``quantization_config`` key at all, not GGUF, and no tensor that hints at quantization."""
-    return "quantization_config" in inv.metadata or inv.format == Format.GGUF or any(hints_quantization(t) for t in inv.tensors)
+    if "quantization_config" in inv.metadata or inv.format == Format.GGUF:
+        return True
+    # ``any(hints_quantization(t) for t in inv.tensors)`` in C calls: a scan asks it a few times of a million tensors
+    found = set(map(_DTYPE, inv.tensors))
+    if not FLOAT8.isdisjoint(found) or any(map(_HINTED, map(_NAME, inv.tensors))):
+        return True
+    return "int8" in found and any(map(hints_quantization, inv.tensors))
+
+
+_DTYPE = attrgetter("dtype")
+_NAME = attrgetter("name")
+_HINTED = methodcaller("endswith", _HINT_SUFFIXES)

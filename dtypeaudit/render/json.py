@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Optional
@@ -35,6 +36,32 @@ def tensor_dict(t: TensorRecord) -> dict[str, Any]:
         "shares_with": list(t.shares_with),
         "module_guess": t.module_guess,
     }
+
+
+_string = json.encoder.encode_basestring
+_ONLY_INT = frozenset({int})
+
+
+def _tensor_line(t: TensorRecord) -> str:
+    """``_encode(tensor_dict(t))``, written out for the usual record (no stride, no shared storage, plain integers):
+    a million-tensor header's lines were most of its JSON report's time."""
+    shape = t.shape
+    plain = t.stride is None and not t.shares_with and type(t.nbytes) is int and type(t.offset) is int
+    if not plain or not _ONLY_INT.issuperset(map(type, shape)):
+        return _encode(tensor_dict(t))
+    try:
+        return (
+            f'{{"name": {_string(t.name)}, "dtype": {_string(t.dtype)}, "shape": [{", ".join(map(str, shape))}], '
+            f'"kind": {_string(t.kind)}, "nbytes": {t.nbytes}, "numel": {math.prod(shape)}, "file": {_maybe(t.file or None)}, '
+            f'"storage": {_maybe(t.storage)}, "offset": {t.offset}, "stride": null, "layout": {_string(t.layout)}, '
+            f'"region": {_string(t.region)}, "module": {_maybe(t.module)}, "shares_with": [], "module_guess": {_maybe(t.module_guess)}}}'
+        )
+    except TypeError:  # a field that is no string: the encoder says what it makes of it
+        return _encode(tensor_dict(t))
+
+
+def _maybe(value: str | None) -> str:
+    return "null" if value is None else _string(value)
 
 
 def finding_dict(f: Finding) -> dict[str, Any]:
@@ -118,19 +145,18 @@ def _tensor_dicts(tensors: tuple[TensorRecord, ...], quant: Optional[QuantView])
 
 
 class _Later:
-    """A list the writer makes item by item as it writes it (``chunks``): a million tensors' dicts, never all at once."""
+    """A list the writer makes item by item as it writes it (``chunks``): a million tensors' dicts, never all at once;
+    ``lines``, where given, makes each item's JSON text itself."""
 
-    def __init__(self, count: int, items: Callable[[], Iterable[Any]]) -> None:
+    def __init__(self, count: int, items: Callable[[], Iterable[Any]], lines: Callable[[], Iterable[str]] | None = None) -> None:
         self.count = count
         self.items = items
+        self.lines = lines
 
 
 def checkpoint_dict(c: CheckpointReport) -> dict[str, Any]:
     """The checkpoint's part of the report, every list made."""
-    out = _checkpoint_doc(c)
-    later: _Later = out["tensors"]
-    out["tensors"] = list(later.items())
-    return out
+    return {key: list(value.items()) if isinstance(value, _Later) else value for key, value in _checkpoint_doc(c).items()}
 
 
 def _checkpoint_doc(c: CheckpointReport) -> dict[str, Any]:
@@ -151,9 +177,9 @@ def _checkpoint_doc(c: CheckpointReport) -> dict[str, Any]:
                 for r in dtype_summary(tensors)
             ],
         },
-        "tensors": _Later(len(tensors), lambda: _tensor_dicts(tensors, quant)),
+        "tensors": _Later(len(tensors), lambda: _tensor_dicts(tensors, quant), None if quant else lambda: map(_tensor_line, tensors)),
         **_quant_fields(c, quant),
-        "findings": [finding_dict(f) for f in c.findings],
+        "findings": _Later(len(c.findings), lambda: map(finding_dict, c.findings)),
         "metadata": _jsonable(dict(c.inventory.metadata)) if c.inventory else {},
     }
 
@@ -172,7 +198,21 @@ def report_dict(report: Report) -> dict[str, Any]:
 # Lists whose items are written one per line: readable at 10 tensors, and fast at a million, since each
 # line comes from json's C encoder (an indented dump goes through its pure-Python encoder instead).
 ONE_PER_LINE = frozenset({"tensors", "findings", "by_dtype", "quantized", "by_scheme"})
-_encode = json.JSONEncoder(ensure_ascii=False).encode
+_encoder = json.JSONEncoder(ensure_ascii=False)
+_make_c_encoder = getattr(json.encoder, "c_make_encoder", None)  # None where Python is built without _json
+_c_encoder = (
+    _make_c_encoder(None, _encoder.default, json.encoder.encode_basestring, None, ": ", ", ", False, False, True)
+    if _make_c_encoder
+    else None
+)
+
+
+def _encode(value: Any) -> str:
+    """``JSONEncoder(ensure_ascii=False).encode``, without the encoder it makes again for each value (a line per tensor
+    of a million-tensor header): its C encoder, made once."""
+    if _c_encoder is None or isinstance(value, str):
+        return _encoder.encode(value)
+    return "".join(_c_encoder(value, 0))
 
 
 def dumps(value: Any, indent: str = "") -> str:
@@ -186,15 +226,18 @@ def _pieces(value: Any, indent: str) -> Iterator[str]:
     if isinstance(value, dict) and value:
         for i, (key, item) in enumerate(value.items()):
             yield f",\n{inner}{_encode(key)}: " if i else f"{{\n{inner}{_encode(key)}: "
+            encoded = False
             if isinstance(item, _Later):
-                rows: Iterable[Any] | None = item.items() if item.count else None
+                encoded = item.lines is not None
+                rows: Iterable[Any] | None = (item.lines() if item.lines is not None else item.items()) if item.count else None
                 item = []
             else:
                 rows = item if key in ONE_PER_LINE and isinstance(item, list) and item else None
             if rows is not None:
                 yield "[\n"
                 for j, x in enumerate(rows):
-                    yield f",\n{inner}  {_encode(x)}" if j else f"{inner}  {_encode(x)}"
+                    line = x if encoded else _encode(x)
+                    yield f",\n{inner}  {line}" if j else f"{inner}  {line}"
                 yield f"\n{inner}]"
             else:
                 yield from _pieces(item, inner)
