@@ -151,8 +151,8 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
     if not result.values_read:
         lines.append("values: not read (--check-values reads them: NaN/Inf, overflow, underflow and the cast's errors)")
     lines.extend(f"note: {n}" for n in plan.notes)
-    if plan.config_dtype is not None:
-        lines.append(f"note: config.json's dtype becomes {plan.config_dtype}, the dtype of the converted model's layers")
+    if plan.config_json_dtype is not None:
+        lines.append(f"note: config.json's dtype becomes {plan.config_json_dtype}, the dtype of the converted model's layers")
     if not result.failed:
         for f in plan.findings:
             lines.append(f"{f.severity}: the output will show {f.rule}: {f.tensor + ': ' if f.tensor else ''}{f.message}")
@@ -181,7 +181,7 @@ def convert_doc(result: Result) -> dict[str, Any]:
             for c in plan.causes
         ],
         "plan_findings": [finding_dict(f) for f in plan.findings],
-        "config_dtype": plan.config_dtype,
+        "config_dtype": plan.config_json_dtype,
         "nbytes": [plan.bytes_before, plan.bytes_after],
         "tensors": [
             {"name": p.tensor.name, "from": p.tensor.dtype, "to": p.target, "action": p.action, "reason": p.reason} for p in plan.tensors
