@@ -250,3 +250,20 @@ def test_a_folder_without_config_json_is_not_told_of_one(tmp_path: Path, config:
     if has:
         written = json.loads((out / "config.json").read_text())
         assert written.get("dtype", written.get("torch_dtype")) == "float16"
+
+
+def test_the_line_leads_with_the_worst_cause_of_any_file(checkpoint: Path, tmp_path: Path) -> None:
+    """A file beside the weights with bytes after its pickle (a warning that refuses) is read before
+    training_args.bin: the stderr line still leads with the error, and names the other cause's file and rule."""
+    from .test_convert_refuse import trailing_benign_pickle
+
+    path = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoint, path)
+    trailing_benign_pickle(path, tmp_path / "canary")  # path / "model.pt"
+    proc = run_cli("convert", str(path), "--to", "bf16", "--dry-run")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"dtypeaudit: {path / 'training_args.bin'}: refusing to convert: unsafe-global "), line
+    assert line.endswith("; and model.pt: trailing-data, which the report on stdout lists"), line
+    rows = proc.stdout.splitlines()[1:]
+    assert [r.split(":")[0] for r in rows] == ["  training_args.bin", "  model.pt"], rows

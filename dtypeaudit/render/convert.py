@@ -11,7 +11,7 @@ from ..conversion import Result, pickled_module_files
 from ..conversion.causes import Cause, few
 from ..conversion.plan import KEPT_FP32, WOULD_NOT_RUN
 from ..conversion.verify import verified_line
-from ..inventory import Finding
+from ..inventory import Finding, severity_rank
 from .humanize import group_findings, human_bytes
 from .json import finding_dict
 
@@ -20,7 +20,8 @@ STATE_DICT_ADVICE = "a pickled nn.Module is code, not weights: save its state_di
 
 def refusal_lines(result: Result) -> list[str]:
     """What stderr says of a refused conversion, in one line: the reader's worst cause of refusal (which names its
-    way through where there is one) and how many more the report lists; or why the planned output fails."""
+    way through where there is one) and the rules of the others, which the report lists; or why the planned output
+    fails."""
     source = Path(result.plan.source.path)
     out = []
     if result.refused:
@@ -39,22 +40,24 @@ def refusal_lines(result: Result) -> list[str]:
 
 
 def _refusal_causes(result: Result, *, verbose: bool = False) -> list[tuple[str | None, str]]:
-    """The reader's refusals grouped by file, rule and cause as scan's report groups them: for each, the folder's
-    file it is about (None: the source itself) and one line, ``rule[ xN (subjects)]: message``. The message names
-    the way through where the reader knows one (``--exclude training_args.bin`` for a file no loader reads)."""
+    """The reader's refusals grouped by file, rule and cause as scan's report groups them, worst first: for each,
+    the folder's file it is about (None: the source itself) and one line, ``rule[ xN (subjects)]: message``. The
+    message names the way through where the reader knows one (``--exclude training_args.bin`` for a file no loader
+    reads)."""
     by_file: dict[str | None, list[Finding]] = {}
     for f in result.refused:
         by_file.setdefault(f.file, []).append(replace(f, file=None))
-    out: list[tuple[str | None, str]] = []
+    out: list[tuple[int, str | None, str]] = []
     for file, found in by_file.items():
         for g in group_findings(found):
             if g.count == 1:
                 tensor = f"{g.subjects[0]}: " if g.subjects[0] and g.subjects[0] not in g.message() else ""
-                out.append((file, f"{g.rule}: {tensor}{g.message()}"))
+                line = f"{g.rule}: {tensor}{g.message()}"
             else:
                 shown = f" ({g.places(every=verbose)})" if any(g.subjects) else ""
-                out.append((file, f"{g.rule} \u00d7{g.count}{shown}: {g.message()}"))
-    return out
+                line = f"{g.rule} \u00d7{g.count}{shown}: {g.message()}"
+            out.append((-severity_rank(g.severity), file, line))
+    return [(file, line) for _, file, line in sorted(out, key=lambda c: c[0])]
 
 
 def _module_advice(result: Result) -> str:
