@@ -148,9 +148,10 @@ def logical_shape(weight: qm.LogicalWeight, reading: Reading) -> tuple[int, ...]
 def make_dequant_plan(inv: Inventory, view: qm.QuantView, target: str, reading: Reading, *, is_dir: bool) -> tuple[Plan, list[_Shard]]:
     """What each tensor becomes, and the output shards in the source's order: the one plan of a quantized source,
     made whole here (a dequantize, a cast, a copy or a drop per record)."""
-    from .plan import Plan, TensorPlan
+    from .plan import Plan, TensorPlan, loader_keeps
 
     owner = view.by_storage()
+    loader_kept = loader_keeps(inv, target)
     emitted: set[str] = set()
     plans: list[TensorPlan] = []
     shards: dict[str, _Shard] = {}
@@ -168,9 +169,13 @@ def make_dequant_plan(inv: Inventory, view: qm.QuantView, target: str, reading: 
             shards.setdefault(w.file or t.file, _Shard(w.file or t.file)).entries.append(_Entry(w.name, target, shape, weight=w))
             continue
         if t.dtype in dtypes.CASTABLE and t.layout == "strided":
-            action = "leave" if t.dtype == target else "cast"
-            plans.append(TensorPlan(t, target, action, f"already {target}" if action == "leave" else ""))
-            shard.entries.append(_Entry(t.name, target, t.shape, tensor=t))
+            # what from_pretrained keeps in float32 (DeepSeek-V3's strict e_score_correction_bias) stays float32,
+            # as in a plain folder's plan (plan.loader_keeps)
+            kept = loader_kept(t.name)
+            want = "float32" if kept else target
+            action = ("keep" if kept else "leave") if t.dtype == want else "cast"
+            plans.append(TensorPlan(t, want, action, kept or (f"already {target}" if action == "leave" else "")))
+            shard.entries.append(_Entry(t.name, want, t.shape, tensor=t))
         else:
             plans.append(TensorPlan(t, t.dtype, "leave", f"{t.dtype} tensors are left exactly as they are"))
             shard.entries.append(_Entry(t.name, t.dtype, t.shape, tensor=t))

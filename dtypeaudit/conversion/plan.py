@@ -70,7 +70,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     """What the user should know of the output; a writer adds what only it finds (ties kept as aliases)."""
     config_dtype: str | None = None
-    """The dtype ``config.json`` will name (Hugging Face directories with a config), as from_pretrained should load it."""
+    """The dtype from_pretrained should load the output in (Hugging Face directories), which its config.json will
+    name where it has one (``config_json_dtype``)."""
     findings: list[Finding] = field(default_factory=list)
     """What ``scan`` with the same policy would report on the planned output (see ``with_findings``)."""
     stripped: dict[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
@@ -117,6 +118,13 @@ class Plan:
         if chosen is not None:
             metadata["config_dtype"] = chosen
         return replace(self.source, tensors=tuple(tensors), findings=(), metadata=metadata)
+
+    @property
+    def config_json_dtype(self) -> str | None:
+        """The dtype the output's config.json names: ``config_dtype``, or None where the folder has no config.json
+        (an index alone), nothing then naming one."""
+        load = from_metadata(self.source.metadata) if self.source.format == Format.HF_DIRECTORY else None
+        return None if load is not None and not load.config_json else self.config_dtype
 
     def failing(self, policy: Policy | None) -> list[Finding]:
         """The planned output's findings that would fail ``scan`` with ``policy`` (at its fail_on, else error)."""

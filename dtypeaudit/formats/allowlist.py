@@ -10,6 +10,7 @@ checked against torch's own tables in tests/test_allowlist.py) and how dangerous
 from __future__ import annotations
 
 from .. import dtypes
+from .training import RNG_STATE_FILE
 
 # -- torch.load(weights_only=True) -----------------------------------------------------------------
 
@@ -105,6 +106,30 @@ def weights_only_name(module: str, name: str) -> str:
 def weights_only_accepts_global(qualname: str) -> bool:
     module = qualname.rsplit(".", 1)[0]
     return module not in WEIGHTS_ONLY_BLOCKED_MODULES and qualname in WEIGHTS_ONLY_GLOBALS
+
+
+# -- what a file's own loader adds ----------------------------------------------------------------
+
+# transformers' Trainer._load_rng_state (5.24) reads rng_state.pth with torch.load(weights_only=True) inside
+# trainer_pt_utils.safe_globals(), which allow-lists numpy's array globals (np.random.get_state()'s key array):
+# the one loader of that file accepts them. _reconstruct in both numpy spellings: the Trainer allow-lists the
+# installed numpy's, and the file names that of the numpy that wrote it, the same one when a run resumes.
+TRAINER_RNG_STATE_GLOBALS = frozenset(
+    {
+        "numpy._core.multiarray._reconstruct",
+        "numpy.core.multiarray._reconstruct",
+        "numpy.ndarray",
+        "numpy.dtype",
+        "numpy.dtypes.UInt32DType",
+    }
+)
+
+
+def accepted_by_its_loader(file_name: str, qualname: str) -> bool:
+    """Whether the loader that reads a file of this name (its path; the last part counts) accepts ``qualname``
+    beyond weights_only's own allowlist: the Trainer's ``rng_state.pth`` and its numpy globals."""
+    name = file_name.replace("\\", "/").rsplit("/", 1)[-1]
+    return RNG_STATE_FILE.match(name) is not None and qualname in TRAINER_RNG_STATE_GLOBALS
 
 
 # Attributes that, set on a tensor by a rebuild's ``state`` (torch._utils._set_obj_state does a plain

@@ -677,7 +677,8 @@ def _load_dtype(
     if res.index is not None:
         index = docs.load_json(path / res.index)
         index_meta = index.get("metadata") if isinstance(index, dict) else None
-    load = hfload.resolve(cfg, index_meta, res.files[0] if res.files else None, first, names)
+    has_config = (path / "config.json").is_file()
+    load = hfload.resolve(cfg, index_meta, res.files[0] if res.files else None, first, names, config_json=has_config)
     if load is None:
         declared = hfload.config_dtype_value(cfg)
         where = "index metadata.dtype" if declared is None else "config.json's dtype"

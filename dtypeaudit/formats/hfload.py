@@ -81,6 +81,8 @@ class LoadDtype:
     """How many names (``*`` for a layer index) the model has; 0 where they are not known."""
     variants: tuple[str, ...] = ()
     """Of ``unexpected`` and ``missing``, those another config of the class may explain (``hftable.config_variants``)."""
+    config_json: bool = True
+    """Whether the folder has a config.json: one with an index alone has none, and no message may name it."""
 
     def loaded_name(self, stored: str) -> str:
         """The name ``stored`` has in the loaded model (the converter's target for a converted tensor)."""
@@ -144,9 +146,15 @@ def _first_floating(tensors: Sequence[TensorRecord]) -> str | None:
 
 
 def main_dtype(
-    cfg: Mapping[str, Any], index_metadata: Any, first_file: str | None, first_file_tensors: Sequence[TensorRecord]
+    cfg: Mapping[str, Any],
+    index_metadata: Any,
+    first_file: str | None,
+    first_file_tensors: Sequence[TensorRecord],
+    *,
+    config_json: bool = True,
 ) -> tuple[str, str] | None:
-    """``(dtype, why)`` as _get_dtype decides it with ``dtype="auto"``; None where from_pretrained would fail on it."""
+    """``(dtype, why)`` as _get_dtype decides it with ``dtype="auto"``; None where from_pretrained would fail on it.
+    ``config_json``: whether the folder has a config.json (``cfg`` is then what it holds, else empty)."""
     value = config_dtype_value(cfg)
     key = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
     if value is not None:
@@ -166,7 +174,8 @@ def main_dtype(
     found = _first_floating(ordered)
     if found is None:
         return DEFAULT_DTYPE, f"torch's default dtype ({first_file} holds no tensor)"
-    return found, f"the first floating tensor of {first_file} (config.json names no dtype)"
+    missing = "config.json names no dtype" if config_json else "there is no config.json"
+    return found, f"the first floating tensor of {first_file} ({missing})"
 
 
 def _arch(cfg: Mapping[str, Any]) -> str | None:
@@ -308,10 +317,12 @@ def resolve(
     first_file: str | None,
     first_tensors: Sequence[TensorRecord],
     names: Iterable[str] = (),
+    *,
+    config_json: bool = True,
 ) -> LoadDtype | None:
     """The LoadDtype of a folder whose stored tensors are ``names``; None where from_pretrained fails on its dtype
-    (a name torch does not have)."""
-    found = main_dtype(cfg, index_metadata, first_file, first_tensors)
+    (a name torch does not have). ``config_json``: whether it has a config.json (``cfg`` is then its content)."""
+    found = main_dtype(cfg, index_metadata, first_file, first_tensors, config_json=config_json)
     if found is None:
         return None
     dtype, why = found
@@ -331,9 +342,10 @@ def resolve(
             view.missing,
             view.expected,
             view.variants,
+            config_json,
         )
     keep, strict, arch = keep_in_fp32(cfg)  # the top class's own lists, where the table has no built model of it
-    return LoadDtype(dtype, why, keep, strict, arch, names_unknown=view if arch is not None else None)
+    return LoadDtype(dtype, why, keep, strict, arch, names_unknown=view if arch is not None else None, config_json=config_json)
 
 
 def as_metadata(load: LoadDtype) -> dict[str, object]:
@@ -357,6 +369,7 @@ def as_metadata(load: LoadDtype) -> dict[str, object]:
         "missing": list(load.missing),
         "expected": load.expected,
         "variants": list(load.variants),
+        "config_json": load.config_json,
     }
 
 
@@ -376,8 +389,9 @@ def from_metadata(metadata: Mapping[str, object]) -> LoadDtype | None:
     dtype, why = raw["dtype"], str(raw.get("why", ""))
     planned = metadata.get("config_dtype")
     pinned = names(raw.get("pinned"))
+    config_json = raw.get("config_json") is not False
     if isinstance(planned, str) and planned != dtype and _dtype_name(planned):
-        dtype, why = planned, "config.json dtype"
+        dtype, why = planned, "config.json dtype" if config_json else "the converted weights' dtype (there is no config.json)"
         pinned = {}  # the model built in another dtype: which parameters it pins is not known for this one
     cls = raw.get("class")
     converted = raw.get("converted")
@@ -401,6 +415,7 @@ def from_metadata(metadata: Mapping[str, object]) -> LoadDtype | None:
         tup(raw.get("missing")) or (),
         expected if isinstance(expected, int) else 0,
         tup(raw.get("variants")) or (),
+        config_json,
     )
 
 

@@ -96,7 +96,7 @@ def _read_legacy(src: Source, mm: Any) -> Inventory:
         src.note_span(offset - 8, offset)
     findings: list[Finding] = []
     for trace in (header.trace, vm.trace, keys_trace):
-        findings += global_findings(trace, weights_only_loader=True)
+        findings += global_findings(trace, weights_only_loader=True, file_name=str(path))
     findings += module_findings(objects) + shadow_findings(found)
     metadata: dict[str, object] = {"byteorder": "little"}
     if isinstance(header.sys_info, dict) and header.sys_info.get("little_endian") is False:

@@ -77,12 +77,15 @@ def global_findings(
     file: str | None = None,
     torchscript: bool = False,
     weights_only_loader: bool = False,
+    file_name: str = "",
 ) -> list[Finding]:
     """One finding per global that a safe loader would refuse; with ``weights_only_loader`` (the
-    stream is one torch.load reads), a ``loader-divergence`` note when weights_only refuses it."""
+    stream is one torch.load reads), a ``loader-divergence`` note when weights_only refuses it. ``file_name``:
+    the path the stream was read from, whose loader may accept more (``allowlist.accepted_by_its_loader``)."""
     out: list[Finding] = []
     for qualname in trace.globals:
-        verdict = "safe" if also_safe(qualname) else allowlist.classify_global(qualname, torchscript=torchscript)
+        safe = also_safe(qualname) or allowlist.accepted_by_its_loader(file_name, qualname)
+        verdict = "safe" if safe else allowlist.classify_global(qualname, torchscript=torchscript)
         if verdict == "safe":
             continue
         called = qualname in trace.calls

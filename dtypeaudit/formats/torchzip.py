@@ -188,7 +188,7 @@ def read_zip(where: AnyPath | Source) -> Inventory:
                 )
             )
             return Inventory(str(path), "torchscript", tensor_records(found, module_of=module_of), tuple(findings), metadata, layout)
-        findings = global_findings(vm.trace, weights_only_loader=True) + extra
+        findings = global_findings(vm.trace, weights_only_loader=True, file_name=str(path)) + extra
         return Inventory(str(path), "torch-zip", tensor_records(found), tuple(findings), metadata, layout)
 
 

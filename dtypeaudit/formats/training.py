@@ -36,7 +36,8 @@ _TRAINER_FILES = {
     "trainer_state.json": "the Trainer's step and log history",
     "training_args.bin": "the TrainingArguments object",
 }
-_RNG_STATE = re.compile(r"^rng_state(_\d+)?\.pth$")
+RNG_STATE_FILE = re.compile(r"^rng_state(_\d+)?\.pth$")
+"""The name of the Trainer's RNG state file (``rng_state_{process_index}.pth`` under several processes)."""
 
 
 def trainer_file(label: str) -> str | None:
@@ -44,7 +45,7 @@ def trainer_file(label: str) -> str | None:
     beside the weights (``label``: its path in the folder), or None for any other file."""
     if "/" in label:
         return None
-    if _RNG_STATE.match(label):
+    if RNG_STATE_FILE.match(label):
         return "the RNG state of python, numpy and torch, no weights"
     return _TRAINER_FILES.get(label)
 
@@ -68,7 +69,7 @@ def trainer_state(label: str, inv: Inventory | None) -> str | None:
             return None
         dtypes = ", ".join(sorted({t.dtype for t in tensors}))
         return f"{kind}: {len(tensors)} tensor{'s' if len(tensors) != 1 else ''}, {dtypes}"
-    if _RNG_STATE.match(label):
+    if RNG_STATE_FILE.match(label):
         return kind if all(t.dtype == "uint8" for t in tensors) else None
     return None if tensors else kind
 

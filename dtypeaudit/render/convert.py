@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -10,32 +11,58 @@ from ..conversion import Result, pickled_module_files
 from ..conversion.causes import Cause, few
 from ..conversion.plan import KEPT_FP32, WOULD_NOT_RUN
 from ..conversion.verify import verified_line
-from .humanize import human_bytes
+from ..inventory import Finding, severity_rank
+from .humanize import group_findings, human_bytes
 from .json import finding_dict
 
 STATE_DICT_ADVICE = "a pickled nn.Module is code, not weights: save its state_dict and convert that"
 
 
 def refusal_lines(result: Result) -> list[str]:
-    """One line per finding that forbids the conversion, naming the file, the rule and the global or tensor;
-    then, for a whole pickled module, what to do instead."""
+    """What stderr says of a refused conversion, in one line: the reader's worst cause of refusal (which names its
+    way through where there is one) and the rules of the others, which the report lists; or why the planned output
+    fails."""
     source = Path(result.plan.source.path)
-
-    def where(file: str | None) -> Path:
-        return source / file if file and source.is_dir() else source
-
     out = []
-    for f in result.refused:
-        tensor = f"{f.tensor}: " if f.tensor else ""
-        out.append(f"{where(f.file)}: refusing to convert: {f.rule}: {tensor}{f.message}")
-    for file in pickled_module_files(result.refused):
-        out.append(f"{where(file)}: {STATE_DICT_ADVICE} (torch.save(model.state_dict(), PATH))")
+    if result.refused:
+        causes, advice = _refusal_causes(result), _module_advice(result)
+        file, line = causes[0]  # the worst first
+        where = source / file if file and source.is_dir() else source
+        rest = [f"{f + ': ' if f and f != file else ''}{ln.split(':', 1)[0]}" for f, ln in causes[1:]]
+        more = f"; and {few(rest)}, which the report on stdout lists" if rest else ""
+        out.append(f"{where}: refusing to convert: {line}{more}{advice}")
     if result.failed:  # the report says why, by cause, and a way through: one line here
-        n, causes = len(result.failed), len(result.plan.causes)
-        why = f"{n} finding{'s' if n != 1 else ''}" + (f", {causes} cause{'s' if causes != 1 else ''}" if causes else "")
+        n, causes_n = len(result.failed), len(result.plan.causes)
+        why = f"{n} finding{'s' if n != 1 else ''}" + (f", {causes_n} cause{'s' if causes_n != 1 else ''}" if causes_n else "")
         way = " and a way through" if any(c.ways for c in result.plan.causes) else ""
         out.append(f"{source}: refusing to convert: the planned output {_fails(result)} ({why}); the report on stdout says why{way}")
     return out
+
+
+def _refusal_causes(result: Result, *, verbose: bool = False) -> list[tuple[str | None, str]]:
+    """The reader's refusals grouped by file, rule and cause as scan's report groups them, worst first: for each,
+    the folder's file it is about (None: the source itself) and one line, ``rule[ xN (subjects)]: message``. The
+    message names the way through where the reader knows one (``--exclude training_args.bin`` for a file no loader
+    reads)."""
+    by_file: dict[str | None, list[Finding]] = {}
+    for f in result.refused:
+        by_file.setdefault(f.file, []).append(replace(f, file=None))
+    out: list[tuple[int, str | None, str]] = []
+    for file, found in by_file.items():
+        for g in group_findings(found):
+            if g.count == 1:
+                tensor = f"{g.subjects[0]}: " if g.subjects[0] and g.subjects[0] not in g.message() else ""
+                line = f"{g.rule}: {tensor}{g.message()}"
+            else:
+                shown = f" ({g.places(every=verbose)})" if any(g.subjects) else ""
+                line = f"{g.rule} \u00d7{g.count}{shown}: {g.message()}"
+            out.append((-severity_rank(g.severity), file, line))
+    return [(file, line) for _, file, line in sorted(out, key=lambda c: c[0])]
+
+
+def _module_advice(result: Result) -> str:
+    """For a whole pickled module, what to do instead (appended to a line)."""
+    return f"; {STATE_DICT_ADVICE} (torch.save(model.state_dict(), PATH))" if pickled_module_files(result.refused) else ""
 
 
 def _fails(result: Result) -> str:
@@ -70,7 +97,9 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
     if result.refused:
         n = len(result.refused)
         forbid = f"{n} findings forbid" if n != 1 else "1 finding forbids"
-        return f"refused: {plan.source.path} (to {plan.target}): {forbid} converting it; nothing was written\n"
+        lines = [f"refused: {plan.source.path} (to {plan.target}): {forbid} converting it; nothing was written:"]
+        lines.extend(f"  {file + ': ' if file else ''}{line}" for file, line in _refusal_causes(result, verbose=verbose))
+        return "\n".join(lines) + "\n"
     lines = []
     head = "plan" if result.dry_run and not result.failed else ("refused" if result.blocked else "converted")
     where = f" -> {result.output}" if result.output else ""
@@ -125,8 +154,8 @@ def render_text(result: Result, *, verbose: bool = False) -> str:
     if not result.values_read:
         lines.append("values: not read (--check-values reads them: NaN/Inf, overflow, underflow and the cast's errors)")
     lines.extend(f"note: {n}" for n in plan.notes)
-    if plan.config_dtype is not None:
-        lines.append(f"note: config.json's dtype becomes {plan.config_dtype}, the dtype of the converted model's layers")
+    if plan.config_json_dtype is not None:
+        lines.append(f"note: config.json's dtype becomes {plan.config_json_dtype}, the dtype of the converted model's layers")
     if not result.failed:
         for f in plan.findings:
             lines.append(f"{f.severity}: the output will show {f.rule}: {f.tensor + ': ' if f.tensor else ''}{f.message}")
@@ -155,7 +184,7 @@ def convert_doc(result: Result) -> dict[str, Any]:
             for c in plan.causes
         ],
         "plan_findings": [finding_dict(f) for f in plan.findings],
-        "config_dtype": plan.config_dtype,
+        "config_dtype": plan.config_json_dtype,
         "nbytes": [plan.bytes_before, plan.bytes_after],
         "tensors": [
             {"name": p.tensor.name, "from": p.tensor.dtype, "to": p.target, "action": p.action, "reason": p.reason} for p in plan.tensors
