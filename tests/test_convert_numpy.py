@@ -327,4 +327,3 @@ def test_a_nan_is_never_cast_it_is_refused_or_kept_bit_for_bit(tmp_path: Path) -
     assert got["w"].dtype == torch.float32
     for stored in (got["optimizer"]["state"][0]["exp_avg"], got["callbacks"]["best"]):
         assert stored.dtype == torch.float16 and stored.view(torch.int16).tolist() == snan.view(torch.int16).tolist()
-
