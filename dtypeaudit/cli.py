@@ -496,14 +496,14 @@ def convert(
         Optional[str],
         typer.Option(
             "--fp8-reference",
-            help="On an FP8 block-quantized checkpoint: which reference to dequantize by where the two read a weight "
-            "differently. transformers: from_pretrained's, each block the weight's size over the scale grid's (it must "
-            "divide exactly). deepseek: DeepSeek-V3's weight_dequant, blocks of the config's weight_block_size, partial "
-            "at the bottom and right edges. They differ where that block does not divide the weight: 200 rows over a "
-            "grid of 2 are 100-row blocks to from_pretrained, 128 and 72 to DeepSeek; 576 over 5 (DeepSeek-V3's "
-            "kv_a_proj_with_mqa) from_pretrained refuses, DeepSeek reads. scan names both; without this option convert "
-            "refuses such a weight (exit 2).",
-            metavar="transformers|deepseek",
+            help="On an FP8 block-quantized checkpoint: the reference (transformers or deepseek) to dequantize by where "
+            "the two read a weight differently. transformers: from_pretrained's, each block the weight's size over the "
+            "scale grid's (it must divide exactly). deepseek: DeepSeek-V3's weight_dequant, blocks of the config's "
+            "weight_block_size, partial at the bottom and right edges. They differ where that block does not divide the "
+            "weight: 200 rows over a grid of 2 are 100-row blocks to from_pretrained, 128 and 72 to DeepSeek; 576 over 5 "
+            "(DeepSeek-V3's kv_a_proj_with_mqa) from_pretrained refuses, DeepSeek reads. scan names both; without this "
+            "option convert refuses such a weight (exit 2).",
+            metavar="REF",
         ),
     ] = None,
     dry_run: Annotated[
