@@ -105,6 +105,8 @@ def test_partial_edges_both_load_each_reference_bit_for_bit(tmp_path: Path) -> N
     deepseek = _deepseek_state(state, (128, 128))
     _bit_equal(_converted(src, tmp_path / "tf", "--fp8-reference", "transformers"), transformers)
     _bit_equal(_converted(src, tmp_path / "ds", "--fp8-reference", "deepseek"), deepseek)
+    planned = run_cli("convert", str(src), "--to", "bf16", "--fp8-reference", "deepseek", "--dry-run")
+    assert planned.returncode == 0 and "7 FP8 weights that the two references read differently follow DeepSeek's" in planned.stdout
     # the two references do give different weights here: each comparison above could fail
     assert not torch.equal(transformers[Q + ".weight"].view(torch.uint8), deepseek[Q + ".weight"].view(torch.uint8))
 

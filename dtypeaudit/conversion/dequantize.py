@@ -169,7 +169,7 @@ def make_dequant_plan(inv: Inventory, view: qm.QuantView, target: str, reading: 
             emitted.add(w.name)
             shape = logical_shape(w, reading)
             record = TensorRecord(w.name, w.scheme.value, shape, 0, kind="parameter", file=w.file or t.file, scheme=w.scheme.name)
-            plans.append(TensorPlan(record, target, DEQUANTIZE, f"{w.scheme.name} dequantized"))
+            plans.append(TensorPlan(record, target, DEQUANTIZE, f"{w.scheme.name} dequantized{_followed(w, reading)}"))
             shards.setdefault(w.file or t.file, _Shard(w.file or t.file)).entries.append(_Entry(w.name, target, shape, weight=w))
             continue
         if t.dtype in dtypes.CASTABLE and t.layout == "strided":
@@ -189,10 +189,26 @@ def make_dequant_plan(inv: Inventory, view: qm.QuantView, target: str, reading: 
         # only a folder's config.json holds a quantization_config to remove (a GGUF or single file has none)
         dropped = "; quantization_config is removed from config.json" if "quantization_config" in inv.metadata else ""
         notes = [f"{n} quantized weight{'s' if n != 1 else ''} ({schemes}) {'are' if n != 1 else 'is'} dequantized to {target}{dropped}"]
+        parted = sum(1 for w in view.weights if _followed(w, reading))
+        if parted:
+            who = "DeepSeek's weight_dequant" if reading.fp8_reference == "deepseek" else "transformers' from_pretrained"
+            plural = "s" if parted != 1 else ""
+            notes.append(f"{parted} FP8 weight{plural} that the two references read differently follow {who} (--fp8-reference)")
     else:  # an all-float GGUF comes this way too (inventory.Format.dequantizes), with nothing to dequantize
         notes = [f"no quantized weights: a {inv.format} file is converted by the dequantizing writer, to safetensors"]
     plan = Plan(inv, target, plans, clamp=reading.clamp, notes=notes, config_dtype=target if is_dir else None)
     return plan, list(shards.values())
+
+
+def _followed(w: qm.LogicalWeight, reading: Reading) -> str:
+    """Which reference a weight follows where the default refuses it (``--fp8-reference``), for its plan line."""
+    from ..quant.dequant import fp8_block_of, loader_refusal
+
+    if reading.fp8_reference is None or loader_refusal(w) is None:
+        return ""
+    block = fp8_block_of(w, reading.fp8_reference) or ()
+    who = "DeepSeek's weight_dequant" if reading.fp8_reference == "deepseek" else "from_pretrained"
+    return f" as {who} reads it ({'x'.join(map(str, block))} blocks)"
 
 
 # -- value checks: the same figures, and the same verdict (conversion/value_policy.py), as a cast's --------------------
