@@ -652,12 +652,12 @@ def loader_refusal(weight: qm.LogicalWeight, follow: str | None = None) -> str |
         return None
     kind, text = reading
     deepseek = deepseek_block(weight)
-    if follow == "deepseek":
+    if follow == "deepseek" and weight.scheme.family == qm.FP8:
         if deepseek is not None:
             return None
-        if kind == "config":  # from_pretrained reads it; DeepSeek's reference would index past the scales
-            return f"{text}; DeepSeek's reference cannot read that grid with the config's blocks: refused (--fp8-reference deepseek)"
-        return f"{text}: refused"
+        if kind == "config":  # from_pretrained reads it; DeepSeek's kernel would read its scales at other places
+            return f"{text}: refused with --fp8-reference deepseek (DeepSeek's reference reads the config's blocks, not this grid)"
+        return f"{text}: refused (DeepSeek's reference cannot read it either)"
     if kind == "config":
         return None
     if kind == "differ":
