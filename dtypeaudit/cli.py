@@ -492,6 +492,20 @@ def convert(
             "and cast only the rest, instead of dequantizing them.",
         ),
     ] = False,
+    fp8_reference: Annotated[
+        Optional[str],
+        typer.Option(
+            "--fp8-reference",
+            help="On an FP8 block-quantized checkpoint: the reference (transformers or deepseek) to dequantize by where "
+            "the two read a weight differently. transformers: from_pretrained's, each block the weight's size over the "
+            "scale grid's (it must divide exactly). deepseek: DeepSeek-V3's weight_dequant, blocks of the config's "
+            "weight_block_size, partial at the bottom and right edges. They differ where that block does not divide the "
+            "weight: 200 rows over a grid of 2 are 100-row blocks to from_pretrained, 128 and 72 to DeepSeek; 576 over 5 "
+            "(DeepSeek-V3's kv_a_proj_with_mqa) from_pretrained refuses, DeepSeek reads. scan names both; without this "
+            "option convert refuses such a weight (exit 2).",
+            metavar="REF",
+        ),
+    ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", "-n", help="Show the plan (casts, sizes, refusals), from the headers alone; write nothing.")
     ] = False,
@@ -578,6 +592,7 @@ def convert(
         keep_quantized=keep_quantized,
         output=output,
         exclude=tuple(exclude or ()),
+        fp8_reference=fp8_reference,
     )
     if len(sources) > 1 or jobs is not None or cluster is not None:
         return convert_many(sources, output, settings, jobs=jobs, cluster=cluster, as_json=fmt == "json", verbose=verbose, debug=debug)

@@ -144,6 +144,14 @@ class ConvertSettings:
     keep_quantized: bool = False
     exclude: tuple[str, ...] = ()
     """``--exclude``: globs of a folder's files that are not read and not written to the output."""
+    fp8_reference: str | None = None
+    """``--fp8-reference``: which reference an FP8 block weight is dequantized by where the two part (one of
+    ``FP8_REFERENCES``); None refuses such a weight (``quant.dequant.loader_refusal``)."""
+
+
+FP8_REFERENCES = ("transformers", "deepseek")
+"""``--fp8-reference``'s choices: transformers' from_pretrained (the block from the scale grid, which must divide the
+weight) and DeepSeek-V3's ``weight_dequant`` (the config's ``weight_block_size``, partial edge blocks)."""
 
 
 def convert_settings(
@@ -168,6 +176,7 @@ def convert_settings(
     keep_quantized: bool = False,
     output: object = None,
     exclude: tuple[str, ...] | list[str] = (),
+    fp8_reference: str | None = None,
 ) -> ConvertSettings:
     """A conversion's settings, each misuse a ``UsageError`` or ``PolicyError`` (exit 2) before any checkpoint is
     opened: a ``--to`` that is no target dtype, a policy that does not load, options that contradict each other.
@@ -184,6 +193,8 @@ def convert_settings(
         raise UsageError("--exclude with --in-place would delete the files it leaves out; write the output elsewhere with -o")
     if target is not None and not dry_run:
         raise UsageError("--target checks a plan: give --dry-run too")
+    if fp8_reference is not None and fp8_reference not in FP8_REFERENCES:
+        raise UsageError(f"--fp8-reference must be transformers or deepseek, not '{fp8_reference}'")
     if read_values and not dry_run:
         raise UsageError("--check-values reads the values for a plan: give --dry-run too (a conversion always checks them)")
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
@@ -213,6 +224,7 @@ def convert_settings(
         materialize_ties=materialize_ties,
         keep_quantized=keep_quantized,
         exclude=tuple(exclude),
+        fp8_reference=fp8_reference,
     )
 
 

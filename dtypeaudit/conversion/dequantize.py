@@ -70,12 +70,13 @@ class _Shard:
     entries: list[_Entry] = field(default_factory=list)
 
 
-def supported(view: qm.QuantView) -> None:
-    """Refuse, before anything is read, what no dequantizer here reads exactly."""
+def supported(view: qm.QuantView, fp8_reference: str | None = None) -> None:
+    """Refuse, before anything is read, what no dequantizer here reads exactly, and an FP8 weight whose references
+    part where ``fp8_reference`` (``--fp8-reference``) does not say which to follow (``dequant.loader_refusal``)."""
     from ..quant.dequant import loader_refusal
 
     for w in view.weights:
-        refused = loader_refusal(w)
+        refused = loader_refusal(w, fp8_reference)
         if refused:
             raise ConversionError(refused)
         if w.missing:
@@ -96,11 +97,14 @@ def supported(view: qm.QuantView) -> None:
 @dataclass(frozen=True)
 class Reading:
     """What every piece of a dequantizing conversion reads from: the source's mapped files by label, its tensors by
-    name (every weight looks its storage up: a large MoE checkpoint has tens of thousands), and ``--clamp``."""
+    name (every weight looks its storage up: a large MoE checkpoint has tens of thousands), ``--clamp`` and
+    ``--fp8-reference``."""
 
     files: dict[str, MappedCheckpoint]
     by_name: dict[str, TensorRecord]
     clamp: bool = False
+    fp8_reference: str | None = None
+    """Which reference an FP8 weight follows where transformers' and DeepSeek's part (``dequant.fp8_block_of``)."""
 
     def file_of(self, t: TensorRecord) -> MappedCheckpoint:
         return self.files[t.file]
@@ -165,7 +169,7 @@ def make_dequant_plan(inv: Inventory, view: qm.QuantView, target: str, reading: 
             emitted.add(w.name)
             shape = logical_shape(w, reading)
             record = TensorRecord(w.name, w.scheme.value, shape, 0, kind="parameter", file=w.file or t.file, scheme=w.scheme.name)
-            plans.append(TensorPlan(record, target, DEQUANTIZE, f"{w.scheme.name} dequantized"))
+            plans.append(TensorPlan(record, target, DEQUANTIZE, f"{w.scheme.name} dequantized{_followed(w, reading)}"))
             shards.setdefault(w.file or t.file, _Shard(w.file or t.file)).entries.append(_Entry(w.name, target, shape, weight=w))
             continue
         if t.dtype in dtypes.CASTABLE and t.layout == "strided":
@@ -185,10 +189,26 @@ def make_dequant_plan(inv: Inventory, view: qm.QuantView, target: str, reading: 
         # only a folder's config.json holds a quantization_config to remove (a GGUF or single file has none)
         dropped = "; quantization_config is removed from config.json" if "quantization_config" in inv.metadata else ""
         notes = [f"{n} quantized weight{'s' if n != 1 else ''} ({schemes}) {'are' if n != 1 else 'is'} dequantized to {target}{dropped}"]
+        parted = sum(1 for w in view.weights if _followed(w, reading))
+        if parted:
+            who = "DeepSeek's weight_dequant" if reading.fp8_reference == "deepseek" else "transformers' from_pretrained"
+            plural = "s" if parted != 1 else ""
+            notes.append(f"{parted} FP8 weight{plural} that the two references read differently follow {who} (--fp8-reference)")
     else:  # an all-float GGUF comes this way too (inventory.Format.dequantizes), with nothing to dequantize
         notes = [f"no quantized weights: a {inv.format} file is converted by the dequantizing writer, to safetensors"]
     plan = Plan(inv, target, plans, clamp=reading.clamp, notes=notes, config_dtype=target if is_dir else None)
     return plan, list(shards.values())
+
+
+def _followed(w: qm.LogicalWeight, reading: Reading) -> str:
+    """Which reference a weight follows where the default refuses it (``--fp8-reference``), for its plan line."""
+    from ..quant.dequant import fp8_block_of, loader_refusal
+
+    if reading.fp8_reference is None or loader_refusal(w) is None:
+        return ""
+    block = fp8_block_of(w, reading.fp8_reference) or ()
+    who = "DeepSeek's weight_dequant" if reading.fp8_reference == "deepseek" else "from_pretrained"
+    return f" as {who} reads it ({'x'.join(map(str, block))} blocks)"
 
 
 # -- value checks: the same figures, and the same verdict (conversion/value_policy.py), as a cast's --------------------
@@ -364,7 +384,7 @@ def _dequantized(w: qm.LogicalWeight, shape: tuple[int, ...], target: str, readi
     """A whole weight dequantized by its scheme's dequantizer and cast to ``target``, as bytes."""
     from ..quant import dequant
 
-    value = dequant.dequantize(w, _storage(w, reading))
+    value = dequant.dequantize(w, _storage(w, reading), reading.fp8_reference)
     if tuple(value.shape) != shape:
         if value.numel() != _numel(shape):
             raise ConversionError(f"'{w.name}' dequantizes to {list(value.shape)}, not {list(shape)}; refused")
@@ -396,10 +416,10 @@ def _array(src: MappedCheckpoint, t: TensorRecord) -> Any:
 def _fp8_tasks(w: qm.LogicalWeight, shape: tuple[int, ...], target: str, reading: Reading) -> list[Task] | None:
     """An FP8 block-scaled 2-D weight (transformers' ``fp8``) dequantized and cast with numpy, a few blocks of rows
     a task (the pieces compute in parallel and each one's tables stay in cache); None for any other weight."""
-    from ..quant.dequant import FLOAT8_FORMATS, e8m0_float32
+    from ..quant.dequant import FLOAT8_FORMATS, e8m0_float32, fp8_block_of
     from ..values import CHUNK_BYTES
 
-    group = tuple(w.scheme.group or ())
+    group = tuple(fp8_block_of(w, reading.fp8_reference) or ())
     if w.scheme.family != qm.FP8 or len(shape) != 2 or len(group) != 2 or not {"weight", "scale"} <= set(w.storage):
         return None
     wt, st = reading.by_name[w.storage["weight"]], reading.by_name[w.storage["scale"]]
@@ -510,13 +530,13 @@ def convert_quantized(
     s = settings
     if s.in_place:
         raise UsageError("--in-place cannot dequantize: the output replaces the quantized files with larger ones; give -o")
-    supported(view)
+    supported(view, s.fp8_reference)
     with ExitStack() as stack:
         sources = open_sources(src_path, inv, stack)
         if inv.format == Format.GGUF:
             for src in sources.values():
                 src.spans = {t.name: _span(t) for t in inv.tensors}
-        reading = Reading(sources, inv.by_name(), s.clamp)
+        reading = Reading(sources, inv.by_name(), s.clamp, s.fp8_reference)
         is_dir = src_path.is_dir()
         plan, shards = make_dequant_plan(inv, view, s.to, reading, is_dir=is_dir)
         plan = with_findings(plan, s.policy, strict=s.strict)

@@ -142,7 +142,7 @@ def scale_shapes(inv: Inventory, quant: QuantView) -> list[Finding]:
 _FP8_SEVERITY: dict[str, Severity] = {"refused": "error", "differ": "warning", "config": "warning"}
 _FP8_EFFECT = {
     "refused": "; convert refuses it too",
-    "differ": "; convert follows neither until told (set weight_block_size to the grid's block to follow from_pretrained)",
+    "differ": "; convert follows neither until told which (convert --fp8-reference transformers|deepseek)",
     "config": "; convert follows from_pretrained",
 }
 
@@ -158,13 +158,19 @@ def loader_readings(inv: Inventory, quant: QuantView) -> list[Finding]:
         if reading is None:
             continue
         kind, text = reading
+        effect = _FP8_EFFECT[kind]
+        if kind == "refused" and w.scheme.family == model.FP8:
+            from .dequant import deepseek_block  # a file from_pretrained refuses: no torch, only this pure function
+
+            if deepseek_block(w) is not None:
+                effect = "; convert refuses it unless told to follow DeepSeek's reference (convert --fp8-reference deepseek)"
         name = w.storage["scale"] if w.scheme.family == model.FP8 else next(iter(w.storage.values()))
         t = by.get(name)
         out.append(
             Finding(
                 "quant-scale-shape",
                 _FP8_SEVERITY[kind],
-                text + _FP8_EFFECT[kind],
+                text + effect,
                 tensor=name,
                 file=(t.file if t is not None else w.file) or None,
                 actual=str(list(t.shape)) if t is not None else None,

@@ -627,49 +627,93 @@ def _need(weight: qm.LogicalWeight, tensors: Mapping[str, torch.Tensor], *roles:
     return [tensors[r] for r in roles]
 
 
-def loader_refusal(weight: qm.LogicalWeight) -> str | None:
+def deepseek_block(weight: qm.LogicalWeight) -> tuple[int, int] | None:
+    """The config's ``weight_block_size`` where DeepSeek's reference (``weight_dequant`` in DeepSeek-V3's
+    ``inference/kernel.py``: block (i, j) times ``scale[i, j]``, the grid ceil-divided, partial edge blocks at the
+    bottom and right) reads this FP8 weight's scale grid with it; None where it cannot (no config block, another grid)."""
+    p = weight.scheme.params
+    cb, grid = p.get("config_block"), p.get("grid")
+    if weight.scheme.family != qm.FP8 or not isinstance(cb, tuple) or not isinstance(grid, tuple):
+        return None
+    if weight.shape is None or len(weight.shape) < 2:
+        return None
+    rows, cols = weight.shape[-2:]
+    return (cb[0], cb[1]) if grid == (-(-rows // cb[0]), -(-cols // cb[1])) else None
+
+
+def loader_refusal(weight: qm.LogicalWeight, follow: str | None = None) -> str | None:
     """Why a weight is not dequantized, in one line, or None (``group.loader_reading``): from_pretrained fails on
-    it, or (FP8) DeepSeek's reference and transformers' read it differently (which to follow is not ours to guess)."""
+    it, or (FP8) DeepSeek's reference and transformers' read it differently and ``follow`` (``convert
+    --fp8-reference``: "transformers", "deepseek", None) does not say which to follow (which is not ours to guess)."""
     from .group import loader_reading
 
     reading = loader_reading(weight)
-    if reading is None or reading[0] == "config":
+    if reading is None:
         return None
     kind, text = reading
+    deepseek = deepseek_block(weight)
+    if follow == "deepseek" and weight.scheme.family == qm.FP8:
+        if deepseek is not None:
+            return None
+        if kind == "config":  # from_pretrained reads it; DeepSeek's kernel would read its scales at other places
+            return f"{text}: refused with --fp8-reference deepseek (DeepSeek's reference reads the config's blocks, not this grid)"
+        return f"{text}: refused (DeepSeek's reference cannot read it either)"
+    if kind == "config":
+        return None
     if kind == "differ":
+        if follow == "transformers":
+            return None
         lb = weight.scheme.params.get("loader_block")
         assert isinstance(lb, tuple)
-        return f"{text}: refused (to follow from_pretrained, set quantization_config.weight_block_size to [{lb[0]}, {lb[1]}])"
+        return (
+            f"{text}: refused (say which to follow: --fp8-reference transformers or --fp8-reference deepseek; "
+            f"or set quantization_config.weight_block_size to [{lb[0]}, {lb[1]}])"
+        )
+    if deepseek is not None:  # from_pretrained cannot load it, DeepSeek's reference reads it
+        return f"{text}: refused (to follow DeepSeek's reference, give --fp8-reference deepseek)"
     return f"{text}: refused"
+
+
+def fp8_block_of(weight: qm.LogicalWeight, follow: str | None = None) -> tuple[int, ...] | None:
+    """The block an FP8 weight is dequantized with: DeepSeek's (the config's, :func:`deepseek_block`) where
+    ``follow`` is "deepseek" and the readings part, else the scheme's (the loader's, where it loads)."""
+    from .group import loader_reading
+
+    if follow == "deepseek" and loader_reading(weight) is not None:
+        block = deepseek_block(weight)
+        if block is not None:
+            return block
+    return _group(weight)
 
 
 def _group(weight: qm.LogicalWeight) -> tuple[int, ...] | None:
     return tuple(weight.scheme.group) if weight.scheme.group else None
 
 
-def dequantize(weight: qm.LogicalWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def dequantize(weight: qm.LogicalWeight, tensors: Mapping[str, torch.Tensor], follow: str | None = None) -> torch.Tensor:
     """The logical weight from its storage tensors (role -> tensor, the roles of ``weight.storage``), in its
-    natural dtype; ``ConversionError`` where the scheme or its parameters cannot be dequantized exactly."""
+    natural dtype; ``ConversionError`` where the scheme or its parameters cannot be dequantized exactly.
+    ``follow``: the FP8 reference where transformers' and DeepSeek's part (:func:`loader_refusal`)."""
     s = weight.scheme
     p = s.params
     fam = s.family
     try:
-        return _dispatch(weight, tensors, s, p, fam)
+        return _dispatch(weight, tensors, s, p, fam, follow)
     except (RuntimeError, IndexError, ValueError) as e:  # shapes the checks above did not foresee
         raise ConversionError(f"cannot dequantize '{weight.name}' ({s.name}): {e}; refused") from None
 
 
 def _dispatch(
-    weight: qm.LogicalWeight, tensors: Mapping[str, torch.Tensor], s: qm.QuantScheme, p: Mapping[str, object], fam: str
+    weight: qm.LogicalWeight, tensors: Mapping[str, torch.Tensor], s: qm.QuantScheme, p: Mapping[str, object], fam: str, follow: str | None
 ) -> torch.Tensor:
     if weight.missing:
         raise ConversionError(f"'{weight.name}' ({s.name}) lacks its {', '.join(weight.missing)}; refused")
     if fam == qm.FP8:
         w = _need(weight, tensors, "weight", *(("scale",) if "scale" in weight.storage else ()))[0]
-        refused = loader_refusal(weight)
+        refused = loader_refusal(weight, follow)
         if refused:
             raise ConversionError(refused)
-        block = _group(weight)
+        block = fp8_block_of(weight, follow)
         return fp8_block(w, tensors.get("scale"), block if block and len(block) == 2 else None)
     if fam == qm.COMPRESSED:
         w, sc = _need(weight, tensors, "weight", "scale")
