@@ -41,14 +41,16 @@ def storage_dtype(dtype: str) -> Any:
     return np.dtype(_STORAGE[dtype])
 
 
-def _bfloat16_bits(x: Any, out: Any, scratch: Any, *, contiguous: bool) -> None:
+def _bfloat16_bits(x: Any, out: Any, scratch: Any, *, contiguous: bool, top: int | None = None) -> None:
     """float32 ``x`` rounded to bfloat16 (nearest, ties to even) by ml_dtypes, as raw bits into ``out``, its NaNs
     then given torch's bits for a ``contiguous`` source or a strided one (``BFLOAT16_NAN``). ``scratch`` is a
-    uint16 array of ``x``'s length."""
+    uint16 array of ``x``'s length; ``top``, where a value check already found it, the largest ``|x|``'s bits."""
     import ml_dtypes
     import numpy as np
 
     np.copyto(out.view(ml_dtypes.bfloat16), x, casting="unsafe")
+    if top is not None and top <= 0x7F800000:  # no NaN to give torch's bits
+        return
     # ml_dtypes writes a NaN as 0x7FC0 with its sign; a finite float32 never rounds to a NaN pattern (it carries
     # into inf's), so the NaNs are found in the output, at half the bytes of the input.
     np.bitwise_and(out, 0x7FFF, out=scratch)
@@ -62,48 +64,48 @@ contiguous tensor (its vectorised loop, AVX2 and AVX-512, which also casts the l
 strided view (its scalar loop, c10's ``round_to_nearest_even``). tests/test_npcast.py holds both to torch."""
 
 
-def _float16_bits(x: Any, out: Any, magnitude: Any, scratch: Any, looked: Any = None) -> None:
+def _float16_bits(x: Any, out: Any, scratch: Any, top: int | None = None, small: Any = None) -> None:
     """float32 ``x`` rounded to float16 (nearest, ties to even), as raw bits into ``out``; NaN is quieted
-    with its sign and top payload bits kept, as ``vcvtps2ph`` (torch's vectorised cast) does. ``magnitude``
-    and ``scratch`` are uint32 arrays of ``x``'s length. ``looked`` (``values.Looked``): what a value check of
-    these same values already found (``|x|``, its largest, the indices below float16's normal range), used
-    instead of finding it again.
+    with its sign and top payload bits kept, as ``vcvtps2ph`` (torch's vectorised cast) does. ``scratch`` is a
+    uint32 array of ``x``'s length. ``top`` and ``small``: what a value check of these same values already found
+    (``values.Looked``: the largest ``|x|``'s bits, the indices below float16's normal range), used instead of
+    finding them again.
 
-    From the bits, not numpy's ``astype``: numpy's cast raises the underflow flag one element at a time, which
-    makes values below float16's normal range (optimizer moments, small biases) 20x slower (27 s/GB against
-    1.3 s/GB for N(0, 1), measured here); this costs about 1 s/GB whatever the values.
+    From the bits, not numpy's ``astype``: numpy's cast is a scalar loop (0.43 s/GB on weights, measured here)
+    that raises the underflow flag one element at a time, which makes values below float16's normal range
+    (optimizer moments, small biases) 20x slower; this is six integer passes whatever the values.
     """
     import numpy as np
 
     bits = x.view(np.uint32)
-    sign = magnitude  # the buffer is ours: once |x| is no longer needed, it takes the signs
-    if looked is None:
-        np.bitwise_and(bits, 0x7FFFFFFF, out=magnitude)
-        small = np.flatnonzero(magnitude < _F16_NORMAL) if magnitude.min() < _F16_NORMAL else None
+    if top is None:
+        magnitude = np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=scratch)
         top = int(magnitude.max())
-    else:
-        magnitude, top, small = looked
+        small = np.flatnonzero(magnitude < _F16_NORMAL) if int(magnitude.min()) < _F16_NORMAL else None
     # Within float16's normal range: rebias the exponent by -112 (adding 0xC8000000 wraps to that), add just under
     # half of the 13 dropped bits plus the kept lowest bit, and shift: round to nearest, ties to even. A carry
-    # out of the mantissa steps the exponent, up to inf's pattern for 65520 and above.
-    np.right_shift(magnitude, 13, out=scratch)
-    np.bitwise_and(scratch, 1, out=scratch)
-    np.add(scratch, magnitude, out=scratch)
-    np.add(scratch, 0xC8000FFF, out=scratch)
-    np.right_shift(scratch, 13, out=scratch)
+    # out of the mantissa steps the exponent, up to inf's pattern for 65520 and above. The sign rides along: the
+    # magnitude's sum stays below 2^28, the sign is copied into bits 28-30 (an arithmetic shift of the bits by 13
+    # leaves it there, beside the kept lowest bit), and the arithmetic shift by 13 brings bits 28-31 to bit 15 up.
+    signed = np.right_shift(bits.view(np.int32), np.int32(13), out=scratch.view(np.int32))
+    rounded = np.bitwise_and(signed.view(np.uint32), np.uint32(0x70000001), out=scratch)
+    np.add(rounded, bits, out=rounded)
+    np.add(rounded, np.uint32(0xC8000FFF), out=rounded)
+    np.right_shift(signed, np.int32(13), out=signed)
+    half = out.view(np.uint16)
+    np.copyto(half, rounded, casting="unsafe")
     if small is not None and len(small):
         # Below 2^-14 float16 steps by 2^-24 whatever the exponent: adding 0.5 (whose step is 2^-24) lets the
         # hardware round, and the sum's low bits are the float16 subnormal (or the smallest normal, rounded up).
-        sums = magnitude[small].view(np.float32) + np.float32(0.5)
-        scratch[small] = sums.view(np.uint32) - np.uint32(0x3F000000)
+        wide = bits[small]
+        sums = (wide & np.uint32(0x7FFFFFFF)).view(np.float32) + np.float32(0.5)
+        half[small] = (sums.view(np.uint32) - np.uint32(0x3F000000)) | (wide >> np.uint32(16) & np.uint32(0x8000))
     if top >= _F16_INF:  # 65536 and above, inf, NaN
-        big = np.flatnonzero(magnitude >= _F16_INF)
-        wide = magnitude[big]
-        scratch[big] = np.where(wide > 0x7F800000, 0x7E00 | ((wide >> 13) & 0x3FF), 0x7C00)
-    np.right_shift(bits, 16, out=sign)
-    np.bitwise_and(sign, 0x8000, out=sign)
-    np.bitwise_or(scratch, sign, out=scratch)
-    np.copyto(out.view(np.uint16), scratch, casting="unsafe")
+        big = np.flatnonzero(np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=scratch) >= _F16_INF)
+        wide = bits[big]
+        magnitude = wide & np.uint32(0x7FFFFFFF)
+        quiet = np.where(magnitude > 0x7F800000, 0x7E00 | ((magnitude >> 13) & 0x3FF), 0x7C00).astype(np.uint32)
+        half[big] = quiet | (wide >> np.uint32(16) & np.uint32(0x8000))
 
 
 _F16_NORMAL = 113 << 23  # 2^-14, float16's smallest normal, as float32 bits
@@ -124,12 +126,11 @@ class NumpyCaster:
         # Every cast but a widening goes through float32 (torch rounds float64 to float32 first).
         self._f32 = np.empty(capacity, np.float32)
         self._scratch = np.empty(capacity, np.uint16 if target == "bfloat16" else np.uint32)
-        self._magnitude = np.empty(capacity if target == "float16" else 0, np.uint32)
         limit = _LARGEST[target]
         self._limit = limit if clamp and limit < _LARGEST[source] else None
 
     def __call__(self, x: Any, looked: Any = None) -> Any:
-        """``looked``: a value check's ``values.Looked`` of these same values (float32 to float16, unclamped)."""
+        """``looked``: a value check's ``values.Looked`` of these same values (from float32, unclamped)."""
         return self._cast(x, looked)
 
     def _cast(self, x: Any, looked: Any = None) -> Any:
@@ -162,11 +163,15 @@ class NumpyCaster:
                     x = f32
                 if self.target == "float32":
                     np.copyto(out, x)
-                elif self.target == "float16":
-                    usable = looked if self.source == "float32" and self._limit is None else None
-                    _float16_bits(x, out, self._magnitude[:n], self._scratch[:n], usable)
+                elif looked is None or self.source != "float32" or self._limit is not None:
+                    if self.target == "float16":
+                        _float16_bits(x, out, self._scratch[:n])
+                    else:
+                        _bfloat16_bits(x, out, self._scratch[:n], contiguous=contiguous)
+                elif self.target == "float16":  # what the value check found of these same values
+                    _float16_bits(x, out, looked.scratch, looked.top, looked.small)
                 else:
-                    _bfloat16_bits(x, out, self._scratch[:n], contiguous=contiguous)
+                    _bfloat16_bits(x, out, self._scratch[:n], contiguous=contiguous, top=looked.top)
         return out
 
 

@@ -152,11 +152,12 @@ def float32_chunks(buffer: Any, dtype: str, offset: int, numel: int) -> Iterator
 
 
 class Looked(NamedTuple):
-    """What a fold learned of a chunk of float32 values bound for float16: ``|x|``'s bits (``magnitude``, valid
-    until the next fold), the largest of them (``top``) and the indices of those below float16's smallest
-    normal (``small``), in order. ``npcast``'s float16 cast needs exactly these."""
+    """What a fold learned of a chunk of float32 values, for a cast of the same values to use instead of learning
+    it again: the largest ``|x|``'s bits (``top``), for a float16 target the indices of the values below float16's
+    smallest normal, in order (``small``; else None), and ``scratch``, a uint32 buffer of the chunk's length that
+    the fold is done with (the cast may write in it). Valid until the next fold."""
 
-    magnitude: Any
+    scratch: Any
     top: int
     small: Any
 
@@ -186,14 +187,12 @@ class ValueCheck:
 
         self._np = np
         self._magnitude = np.empty(CHUNK_BYTES // 4, np.uint32)
-        self._shifted = np.empty(CHUNK_BYTES // 4, np.uint32)
-        self._other = np.empty(CHUNK_BYTES // 4, np.uint32)
         self._mask = np.empty(CHUNK_BYTES // 4, np.bool_)
-        self._ratio = np.empty(CHUNK_BYTES // 4, np.float32)
+        self._half = np.empty(CHUNK_BYTES // 4, np.uint16)
 
     def fold(self, stats: ValueStats, x: Any, original: Any, *, clamp: bool = False) -> Looked | None:
-        """Fold one chunk into ``stats``. For a float16 target, returns what it learned of the chunk on the way
-        (``Looked``), which a float16 cast of the same float32 values can use instead of learning it again."""
+        """Fold one chunk into ``stats``; returns what it learned of the chunk on the way (``Looked``), which a cast
+        of the same float32 values can use instead of learning it again."""
         np = self._np
         n = len(x)
         if not n:
@@ -209,22 +208,25 @@ class ValueCheck:
             # NaN/Inf and overflow, for every target: a NaN is as lost in bfloat16 as in float16.
             self._fold_specials(stats, magnitude, top, original, clamp)
             if stats.target != "float16" and not errors:
-                return None
+                return Looked(magnitude, top, None)
             # The values worth a look: the small ones, and (for the errors) those of the top binade.
             small_below = F16_NORMAL_FROM if stats.target == "float16" else F32_TINY_BITS
             high_from = top & 0x7F800000 if errors else 0xFFFFFFFF
             if high_from > small_below:  # one pass: below ``small_below`` wraps around past ``high_from``
-                shifted = np.subtract(magnitude, np.uint32(small_below), out=self._shifted[:n])
+                # in place: the buffer's low bits stay |x|'s (``small_below`` is a multiple of 2^16), which is all
+                # the rest of the fold reads of it whole
+                shifted = np.subtract(magnitude, np.uint32(small_below), out=magnitude)
                 picked = np.flatnonzero(np.greater_equal(shifted, np.uint32(high_from - small_below), out=self._mask[:n]))
+                looks = shifted[picked] + np.uint32(small_below)
             else:
                 picked = np.arange(n)
-            is_small = magnitude[picked] < small_below
-            small, high = picked[is_small], picked[~is_small]
+                looks = magnitude.copy()
+            is_small = looks < small_below
             if stats.target == "float16":
-                self._fold_range(stats, n, magnitude[small])
+                self._fold_range(stats, n, looks[is_small])
             if errors:
-                self._fold_errors(stats, magnitude, top, small, high, clamp)
-        return Looked(magnitude, top, small) if stats.target == "float16" else None
+                self._fold_errors(stats, x.view(np.uint32), magnitude, top, looks[is_small], looks[~is_small], small_below, clamp)
+        return Looked(magnitude, top, picked[is_small] if stats.target == "float16" else None)
 
     def _fold_specials(self, stats: ValueStats, magnitude: Any, top: int, original: Any, clamp: bool) -> None:
         """NaN/Inf already present, finite values the cast makes inf, and the largest finite |x|."""
@@ -257,22 +259,28 @@ class ValueCheck:
         stats.underflow += to_zero - zeros
         stats.subnormal += int(np.count_nonzero(small < F16_SUBNORMAL_BELOW)) - to_zero
 
-    def _fold_errors(self, stats: ValueStats, magnitude: Any, top: int, small: Any, high: Any, clamp: bool) -> None:
-        """The max absolute and relative error of torch's cast of these float32 values, as torch's own
-        float32 arithmetic (``|y.float() - x|``, then over ``max(|x|, tiny)``) would measure them."""
+    def _fold_errors(self, stats: ValueStats, bits: Any, low: Any, top: int, small: Any, high: Any, small_below: int, clamp: bool) -> None:
+        """The max absolute and relative error of torch's cast of the float32 values ``bits``, as torch's own
+        float32 arithmetic (``|y.float() - x|``, then over ``max(|x|, tiny)``) would measure them. ``small`` and
+        ``high``: the magnitudes below ``small_below`` and those of the top binade; ``low``: a buffer whose low 16
+        bits are those of ``|x|``, which this may overwrite."""
         np = self._np
-        bits = 11 if stats.target == "float16" else 8
+        bits_kept = 11 if stats.target == "float16" else 8
         inf_from = F16_INF_FROM if stats.target == "float16" else BF16_INF_FROM
         worst = relative = -1.0
         if top < inf_from:
-            error = self._errors(magnitude[np.concatenate([small, high])], stats.target, clamp)
+            looks = np.concatenate([small, high])
+            error = self._errors(looks, stats.target, clamp)
             # Below the top binade, a normal value errs by at most half a step of the binade under it.
-            if len(error) and float(error.max()) >= 2.0 ** ((top >> 23) - 128 - bits):
+            if len(error) and float(error.max()) >= 2.0 ** ((top >> 23) - 128 - bits_kept):
                 worst = float(error.max())
-            relative = self._relative(error[: len(small)], magnitude[small])
-        if worst >= 0 and relative < 2.0**-bits:  # the largest error is known: only a normal value's relative one is left
-            relative = max(relative, self._normal_relative(magnitude, small, 24 - bits))
+            # the top binade's values are normal ones: their relative errors are a floor for the rest's
+            relative = self._relative(error, looks)
+        known = max(relative, stats.max_rel_error)  # this tensor's largest so far: only a larger one matters
+        if worst >= 0 and known < 2.0**-bits_kept:  # the largest error is known: only a normal value's relative one is left
+            relative = max(relative, self._normal_relative(bits, low, small_below, 24 - bits_kept, known))
         elif worst < 0:
+            magnitude = np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=low)
             error = self._errors(magnitude, stats.target, clamp)
             worst = float(error.max())
             relative = self._relative(error, magnitude)
@@ -280,29 +288,42 @@ class ValueCheck:
         stats.max_rel_error = max(stats.max_rel_error, relative)
         stats.errors_measured = True
 
-    def _normal_relative(self, magnitude: Any, small: Any, drop: int) -> float:
-        """The largest relative error of rounding these magnitudes (all finite, below the target's overflow) to
-        ``24 - drop`` significant bits, leaving out the indices ``small`` (below the target's normal range).
+    def _normal_relative(self, bits: Any, low: Any, small_below: int, drop: int, known: float) -> float:
+        """The largest relative error of rounding the float32 values ``bits`` (all finite, below the target's
+        overflow) to ``24 - drop`` significant bits, of those from ``small_below`` up (the target's normal range),
+        where it is above ``known`` (a float32 figure; else 0). ``low``: a buffer whose low ``drop`` bits are
+        those of ``bits``, overwritten here.
 
         For a normal value the exponent cancels: x = (2^23 + m) 2^k and its error is e 2^k, where e, the
         distance from the low ``drop`` bits of the mantissa m to the nearer multiple of 2^drop (a tie is half
         a step either way), so the relative error is e / (2^23 + m). Both are exact in float32 (2^23 + m is the
         float32 whose bits are m under 2^23's exponent), so one float32 division per value rounds each ratio
-        exactly as torch's ``|y - x| / |x|`` does, and the maximum keeps their order: six passes over the chunk
-        (a sample-then-candidates search cost twice this on real weights, whose ties are a few per thousand).
+        exactly as torch's ``|y - x| / |x|`` does, and the maximum keeps their order. Since 2^23 + m >= 2^23, a
+        ratio above ``known`` needs e > known 2^23: three integer passes find those few candidates (e near half a
+        step), and only they are divided. ``known`` is the tensor's largest so far (the top binade's, earlier
+        chunks'), so after a chunk or two the candidates are a few in a thousand.
         """
         np = self._np
-        n = len(magnitude)
-        step = np.uint32(1 << drop)
-        low = np.bitwise_and(magnitude, step - np.uint32(1), out=self._shifted[:n])
-        e = np.minimum(low, np.subtract(step, low, out=self._other[:n]), out=low)
-        e[small] = 0
-        ratio = self._ratio[:n]
-        np.copyto(ratio, e, casting="unsafe")
-        den = np.bitwise_and(magnitude, np.uint32(0x7FFFFF), out=self._other[:n])
-        np.bitwise_or(den, np.uint32(150 << 23), out=den)  # 2^23 + m, as float32 bits
-        np.divide(ratio, den.view(np.float32), out=ratio)
-        return float(ratio.max())
+        step = 1 << drop
+        floor = int(known * 2**23)  # e <= floor: a ratio of at most known, which changes no maximum
+        if floor >= step // 2:
+            return 0.0
+        # floor < e = min(low, step - low) is floor < low < step - floor: one unsigned comparison after a
+        # subtraction, on the low 16 bits alone (half the bytes of a pass over 32)
+        half = self._half[: len(low)]
+        np.copyto(half, low, casting="unsafe")
+        if drop < 16:
+            np.bitwise_and(half, np.uint16(step - 1), out=half)
+        np.subtract(half, np.uint16(floor + 1), out=half)
+        candidates = np.flatnonzero(np.less(half, np.uint16(step - 2 * floor - 1), out=self._mask[: len(low)]))
+        m = bits[candidates] & np.uint32(0x7FFFFFFF)
+        m = m[m >= small_below]
+        if not len(m):
+            return 0.0
+        low = m & np.uint32(step - 1)
+        e = np.minimum(low, np.uint32(step) - low).astype(np.float32)
+        den = (m & np.uint32(0x7FFFFF)) | np.uint32(150 << 23)  # 2^23 + m, as float32 bits
+        return float((e / den.view(np.float32)).max())
 
     def _errors(self, magnitude: Any, target: str, clamp: bool) -> Any:
         """|torch's cast - x| in float32 for these magnitudes (float32 bit patterns), NaN/Inf left at 0."""
