@@ -32,6 +32,7 @@ import io
 import json
 import logging
 import random
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -264,39 +265,39 @@ def build_mxfp4(rng: random.Random, base: Path) -> tuple[Path, dict[str, Any], A
 BUILDERS = {"fp8": build_fp8, "ct": build_ct, "bnb": build_bnb, "mxfp4": build_mxfp4}
 
 
-def reference_state(scheme: str, path: Path, qconfig: Any) -> dict[str, Any] | str:
-    """What the loader the scheme is held to gives: the loaded model's state dict, or why it refused."""
+def reference_state(scheme: str, path: Path, qconfig: Any, dtype: Any = None) -> dict[str, Any] | str:
+    """What the loader the scheme is held to gives: the loaded model's state dict, or why it refused. ``dtype``
+    None: from_pretrained's default (``"auto"``: the config's dtype, else the first shard's); else the dtype asked
+    for (convert's reference: ``convert --to bf16`` is the model from_pretrained loads in bf16)."""
     from transformers import AutoModelForCausalLM
 
+    extra = {} if dtype is None else {"dtype": dtype}
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             if scheme == "bnb":
-                model = AutoModelForCausalLM.from_pretrained(path, device_map="cpu")
+                model = AutoModelForCausalLM.from_pretrained(path, device_map="cpu", **extra)
                 model.dequantize()
             else:
-                model = AutoModelForCausalLM.from_pretrained(path, device_map="cpu", quantization_config=qconfig)
+                model = AutoModelForCausalLM.from_pretrained(path, device_map="cpu", quantization_config=qconfig, **extra)
     except Exception as exc:  # the loader's refusal is a verdict
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def ours_loaded_dtypes(path: Path) -> dict[str, str] | str:
-    """The dtype dtypeaudit's inventory says each parameter of the loaded model has."""
+def ours_scan(path: Path) -> tuple[dict[str, str] | str, list[str]]:
+    """The dtype dtypeaudit says each parameter of the loaded model has (what its policies judge: each quantized
+    weight as its logical weight, every tensor under the name and in the dtype from_pretrained gives it), or why
+    it refused the folder; and the scan's findings (``severity rule: message``)."""
+    from dtypeaudit.checks import as_policies_see_it, check
     from dtypeaudit.errors import DtypeAuditError
     from dtypeaudit.formats import read_checkpoint
-    from dtypeaudit.quant.group import view
 
     try:
         inv = read_checkpoint(str(path))
-        quant = view(inv)
+        found = [f"{f.severity} {f.rule}: {f.message}" for f in check(inv)]
+        return {t.name: t.dtype for t in as_policies_see_it(inv)}, found
     except DtypeAuditError as exc:
-        return f"refused: {exc}"
-    out = {t.name: t.dtype for t in inv.tensors}
-    if quant is not None:
-        for name in quant.consumed:
-            out.pop(name, None)
-        out.update({w.name: w.dequantizes_to for w in quant.weights})
-    return out
+        return f"refused: {exc}", []
 
 
 def ours_converted(path: Path, out: Path) -> dict[str, Any] | str:
@@ -317,13 +318,33 @@ def ours_converted(path: Path, out: Path) -> dict[str, Any] | str:
     return state
 
 
-def compare(reference: dict[str, Any] | str, dtypes_: dict[str, str] | str, converted: dict[str, Any] | str) -> list[str]:
-    """The failure classes of one case (empty: it agrees)."""
+_WAY_THROUGH = re.compile(r"DeepSeek's reference.*to follow from_pretrained, set quantization_config\.weight_block_size to \[(\d+), (\d+)\]")
+
+
+def told_block(converted: dict[str, Any] | str, found: list[str]) -> tuple[int, int] | None:
+    """The block convert's refusal says to set where transformers' and DeepSeek's readings of an FP8 file part
+    (issue 31: say so, and convert only when told which to follow), provided the scan names both; else None."""
+    m = _WAY_THROUGH.search(converted) if isinstance(converted, str) else None
+    if m is None or not any("DeepSeek" in f and "from_pretrained" in f for f in found):
+        return None
+    return (int(m.group(1)), int(m.group(2)))
+
+
+def compare(
+    reference: dict[str, Any] | str,
+    scan: tuple[dict[str, str] | str, list[str]],
+    converted: dict[str, Any] | str,
+    as_bf16: dict[str, Any] | str | None = None,
+) -> list[str]:
+    """The failure classes of one case (empty: it agrees). ``reference`` is from_pretrained's default load (the
+    scan's dtypes, the refusals), ``as_bf16`` its load in bfloat16 (convert's values; ``reference`` where None)."""
     import torch
 
+    dtypes_, found = scan
+    errors = [f for f in found if f.startswith("error ")]
     if isinstance(reference, str):
         problems = []
-        if not isinstance(dtypes_, str):
+        if not isinstance(dtypes_, str) and not errors:
             problems.append("scan passes what the loader refuses")
         if not isinstance(converted, str):
             problems.append("convert writes what the loader refuses")
@@ -332,22 +353,28 @@ def compare(reference: dict[str, Any] | str, dtypes_: dict[str, str] | str, conv
     if isinstance(dtypes_, str):
         problems.append("scan refuses what the loader loads")
     else:
+        if errors:
+            problems.append("scan: an error where the loader loads")
         wrong = sorted(k for k, v in reference.items() if k in dtypes_ and dtypes_[k] != str(v.dtype).removeprefix("torch."))
         if wrong:
             quantized = any(k.endswith(("_proj.weight", "experts.gate_up_proj", "experts.down_proj")) for k in wrong)
             problems.append(f"scan: loaded dtypes differ ({'quantized weights' if quantized else 'unquantized parts'})")
+    want_state = reference if as_bf16 is None else as_bf16
+    if isinstance(want_state, str):
+        problems.append("the loader refuses bf16 what it loads in its own dtype")
+        return problems
     if isinstance(converted, str):
         problems.append("convert refuses what the loader loads")
         return problems
-    missing = sorted(set(reference) - set(converted))
+    missing = sorted(set(want_state) - set(converted))
     if missing:
         problems.append("convert: tensors missing from the output")
-    extra = sorted(set(converted) - set(reference))
+    extra = sorted(set(converted) - set(want_state))
     if extra:
         problems.append("convert: tensors the loaded model does not hold")
     differ = []
-    for k in sorted(set(reference) & set(converted)):
-        want = reference[k].to(torch.bfloat16)
+    for k in sorted(set(want_state) & set(converted)):
+        want = want_state[k].to(torch.bfloat16)
         got = converted[k]
         if got.dtype != torch.bfloat16 or got.shape != want.shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
             differ.append(k)
@@ -357,18 +384,43 @@ def compare(reference: dict[str, Any] | str, dtypes_: dict[str, str] | str, conv
     return problems
 
 
+def _tell(path: Path, block: tuple[int, int], qconfig: Any) -> Any:
+    """Follow convert's way through: the config's ``weight_block_size`` set to ``block``; the reference's
+    quantization config told the same."""
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = list(block)
+    (path / "config.json").write_text(json.dumps(config))
+    qconfig.weight_block_size = list(block)
+    return qconfig
+
+
 def run_case(seed: int, scheme: str | None = None) -> dict[str, Any]:
-    """One case: built, loaded by the reference, scanned and converted by dtypeaudit, compared."""
+    """One case: built, loaded by the reference, scanned and converted by dtypeaudit, compared. Where convert
+    refuses a file transformers' and DeepSeek's references read differently, naming the way through, the way is
+    followed (at most three times) and what it converts compared with from_pretrained on the told file."""
+    import torch
+
     logging.getLogger("transformers").setLevel(logging.ERROR)
     rng = random.Random(seed)
     scheme = scheme or rng.choice(SCHEMES)
+    told: list[tuple[int, int]] = []
     with tempfile.TemporaryDirectory(prefix="dtypeaudit-quantfuzz-") as tmp:
         base = Path(tmp)
         path, params, qconfig = BUILDERS[scheme](rng, base)
         reference = reference_state(scheme, path, qconfig)
-        dtypes_ = ours_loaded_dtypes(path)
+        as_bf16 = reference_state(scheme, path, qconfig, torch.bfloat16) if not isinstance(reference, str) else None
+        scan = ours_scan(path)
         converted = ours_converted(path, base / "out")
-        problems = compare(reference, dtypes_, converted)
+        problems = []
+        while not isinstance(reference, str) and (block := told_block(converted, scan[1])) is not None and len(told) < 3:
+            told.append(block)
+            qconfig = _tell(path, block, qconfig)
+            again = reference_state(scheme, path, qconfig, torch.bfloat16)
+            if not _same(again, as_bf16):
+                problems.append("the way through changes what from_pretrained loads")
+            converted = ours_converted(path, base / f"out-{len(told)}")
+        problems += compare(reference, scan, converted, as_bf16)
+    dtypes_ = scan[0]
     return {
         "seed": seed,
         "scheme": scheme,
@@ -378,9 +430,19 @@ def run_case(seed: int, scheme: str | None = None) -> dict[str, Any]:
         "reference": reference if isinstance(reference, str) else "loaded",
         "ours": {
             "scan": dtypes_ if isinstance(dtypes_, str) else "read",
+            "findings": [f for f in scan[1] if not f.startswith("info ")],
             "convert": converted if isinstance(converted, str) else "written",
+            "told": told,
         },
     }
+
+
+def _same(a: dict[str, Any] | str | None, b: dict[str, Any] | str | None) -> bool:
+    import torch
+
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    return a == b
 
 
 LOADED_DTYPES = "quantized loaded dtypes (the config dtype, the scales' dtype, modules_to_not_convert)"
