@@ -669,9 +669,9 @@ def _load_dtype(
             Finding("duplicate-key", "warning", f"config.json: {duplicate}; from_pretrained keeps the last value", file="config.json")
         )
     method = cfg["quantization_config"].get("quant_method") if isinstance(cfg.get("quantization_config"), dict) else None
-    if "quantization_config" in cfg and method not in ("fp8", "mxfp4"):
-        # a quantizer decides the dtypes: not modelled here. fp8 and mxfp4 dequantize on CPU into the model's own
-        # dtype, which the same dtype plan decides (tests/test_quant_edges.py loads them)
+    if "quantization_config" in cfg and method not in ("fp8", "mxfp4", "compressed-tensors"):
+        # a quantizer decides the dtypes: not modelled here. fp8, mxfp4 and compressed-tensors dequantize on CPU into
+        # the model's own dtype, which the same dtype plan decides (tests/test_quant_edges.py loads them)
         return out
     index_meta = None
     if res.index is not None:
