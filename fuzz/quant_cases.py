@@ -7,22 +7,24 @@ Each case is a tiny Llama (one layer, random sizes, dividing its blocks or not) 
 quantized by a random scheme, with random block sizes, scale dtypes and config variants:
 
 * ``fp8``: transformers' fine-grained FP8 layout (``X.weight`` float8_e4m3fn, ``X.weight_scale_inv`` on the grid
-  FP8Linear allocates), block sizes from 1x32 (MXFP8's) to 128x128, scales in float32, bfloat16, float8_e8m0fnu
-  (``scale_fmt: ue8m0``) or uint8 E8M0 bytes; at times a stray scale beside an unquantized weight, or a
+  FP8Linear allocates), block sizes from 1x32 (MXFP8's) to 128x128, scales in float32, bfloat16, float16,
+  float8_e8m0fnu (``scale_fmt: ue8m0``) or uint8 E8M0 bytes; at times a stray scale beside an unquantized weight, or a
   quantized weight listed in ``modules_to_not_convert``. Reference: ``from_pretrained`` on CPU with
   ``FineGrainedFP8Config(dequantize=True)``.
-* ``ct``: compressed-tensors' own compressors (pack-quantized int4/int8 groups, float-quantized FP8 per channel).
-  Reference: ``from_pretrained`` with ``CompressedTensorsConfig(dequantize=True)`` (compressed-tensors'
-  decompress).
-* ``mxfp4``: gpt-oss's experts (``*_blocks`` / ``*_scales``, E8M0 exponents in random ranges; no MXFP4 writer
-  runs on a CPU, so the blocks are random bytes). Reference: ``from_pretrained`` with ``Mxfp4Config(dequantize=True)``.
+* ``ct``: compressed-tensors' own compressors (pack-quantized int4/int8 groups, float-quantized FP8 per channel
+  or tensor), at times behind a first config group aimed at MoE experts. Reference: ``from_pretrained`` with
+  ``CompressedTensorsConfig(dequantize=True)`` (compressed-tensors' decompress).
+* ``mxfp4``: gpt-oss's experts (``*_blocks`` / ``*_scales``, E8M0 exponents in random ranges, at times padded
+  past the hidden size; no MXFP4 writer runs on a CPU, so the blocks are random bytes). Reference:
+  ``from_pretrained`` with ``Mxfp4Config(dequantize=True)``.
 * ``bnb``: bitsandbytes' CPU backend quantizing on load and ``save_pretrained`` (int8, nf4, fp4, double quant),
   at times its int8 ``SCB`` stored as bfloat16. Reference: the folder loaded and ``model.dequantize()``.
 
 Two comparisons per case, each a class of its own when it fails: ``scan`` (the dtype each parameter of the
-loaded model has, as dtypeaudit's inventory names it: a quantized weight's ``dequantizes_to``, else the stored
-dtype) and ``convert`` (``convert --to bf16``: every tensor bit-equal to the reference's, cast to bfloat16; a
-refusal is right only where the loader refuses too).
+loaded model has, as dtypeaudit's policies see the folder, against the reference's default load; where the loader
+refuses, the scan refuses or finds an error) and ``convert`` (``convert --to bf16``: every tensor bit-equal to the
+reference loaded with ``dtype=torch.bfloat16``; a refusal is right only where the loader refuses too, or where
+transformers' and DeepSeek's readings of an FP8 file part, when the way through it names converts as told).
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def build_fp8(rng: random.Random, base: Path) -> tuple[Path, dict[str, Any], Any
     from transformers import FineGrainedFP8Config
 
     block = rng.choice([(128, 128), (64, 64), (32, 32), (1, 32), (16, 64), (64, 16)])
-    scale_dtype = rng.choice(["float32", "bfloat16", "e8m0", "uint8"])
+    scale_dtype = rng.choice(["float32", "bfloat16", "float16", "e8m0", "uint8"])
     divide = rng.random() < 0.5
     config = _llama(rng, base / "bf16", multiple=max(block) if divide else 1)
     state = load_file(base / "bf16" / "model.safetensors")
@@ -185,9 +187,20 @@ def build_ct(rng: random.Random, base: Path) -> tuple[Path, dict[str, Any], Any]
     qconfig = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed", ignore=["lm_head"])
     config["quantization_config"] = json.loads(qconfig.model_dump_json(exclude_none=True))
     config["quantization_config"]["quant_method"] = "compressed-tensors"
+    groups = "one"
+    if rng.random() < 0.3:  # a group for the experts first (none in a dense Llama): the loader reads every dense module with the second
+        groups = "experts-first"
+        (written,) = config["quantization_config"]["config_groups"].values()
+        w = written["weights"]
+        if w.get("strategy") == "group":  # other args the scales would not fit, valid to compressed-tensors
+            weights = {**w, "symmetric": not w.get("symmetric", True) if w.get("num_bits") == 4 else True, "group_size": 128}
+        else:
+            weights = {**w, "strategy": "tensor" if w.get("strategy") == "channel" else "channel"}
+        experts = {**written, "targets": [r"re:.*mlp\.experts\..*"], "weights": weights}
+        config["quantization_config"]["config_groups"] = {"group_0": experts, "group_1": written}
     dtype = _config_dtype(rng, config)
     (path / "config.json").write_text(json.dumps(config))
-    return path, {"format": fmt, **args, "config_dtype": dtype}, CompressedTensorsConfig(dequantize=True)
+    return path, {"format": fmt, **args, "groups": groups, "config_dtype": dtype}, CompressedTensorsConfig(dequantize=True)
 
 
 def build_bnb(rng: random.Random, base: Path) -> tuple[Path, dict[str, Any], Any]:
@@ -224,7 +237,7 @@ def build_mxfp4(rng: random.Random, base: Path) -> tuple[Path, dict[str, Any], A
     from safetensors.torch import load_file, save_file
     from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config
 
-    hidden = rng.choice([64, 128])
+    hidden = rng.choice([64, 128, 128, 112])  # 112: blocks padded to 128 rows, which from_pretrained refuses
     cfg = GptOssConfig(
         vocab_size=64,
         hidden_size=hidden,
@@ -232,7 +245,7 @@ def build_mxfp4(rng: random.Random, base: Path) -> tuple[Path, dict[str, Any], A
         num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=hidden // 4,
+        head_dim=32,
         num_local_experts=rng.choice([2, 4]),
         num_experts_per_tok=2,
         layer_types=["full_attention"],
@@ -245,8 +258,9 @@ def build_mxfp4(rng: random.Random, base: Path) -> tuple[Path, dict[str, Any], A
     for k, v in load_file(base / "bf16" / "model.safetensors").items():
         if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
             experts, rows, cols = v.shape  # the parameter is [E, in, out]; its blocks are [E, out, in/32, 16]
-            state[k + "_blocks"] = torch.randint(0, 256, (experts, cols, rows // 32, 16), dtype=torch.uint8, generator=gen)
-            state[k + "_scales"] = torch.randint(low, 131, (experts, cols, rows // 32), dtype=torch.uint8, generator=gen)
+            groups = -(-rows // 32)  # the input dim rounded up to 32 values a scale
+            state[k + "_blocks"] = torch.randint(0, 256, (experts, cols, groups, 16), dtype=torch.uint8, generator=gen)
+            state[k + "_scales"] = torch.randint(low, 131, (experts, cols, groups), dtype=torch.uint8, generator=gen)
         else:
             state[k] = v
     path = base / "q"
@@ -259,7 +273,8 @@ def build_mxfp4(rng: random.Random, base: Path) -> tuple[Path, dict[str, Any], A
     }
     dtype = _config_dtype(rng, config)
     (path / "config.json").write_text(json.dumps(config))
-    return path, {"scales_from": low, "experts": cfg.num_local_experts, "config_dtype": dtype}, Mxfp4Config(dequantize=True)
+    params = {"hidden": hidden, "scales_from": low, "experts": cfg.num_local_experts, "config_dtype": dtype}
+    return path, params, Mxfp4Config(dequantize=True)
 
 
 BUILDERS = {"fp8": build_fp8, "ct": build_ct, "bnb": build_bnb, "mxfp4": build_mxfp4}
@@ -447,37 +462,16 @@ def _same(a: dict[str, Any] | str | None, b: dict[str, Any] | str | None) -> boo
     return a == b
 
 
-LOADED_DTYPES = "quantized loaded dtypes (the config dtype, the scales' dtype, modules_to_not_convert)"
-STRAY_SCALE = "a stray scale beside an unquantized weight"
-MXFP8_UINT8 = "MXFP8 with uint8 E8M0 scales"
-PARTIAL_EDGES = "FP8 partial edge blocks (the grid, not weight_block_size; a grid that does not divide)"
-SCB_DTYPE = "bitsandbytes int8 with a bfloat16 SCB"
-E8M0_UNREADABLE = "float8_e8m0fnu scales the loader cannot read (safetensors: unknown dtype F8_E8M0)"
+KNOWN: dict[str, str] = {}
+"""Known classes not fixed yet: a failure class of ``compare`` (a prefix of it) -> its name, for the tests' xfail.
+Empty: issue 31's quantized classes are fixed (loaded dtypes of FP8, MXFP4 and compressed-tensors folders, stray
+scales, uint8 E8M0 scales, the FP8 block from the grid, bitsandbytes int8 in its SCB's dtype, F8_E8M0 in the first
+shard with no config dtype), and tests/test_quant_edges.py holds each."""
 
 
-def _explain(problem: str, scheme: str, p: dict[str, Any], reference: str) -> str | None:
-    """The known class of one problem of a case (issue 31's, or found by this fuzzer), else None."""
-    fp8 = scheme == "fp8"
-    if problem.startswith("scan: loaded dtypes differ"):
-        return LOADED_DTYPES
-    if fp8 and p["variant"] == "stray-scale" and problem.startswith("convert: "):
-        return STRAY_SCALE
-    if "what the loader refuses" in problem:
-        if "F8_E8M0" in reference:
-            return E8M0_UNREADABLE
-        return PARTIAL_EDGES if fp8 and not p["divides"] else None
-    if problem.startswith("convert: values differ"):
-        if fp8 and p["scale_dtype"] == "uint8" and "dequantized" in problem:
-            return MXFP8_UINT8
-        if p.get("config_dtype") == "float16":  # the loader holds (and dequantizes into) float16
-            return LOADED_DTYPES
-        if fp8 and p["variant"] == "not-converted":
-            return LOADED_DTYPES
-        if fp8 and not p["divides"]:
-            return PARTIAL_EDGES
-        if scheme == "bnb" and p["variant"] == "scb-bf16":
-            return SCB_DTYPE
-    return None
+def _explain(problem: str) -> str | None:
+    """The known class of one problem of a case, else None."""
+    return next((name for prefix, name in KNOWN.items() if problem.startswith(prefix)), None)
 
 
 def known_class(result: dict[str, Any]) -> str | None:
@@ -485,7 +479,7 @@ def known_class(result: dict[str, Any]) -> str | None:
     is none of them (a new class: look at it)."""
     reasons = set()
     for problem in result["classes"]:
-        reason = _explain(problem, result["scheme"], result["params"], str(result.get("reference", "")))
+        reason = _explain(problem)
         if reason is None:
             return None
         reasons.add(reason)
