@@ -424,6 +424,7 @@ def run_case(seed: int, scheme: str | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dtypeaudit-quantfuzz-") as tmp:
         base = Path(tmp)
         path, params, qconfig = BUILDERS[scheme](rng, base)
+        params["shards"] = _shard(rng, path)
         reference = reference_state(scheme, path, qconfig)
         as_bf16 = reference_state(scheme, path, qconfig, torch.bfloat16) if not isinstance(reference, str) else None
         scan = ours_scan(path)
@@ -452,6 +453,28 @@ def run_case(seed: int, scheme: str | None = None) -> dict[str, Any]:
             "told": told,
         },
     }
+
+
+def _shard(rng: random.Random, path: Path) -> str:
+    """At times the folder's one file as two shards with an index (names sorted, cut at a random place), and at
+    times the index naming the dtype: from_pretrained reads the first shard (or the index) for the model's dtype."""
+    from safetensors.torch import load_file, save_file
+
+    if rng.random() < 0.7 or not (path / "model.safetensors").exists():
+        return "one"
+    state = load_file(path / "model.safetensors")
+    names = sorted(state)
+    cut = rng.randrange(1, len(names))
+    files = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    weight_map = {k: files[i >= cut] for i, k in enumerate(names)}
+    for f in files:
+        save_file({k: state[k] for k in names if weight_map[k] == f}, path / f, metadata={"format": "pt"})
+    (path / "model.safetensors").unlink()
+    metadata: dict[str, Any] = {"total_size": sum(v.numel() * v.element_size() for v in state.values())}
+    if rng.random() < 0.3:
+        metadata["dtype"] = rng.choice(["bfloat16", "float16", "float32"])
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": metadata, "weight_map": weight_map}))
+    return f"two, cut at {names[cut]}" + (f", index dtype {metadata['dtype']}" if "dtype" in metadata else "")
 
 
 def _same(a: dict[str, Any] | str | None, b: dict[str, Any] | str | None) -> bool:
