@@ -227,7 +227,11 @@ def build_bnb(rng: random.Random, base: Path) -> tuple[Path, dict[str, Any], Any
         for f in path.glob("*.safetensors"):
             state = load_file(f)
             save_file({k: (v.to(torch.bfloat16) if k.endswith(".SCB") else v) for k, v in state.items()}, f, metadata={"format": "pt"})
-    return path, {"kind": kind, "variant": variant, "double": getattr(qconfig, "bnb_4bit_use_double_quant", None)}, None
+    config = json.loads((path / "config.json").read_text())
+    dtype = _config_dtype(rng, config) if rng.random() < 0.5 else config.get("dtype", config.get("torch_dtype"))
+    (path / "config.json").write_text(json.dumps(config))
+    params = {"kind": kind, "variant": variant, "double": getattr(qconfig, "bnb_4bit_use_double_quant", None), "config_dtype": dtype}
+    return path, params, None
 
 
 def build_mxfp4(rng: random.Random, base: Path) -> tuple[Path, dict[str, Any], Any]:

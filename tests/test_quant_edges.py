@@ -577,3 +577,35 @@ def test_compressed_tensors_folder_lists_the_dtypes_from_pretrained_loads(tmp_pa
     assert not [f for f in check(inv) if f.rule.startswith("load-names")]
     as_bf16, _ = load(dtype=torch.bfloat16)
     _bit_equal(_converted(src, tmp_path / "out"), as_bf16.state_dict())
+
+
+# -- 10. bitsandbytes: the dtype model.dequantize() gives ------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", None], ids=["fp32", "none"])
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_bnb_folder_lists_the_dtypes_model_dequantize_gives(tmp_path: Path, kind: str, dtype: str | None) -> None:
+    """bitsandbytes on CPU writes the folder (quantized on load, save_pretrained). ``model.dequantize()`` casts each
+    weight to ``model.config.dtype``, the dtype from_pretrained loaded the model in: config.json's, else the first
+    shard's first floating tensor (bf16 here; it was listed float16). The unquantized parts stay as stored."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from dtypeaudit.checks import as_policies_see_it
+
+    _llama(256, 384).save_pretrained(tmp_path / "bf16")
+    qc = BitsAndBytesConfig(load_in_8bit=True) if kind == "int8" else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind)
+    src = tmp_path / kind
+    AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", quantization_config=qc, device_map="cpu").save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    if dtype is not None:
+        config["dtype"] = dtype
+    (src / "config.json").write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_pretrained(src, device_map="cpu")
+    model.dequantize()
+    reference = model.state_dict()
+    listed = {t.name: t.dtype for t in as_policies_see_it(read_checkpoint(str(src)))}
+    assert listed == {k: str(v.dtype).removeprefix("torch.") for k, v in reference.items()}
+    assert reference[Q + ".weight"].dtype == getattr(torch, dtype or "bfloat16")

@@ -444,16 +444,22 @@ class _Grouper:
         scheme = QuantScheme(
             name, model.BNB4, quant_type, 4, _group(blocksize), True, {"quant_type": quant_type, "nested": nested is not None}
         )
-        to = _dequant_dtype(self.inv, None) if self.inv.metadata.get("config_dtype") else "float16"
-        self.add(module + ".weight", module, scheme, roles, None, ("absmax", "quant_map", "quant_state"), numel=numel, to=to)
+        self.add(module + ".weight", module, scheme, roles, None, ("absmax", "quant_map", "quant_state"), numel=numel, to=self.bnb_dtype())
 
     def bnb8(self, t: TensorRecord, module: str) -> None:
         scb = self.get(module + ".SCB")
         fmt = self.get(module + ".weight_format")
         roles = {"weight": t, "scale": scb, "weight_format": fmt}
         scheme = QuantScheme("int8 bnb", model.BNB8, "int8", 8, (-1,), True)
-        to = _dequant_dtype(self.inv, None) if self.inv.metadata.get("config_dtype") else "float16"
-        self.add(t.name, module, scheme, roles, t.shape, ("scale",), to=to)
+        self.add(t.name, module, scheme, roles, t.shape, ("scale",), to=self.bnb_dtype())
+
+    def bnb_dtype(self) -> str:
+        """``model.dequantize()`` casts each weight to ``model.config.dtype``: in a folder, the dtype from_pretrained
+        loaded the model in (config.json's, else the first shard's first floating tensor; the unquantized parts stay
+        as stored under bitsandbytes); a bare file says none, and float16 is bitsandbytes' usual one."""
+        if self.inv.format == Format.HF_DIRECTORY:
+            return _loaded_dtype(self.inv)
+        return _dequant_dtype(self.inv, None) if self.inv.metadata.get("config_dtype") else "float16"
 
 
 def _group(size: int | None) -> tuple[int, ...] | None:
