@@ -583,12 +583,13 @@ def test_compressed_tensors_folder_lists_the_dtypes_from_pretrained_loads(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", None], ids=["fp32", "none"])
+@pytest.mark.parametrize("dtype", ["float32", None, "index"], ids=["fp32", "none", "index-fp32"])
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
 def test_bnb_folder_lists_the_dtypes_model_dequantize_gives(tmp_path: Path, kind: str, dtype: str | None) -> None:
     """bitsandbytes on CPU writes the folder (quantized on load, save_pretrained). ``model.dequantize()`` casts each
-    weight to ``model.config.dtype``, the dtype from_pretrained loaded the model in: config.json's, else the first
-    shard's first floating tensor (bf16 here; it was listed float16). The unquantized parts stay as stored."""
+    weight to ``model.config.dtype``, the dtype from_pretrained loaded the model in: config.json's, else the index's
+    ``metadata.dtype``, else the first shard's first floating tensor (bf16 here; it was listed float16). The
+    unquantized parts stay as stored."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from dtypeaudit.checks import as_policies_see_it
@@ -600,7 +601,9 @@ def test_bnb_folder_lists_the_dtypes_model_dequantize_gives(tmp_path: Path, kind
     config = json.loads((src / "config.json").read_text())
     config.pop("dtype", None)
     config.pop("torch_dtype", None)
-    if dtype is not None:
+    if dtype == "index":
+        _split(src, {k for k in load_file(src / "model.safetensors") if ".mlp." in k}, "float32")
+    elif dtype is not None:
         config["dtype"] = dtype
     (src / "config.json").write_text(json.dumps(config))
     model = AutoModelForCausalLM.from_pretrained(src, device_map="cpu")
@@ -608,4 +611,4 @@ def test_bnb_folder_lists_the_dtypes_model_dequantize_gives(tmp_path: Path, kind
     reference = model.state_dict()
     listed = {t.name: t.dtype for t in as_policies_see_it(read_checkpoint(str(src)))}
     assert listed == {k: str(v.dtype).removeprefix("torch.") for k, v in reference.items()}
-    assert reference[Q + ".weight"].dtype == getattr(torch, dtype or "bfloat16")
+    assert reference[Q + ".weight"].dtype == getattr(torch, {"index": "float32", None: "bfloat16"}.get(dtype, dtype or ""))

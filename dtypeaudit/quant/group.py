@@ -110,6 +110,8 @@ def _loaded_dtype(inv: Inventory) -> str:
     load = inv.metadata.get("from_pretrained_dtype")
     if isinstance(load, dict) and isinstance(load.get("dtype"), str):
         return str(load["dtype"])
+    if isinstance(inv.metadata.get("model_dtype"), str):  # a folder whose quantizer's dtype plan is not modelled
+        return str(inv.metadata["model_dtype"])
     shards = inv.metadata.get("shards")
     first = shards[0] if isinstance(shards, list) and shards else None
     for t in sorted((t for t in inv.tensors if first is None or t.file == first), key=lambda t: t.name):
