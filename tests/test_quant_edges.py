@@ -393,15 +393,20 @@ def test_mxfp4_blocks_padded_past_the_parameter_are_refused_as_from_pretrained_r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float16", None], ids=["fp16", "none"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "bfloat16", None], ids=["fp16", "fp32", "bf16", "none"])
 def test_mxfp4_folder_lists_the_dtypes_from_pretrained_loads(tmp_path: Path, dtype: str | None) -> None:
-    """float16: gpt-oss keeps its norms in float32 (_keep_in_fp32_modules); no dtype: the first floating tensor."""
+    """float16: gpt-oss keeps its norms in float32 (_keep_in_fp32_modules); no dtype: the first floating tensor.
+    The dequantized experts are in the model's dtype too; convert --to bf16 is from_pretrained's load in bf16."""
+    from transformers import AutoModelForCausalLM
+
     from dtypeaudit.checks import as_policies_see_it
 
     src = _gpt_oss_mxfp4(tmp_path, dtype=dtype)
     reference = _loaded(src)
     listed = {t.name: t.dtype for t in as_policies_see_it(read_checkpoint(str(src)))}
     assert listed == {k: str(v.dtype).removeprefix("torch.") for k, v in reference.items()}
+    as_bf16 = AutoModelForCausalLM.from_pretrained(src, device_map="cpu", dtype=torch.bfloat16).state_dict()
+    _bit_equal(_converted(src, tmp_path / "out"), {k: v.to(torch.bfloat16) for k, v in as_bf16.items()})
 
 
 # -- 7. compressed-tensors config groups ----------------------------------------------------------------------------
@@ -464,3 +469,146 @@ def test_int8_weight_beside_a_scale_is_packed_fp4_as_from_pretrained_reads_it(tm
     assert records[Q + ".weight"].shape == (256, 256) and records[Q + ".weight"].scheme == "fp4-e2m1 block 128x128"
     assert _rules(src) == []
     _bit_equal(_converted(src, tmp_path / "out"), _loaded(src))
+
+
+# -- 8. float8_e8m0fnu scales where from_pretrained reads the first shard for the model's dtype ---------------------
+
+
+def _split(path: Path, second: set[str], index_dtype: str | None = None) -> None:
+    """The folder's one file as two shards (``second`` in the second), with the index save_pretrained writes."""
+    state = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    names = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    parts: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+    for k, v in state.items():
+        parts[k in second][k] = v
+    for part, name in zip(parts, names, strict=True):
+        save_file(part, path / name, metadata={"format": "pt"})
+    metadata: dict[str, Any] = {"total_size": sum(v.numel() * v.element_size() for v in state.values())}
+    if index_dtype is not None:
+        metadata["dtype"] = index_dtype
+    weight_map = {k: names[k in second] for k in state}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": metadata, "weight_map": weight_map}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["one-file", "scales-in-the-second-shard", "index-dtype"])
+def test_e8m0_scales_without_a_config_dtype_load_where_from_pretrained_loads_them(tmp_path: Path, layout: str) -> None:
+    """transformers writes ue8m0 scales as float8_e8m0fnu (F8_E8M0). With no dtype in config.json, from_pretrained
+    reads the first shard's tensors to choose one (load_state_dict on meta), and fails on a dtype it cannot read:
+    scan and convert refuse it, one line, exit 2. Where the scales are in another shard, or the index names the
+    dtype, it loads, and so does dtypeaudit (bit-equal)."""
+    from transformers import AutoModelForCausalLM
+
+    model, state = _quantized(scale_fmt="ue8m0")
+    scales = {k for k in state if k.endswith("weight_scale_inv")}
+    assert {state[k].dtype for k in scales} == {torch.float8_e8m0fnu}
+    src = _write(tmp_path / "fp8", state, _config(model, {**FP8_CONFIG, "scale_fmt": "ue8m0"}, None))
+    if layout != "one-file":
+        index_dtype = "bfloat16" if layout == "index-dtype" else None
+        _split(src, scales if layout == "scales-in-the-second-shard" else set(state) - scales, index_dtype)
+    if layout == "one-file":
+        with pytest.raises(ValueError, match="unknown dtype F8_E8M0"):
+            AutoModelForCausalLM.from_pretrained(src, device_map="cpu")
+        scan = run_cli("scan", str(src))
+        assert scan.returncode == 2, scan.stdout + scan.stderr
+        (line,) = scan.stderr.strip().splitlines()
+        assert "F8_E8M0" in line and "config.json names no dtype" in line and "weight_scale_inv" in line
+        _refused(src, tmp_path / "out", "F8_E8M0", "name the model's dtype in config.json")
+        return
+    reference = _loaded(src)
+    from dtypeaudit.checks import as_policies_see_it
+
+    listed = {t.name: t.dtype for t in as_policies_see_it(read_checkpoint(str(src)))}
+    assert listed == {k: str(v.dtype).removeprefix("torch.") for k, v in reference.items()}
+    assert run_cli("scan", str(src)).returncode == 0
+    out = tmp_path / "out"
+    assert run_cli("convert", str(src), "--to", "bf16", "-o", str(out)).returncode == 0
+    mine: dict[str, torch.Tensor] = {}
+    for f in out.glob("*.safetensors"):
+        mine.update(load_file(f))
+    _bit_equal(mine, reference)
+
+
+# -- 9. compressed-tensors: the loaded model's dtypes --------------------------------------------------------------
+
+
+CT_SCHEMES = {
+    "int4-asym-g32": ("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}),
+    "fp8-channel": ("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float16", None], ids=["fp32", "fp16", "none"])
+@pytest.mark.parametrize("scheme", sorted(CT_SCHEMES))
+def test_compressed_tensors_folder_lists_the_dtypes_from_pretrained_loads(tmp_path: Path, scheme: str, dtype: str | None) -> None:
+    """compressed-tensors' own compressor writes the Linears; from_pretrained's dequantizing load
+    (``CompressedTensorsDequantize``) builds the model in the config's dtype (else the first shard's), casts the
+    unquantized parts to it and dequantizes into it. The policies' view lists that model, names included (the
+    storage names are no unexpected keys and fill the Linears' weights: nothing is found); convert --to bf16 is
+    from_pretrained's load in bf16, bit for bit."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from dtypeaudit.checks import as_policies_see_it
+
+    from .test_quant_convert import _ct_dir
+
+    fmt, args = CT_SCHEMES[scheme]
+    src = _ct_dir(tmp_path, fmt, args)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    if dtype is not None:
+        config["dtype"] = dtype
+    (src / "config.json").write_text(json.dumps(config))
+
+    def load(**kw: Any) -> Any:
+        return AutoModelForCausalLM.from_pretrained(
+            src, device_map="cpu", quantization_config=CompressedTensorsConfig(dequantize=True), output_loading_info=True, **kw
+        )
+
+    reference, info = load()
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    inv = read_checkpoint(str(src))
+    listed = {t.name: t.dtype for t in as_policies_see_it(inv)}
+    assert listed == {k: str(v.dtype).removeprefix("torch.") for k, v in reference.state_dict().items()}
+    assert not [f for f in check(inv) if f.rule.startswith("load-names")]
+    as_bf16, _ = load(dtype=torch.bfloat16)
+    _bit_equal(_converted(src, tmp_path / "out"), as_bf16.state_dict())
+
+
+# -- 10. bitsandbytes: the dtype model.dequantize() gives ------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", None, "index"], ids=["fp32", "none", "index-fp32"])
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_bnb_folder_lists_the_dtypes_model_dequantize_gives(tmp_path: Path, kind: str, dtype: str | None) -> None:
+    """bitsandbytes on CPU writes the folder (quantized on load, save_pretrained). ``model.dequantize()`` casts each
+    weight to ``model.config.dtype``, the dtype from_pretrained loaded the model in: config.json's, else the index's
+    ``metadata.dtype``, else the first shard's first floating tensor (bf16 here; it was listed float16). The
+    unquantized parts stay as stored."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from dtypeaudit.checks import as_policies_see_it
+
+    _llama(256, 384).save_pretrained(tmp_path / "bf16")
+    qc = BitsAndBytesConfig(load_in_8bit=True) if kind == "int8" else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind)
+    src = tmp_path / kind
+    AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", quantization_config=qc, device_map="cpu").save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    if dtype == "index":
+        _split(src, {k for k in load_file(src / "model.safetensors") if ".mlp." in k}, "float32")
+    elif dtype is not None:
+        config["dtype"] = dtype
+    (src / "config.json").write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_pretrained(src, device_map="cpu")
+    model.dequantize()
+    reference = model.state_dict()
+    listed = {t.name: t.dtype for t in as_policies_see_it(read_checkpoint(str(src)))}
+    assert listed == {k: str(v.dtype).removeprefix("torch.") for k, v in reference.items()}
+    assert reference[Q + ".weight"].dtype == getattr(torch, {"index": "float32", None: "bfloat16"}.get(dtype, dtype or ""))

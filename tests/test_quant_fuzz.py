@@ -2,8 +2,9 @@
 and bitsandbytes folders written by the real writers, against from_pretrained on CPU (dequantize=True),
 compressed-tensors' decompress and bitsandbytes' dequantize: scan's loaded dtypes and convert's values.
 
-A case whose every difference is a known class (issue 31's quantized classes, fixed elsewhere) is an xfail
-naming the class; any other difference fails. ``python fuzz/quant_cases.py --cases 300`` runs a sweep."""
+Any difference fails, but one of a class listed in ``quant_cases.KNOWN`` (known and not fixed yet), which is an
+xfail naming it; the list is empty (issue 31's quantized classes are fixed, tests/test_quant_edges.py holds each).
+``python fuzz/quant_cases.py --cases 300`` runs a sweep."""
 
 from __future__ import annotations
 

@@ -669,14 +669,18 @@ def _load_dtype(
             Finding("duplicate-key", "warning", f"config.json: {duplicate}; from_pretrained keeps the last value", file="config.json")
         )
     method = cfg["quantization_config"].get("quant_method") if isinstance(cfg.get("quantization_config"), dict) else None
-    if "quantization_config" in cfg and method not in ("fp8", "mxfp4"):
-        # a quantizer decides the dtypes: not modelled here. fp8 and mxfp4 dequantize on CPU into the model's own
-        # dtype, which the same dtype plan decides (tests/test_quant_edges.py loads them)
-        return out
     index_meta = None
     if res.index is not None:
         index = docs.load_json(path / res.index)
         index_meta = index.get("metadata") if isinstance(index, dict) else None
+    if "quantization_config" in cfg and method not in ("fp8", "mxfp4", "compressed-tensors"):
+        # a quantizer decides the parts' dtypes: not modelled here, but the model's own dtype is from_pretrained's
+        # (model.config.dtype, which bitsandbytes' dequantize casts to). fp8, mxfp4 and compressed-tensors dequantize
+        # on CPU into it, and the same dtype plan decides the rest (tests/test_quant_edges.py loads them)
+        found = hfload.main_dtype(cfg, index_meta, res.files[0] if res.files else None, first)
+        if found is not None:
+            metadata["model_dtype"] = found[0]
+        return out
     has_config = (path / "config.json").is_file()
     load = hfload.resolve(cfg, index_meta, res.files[0] if res.files else None, first, names, config_json=has_config)
     if load is None:

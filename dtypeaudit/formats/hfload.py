@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import dtypes
+from ..errors import CheckpointError
 from ..inventory import Finding, Format, Inventory, TensorRecord
 from . import hftable
 
@@ -137,6 +138,14 @@ def config_dtype_value(cfg: Mapping[str, Any]) -> Any:
     return value if value is not None else cfg.get("torch_dtype")
 
 
+# load_state_dict's str_to_torch_dtype (transformers 5.24 modeling_utils.py): the dtypes it reads a safetensors file's
+# tensors in to find the model's dtype; any other dtype in the first file fails from_pretrained
+_META_DTYPES = frozenset(
+    {"bool", "uint8", "int8", "int16", "uint16", "float16", "bfloat16", "int32", "uint32", "float32", "float64", "int64", "uint64"}
+    | {"float8_e4m3fn", "float8_e5m2"}
+)
+
+
 def _first_floating(tensors: Sequence[TensorRecord]) -> str | None:
     """get_state_dict_dtype: the first floating dtype that is not fp8/fp4, else the first dtype, else None."""
     for t in tensors:
@@ -171,6 +180,14 @@ def main_dtype(
         return DEFAULT_DTYPE, "torch's default dtype"
     # the first file's tensors in load_state_dict's order: safetensors names sorted, a pickle's own order
     ordered = sorted(first_file_tensors, key=lambda t: t.name) if first_file.endswith(".safetensors") else list(first_file_tensors)
+    unreadable = next((t for t in ordered if t.dtype not in _META_DTYPES), None) if first_file.endswith(".safetensors") else None
+    if unreadable is not None:
+        code = dtypes.SAFETENSORS_CODE_OF.get(unreadable.dtype, unreadable.dtype)
+        raise CheckpointError(
+            f"from_pretrained cannot load it: config.json names no dtype, so it reads {first_file}'s tensors to choose "
+            f"one and fails on {unreadable.name} ({code}: 'Cannot load safetensors of unknown dtype {code}'); "
+            "name the model's dtype in config.json"
+        )
     found = _first_floating(ordered)
     if found is None:
         return DEFAULT_DTYPE, f"torch's default dtype ({first_file} holds no tensor)"
@@ -450,7 +467,14 @@ def loaded_findings(tensors: Sequence[TensorRecord], load: LoadDtype, *, file: s
             )
         )
     out.extend(name_findings(load, file=file))
-    out.extend(unmatched_findings(load, len(tensors), file=file))
+    # a quantized folder's logical weights stand for their storage, as from_pretrained's dequantizing load takes it:
+    # their storage names are no unexpected keys, and they fill the model's names
+    given = {t.name for t in tensors}
+    have = {hftable.template(load.loaded_name(n)) for n in given}
+    judged = replace(
+        load, unexpected={k: v for k, v in load.unexpected.items() if k in given}, missing=tuple(m for m in load.missing if m not in have)
+    )
+    out.extend(unmatched_findings(judged, len(tensors), file=file))
     if load.keep_patterns() is None:
         what = f"class {load.model_class}" if load.model_class else "the model class"
         out.append(

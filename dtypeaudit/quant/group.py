@@ -41,6 +41,8 @@ _GGUF_METHOD = "gguf"
 # A static activation scale belongs to its quantized Linear (compressed-tensors' input_scale, FP8Linear's
 # activation_scale): a dequantized plain Linear has no such parameter.
 _ACTIVATION_SCALES = (".input_scale", ".activation_scale")
+# The families from_pretrained dequantizes on CPU into each parameter's own dtype (the model's)
+_LOADED_AS_THE_MODEL = frozenset({model.FP8, model.MXFP4, model.COMPRESSED, model.PACKED, model.NVFP4})
 _BNB4_PARTS = (".absmax", ".quant_map", ".quant_state.bitsandbytes__nf4", ".quant_state.bitsandbytes__fp4")
 
 
@@ -95,14 +97,21 @@ def _dequant_dtype(inv: Inventory, *candidates: TensorRecord | None) -> str:
 
 
 def _loaded_dtype(inv: Inventory) -> str:
-    """The dtype from_pretrained builds the model in, which ``Fp8Dequantize`` gives each dequantized weight (the
-    parameter's dtype) and the dtype plan gives every unquantized floating tensor: config.json's dtype, else the
-    first floating tensor that is not float8 of the first shard, its names sorted (``get_state_dict_dtype``), else
-    float32. (The rule hfload.main_dtype follows for unquantized folders.)"""
+    """The dtype from_pretrained builds the model in, which its dequantizing loads (``Fp8Dequantize``,
+    ``Mxfp4Dequantize``, ``CompressedTensorsDequantize``) give each dequantized weight (the parameter's dtype) and
+    the dtype plan gives every unquantized floating tensor: config.json's dtype (or the one a conversion plans),
+    else what the folder's reader found (``hfload.main_dtype``: the index's ``metadata.dtype``, else the first
+    floating tensor of the first shard), else, outside a folder, the first floating tensor that is not float8, its
+    names sorted (``get_state_dict_dtype``), else float32."""
     declared = inv.metadata.get("config_dtype")
     name = dtypes.canonical(declared) if isinstance(declared, str) and declared != "auto" else None
     if name is not None:
         return name
+    load = inv.metadata.get("from_pretrained_dtype")
+    if isinstance(load, dict) and isinstance(load.get("dtype"), str):
+        return str(load["dtype"])
+    if isinstance(inv.metadata.get("model_dtype"), str):  # a folder whose quantizer's dtype plan is not modelled
+        return str(inv.metadata["model_dtype"])
     shards = inv.metadata.get("shards")
     first = shards[0] if isinstance(shards, list) and shards else None
     for t in sorted((t for t in inv.tensors if first is None or t.file == first), key=lambda t: t.name):
@@ -148,7 +157,7 @@ class _Grouper:
             if act is not None and act.numel <= 1:
                 present.setdefault("input_scale", act)
         anchor = next(iter(present.values()))
-        if to is None and scheme.family == model.FP8:
+        if to is None and scheme.family in _LOADED_AS_THE_MODEL:
             to = _loaded_dtype(self.inv)
         count = numel if numel is not None else (math.prod(shape) if shape is not None else 0)
         weight = LogicalWeight(
@@ -360,7 +369,7 @@ class _Grouper:
                 f"its blocks dequantize to {list(shape)}, but the model's parameter is {list(want)} (a size mismatch)"
             )
         scheme = QuantScheme("mxfp4", model.MXFP4, "fp4_e2m1", 4, (32,), True, params)
-        self.add(base, module, scheme, {"blocks": t, "scale": scales}, shape, ("scale",), to=_loaded_dtype(self.inv))
+        self.add(base, module, scheme, {"blocks": t, "scale": scales}, shape, ("scale",))
 
     def gpt_oss_shape(self, base: str) -> tuple[int, ...] | None:
         """The shape of gpt-oss's ``GptOssExperts`` parameter ``base`` (``gate_up_proj`` ``[E, hidden, 2*inter]``,
@@ -437,16 +446,22 @@ class _Grouper:
         scheme = QuantScheme(
             name, model.BNB4, quant_type, 4, _group(blocksize), True, {"quant_type": quant_type, "nested": nested is not None}
         )
-        to = _dequant_dtype(self.inv, None) if self.inv.metadata.get("config_dtype") else "float16"
-        self.add(module + ".weight", module, scheme, roles, None, ("absmax", "quant_map", "quant_state"), numel=numel, to=to)
+        self.add(module + ".weight", module, scheme, roles, None, ("absmax", "quant_map", "quant_state"), numel=numel, to=self.bnb_dtype())
 
     def bnb8(self, t: TensorRecord, module: str) -> None:
         scb = self.get(module + ".SCB")
         fmt = self.get(module + ".weight_format")
         roles = {"weight": t, "scale": scb, "weight_format": fmt}
         scheme = QuantScheme("int8 bnb", model.BNB8, "int8", 8, (-1,), True)
-        to = _dequant_dtype(self.inv, None) if self.inv.metadata.get("config_dtype") else "float16"
-        self.add(t.name, module, scheme, roles, t.shape, ("scale",), to=to)
+        self.add(t.name, module, scheme, roles, t.shape, ("scale",), to=self.bnb_dtype())
+
+    def bnb_dtype(self) -> str:
+        """``model.dequantize()`` casts each weight to ``model.config.dtype``: in a folder, the dtype from_pretrained
+        loaded the model in (config.json's, else the first shard's first floating tensor; the unquantized parts stay
+        as stored under bitsandbytes); a bare file says none, and float16 is bitsandbytes' usual one."""
+        if self.inv.format == Format.HF_DIRECTORY:
+            return _loaded_dtype(self.inv)
+        return _dequant_dtype(self.inv, None) if self.inv.metadata.get("config_dtype") else "float16"
 
 
 def _group(size: int | None) -> tuple[int, ...] | None:
