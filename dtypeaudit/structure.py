@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from . import dtypes
-from .inventory import Inventory, TensorRecord
+from .inventory import Inventory, TensorRecord, slot_init
 
 ModuleKind = Literal["batchnorm", "linear", "conv", "embedding", "norm", "rnn", "unknown"]
 Confidence = Literal["fact", "high", "low"]
@@ -235,6 +235,9 @@ class Module:
         return f"guessed from names and shapes, {self.confidence} confidence"
 
 
+slot_init(Module)  # a header may hold a million modules
+
+
 def _guess(prefix: str, leaves: dict[str, TensorRecord]) -> tuple[ModuleKind, Confidence]:
     """Kind and confidence from the tensors' names and shapes alone."""
     if any(s in leaves for s in _STATS):
@@ -301,10 +304,10 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord], *, tagged: list[Tenso
         return [Module(*parts) for parts, _ in _module_parts(inv)]
     modules = []
     for (prefix, kind, type_name, conf, members, g, forward, cast), places in _module_parts(inv):
-        if any(t.module_guess != g for t in members):
-            members = tuple(t if t.module_guess == g else t.with_(module_guess=g) for t in members)
-            for i, t in zip(places, members, strict=True):
-                tagged[i] = t
+        # most records of a header are tagged (their guess was None): one pass, tagging each that is not yet
+        members = tuple([t if t.module_guess == g else t.with_guess(g) for t in members])
+        for i, t in zip(places, members, strict=True):
+            tagged[i] = t
         modules.append(Module(prefix, kind, type_name, conf, members, g, forward, cast))
     return modules
 
