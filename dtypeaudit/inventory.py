@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from enum import StrEnum
 from operator import attrgetter
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from .redact import redact
 
@@ -178,7 +178,7 @@ class TensorRecord:
     def with_guess(self, module_guess: str | None) -> TensorRecord:
         """``with_(module_guess=...)`` without its keywords: ``structure.annotate`` tags most records of a header."""
         values = _record_values(self)
-        return TensorRecord(*values[:_GUESS], module_guess, *values[_GUESS + 1 :])
+        return TensorRecord(*values[:_GUESS], module_guess, *values[_GUESS + 1 :])  # type: ignore[call-arg]
 
 
 _RECORD_INDEX = {f.name: i for i, f in enumerate(fields(TensorRecord))}
@@ -191,7 +191,9 @@ def slot_init(cls: type) -> None:
     its descriptor, not through ``object.__setattr__`` (the generic lookup the generated one makes per field): half
     the cost of making a record (0.8 against 1.5 µs for a ``TensorRecord``), made twice per tensor of a
     million-tensor header (read, then annotated). Still frozen: assignment after ``__init__`` raises as before."""
-    params, sets, env = [], [], {}
+    params: list[str] = []
+    sets: list[str] = []
+    env: dict[str, Any] = {}
     for f in fields(cls):
         if not f.init:
             continue  # its __post_init__ sets it
