@@ -152,15 +152,19 @@ class Module:
 
     def __post_init__(self) -> None:
         # one pass over its tensors (``kernel_tensors`` and ``leaf`` in one): this runs once per module
-        wanted = "weight_ih_l0" if self.kind == "rnn" else "weight"
+        kind = self.kind
+        wanted = "weight_ih_l0" if kind == "rnn" else "weight"
+        leaves = _KERNEL_LEAVES.get(kind, _WEIGHT_AND_BIAS)
         weight = None
         found = set()
         for t in self.tensors:
             leaf = t.name.rpartition(".")[2]
             if weight is None and leaf == wanted:
                 weight = t
-            if t.dtype in _FLOATING and not t.layout.startswith("sparse") and _in_kernel(self.kind, leaf):
-                found.add(t.dtype)
+            if t.dtype in _FLOATING and not t.layout.startswith("sparse"):
+                # ``_in_kernel``, with its usual answer here: this runs for each of a header's million tensors
+                if leaf in leaves if kind != "unknown" and kind != "rnn" else _in_kernel(kind, leaf):
+                    found.add(t.dtype)
         dtypes_found = frozenset(found)
         object.__setattr__(self, "kernel_dtypes", _DTYPE_SETS.setdefault(dtypes_found, dtypes_found))  # one set per mix
         object.__setattr__(self, "weight", weight)
@@ -331,7 +335,11 @@ def _module_parts(inv: Inventory | Iterable[TensorRecord]) -> Iterator[tuple[_Pa
     for prefix, places in groups.items():
         members = tuple(map(tensors.__getitem__, places))
         leaves = {t.name.rpartition(".")[2]: t for t in members}
-        type_name = next((t.module for t in members if t.module), None)
+        type_name = None
+        for t in members:  # the first type given (a loop, not a generator: this runs once per module)
+            if t.module:
+                type_name = t.module
+                break
         fact = _TYPE_KINDS.get(type_name) if type_name else None
         guessed: str | None = None
         forward: Mapping[str, str] | None = None
