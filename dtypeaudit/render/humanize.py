@@ -117,11 +117,11 @@ def group_tensors(tensors: Iterable[TensorRecord]) -> list[TensorGroup]:
         else:
             bucket.append(t)
     groups = []
-    for key, members in buckets.items():
+    for found, members in buckets.items():
         first = members[0]
         groups.append(
             TensorGroup(
-                label=_fold(str(key[0]), [m.name for m in members]),
+                label=_fold(str(found[0]), [m.name for m in members]),
                 dtype=first.dtype,
                 shape=first.shape,
                 kind=first.kind,
