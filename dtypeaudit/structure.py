@@ -331,7 +331,12 @@ def _module_parts(inv: Inventory | Iterable[TensorRecord]) -> Iterator[tuple[_Pa
     groups: dict[str, list[int]] = {}
     for i, t in enumerate(tensors):
         if t.region == "model":
-            groups.setdefault(t.name.rpartition(".")[0], []).append(i)
+            prefix = t.name.rpartition(".")[0]
+            places = groups.get(prefix)
+            if places is None:
+                groups[prefix] = [i]  # not ``setdefault(prefix, [])``, which makes a list per tensor
+            else:
+                places.append(i)
     for prefix, places in groups.items():
         members = tuple(map(tensors.__getitem__, places))
         leaves = {t.name.rpartition(".")[2]: t for t in members}
