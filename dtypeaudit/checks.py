@@ -447,6 +447,34 @@ def _outlier_finding(m: Module, dominant: str | None, promoters: _Promoters) -> 
     )
 
 
+_ALIKE = 1 << 16
+"""At most this many kinds of module remembered by ``_alike_outlier`` per check: a million different ones cost no more."""
+
+
+def _alike_outlier(
+    m: Module, dominant: str | None, promoters: _Promoters, alike: dict[tuple[object, ...], Finding | None]
+) -> Finding | None:
+    """``_outlier_finding(m, ...)``, worked out once per kind of module: what it says depends on the module's kind,
+    types, confidence, whether its input is cast, its tensors' leaves, dtypes and layouts, and what promotes an
+    embedding's output back (which names another embedding), which repeat layer after layer (a million-tensor header's
+    375,000 outliers are a few kinds). An alike module's finding is the first one's with its own tensor and file."""
+    p = m.dtype
+    if dominant not in _MEASURED or p is None or p == dominant or m.input_cast or m.forward is not None:
+        return _outlier_finding(m, dominant, promoters)  # no finding, at once; or a measured forward, its own
+    promoted = _promoted_back(m, p, dominant, promoters)
+    leaves = [(t.name.rpartition(".")[2], t.dtype, t.layout) for t in m.tensors]
+    key = (m.kind, m.type_name, m.confidence, m.guessed_type, promoted, *leaves)
+    if key in alike:
+        first = alike[key]
+        if first is None:
+            return None
+        return Finding(first.rule, first.severity, first.message, m.prefix, m.file, first.expected, first.actual)
+    found = _outlier_finding(m, dominant, promoters)
+    if len(alike) < _ALIKE:
+        alike[key] = found
+    return found
+
+
 def _module_findings(inv: Inventory, *, mixes: bool = True, outliers: bool = True, policy: Policy | None = None) -> list[Finding]:
     modules = structure.modules_of(inv)  # annotate's, where ``inv`` is the inventory it returned
     voters = modules
@@ -465,9 +493,10 @@ def _module_findings(inv: Inventory, *, mixes: bool = True, outliers: bool = Tru
     dominant = structure.dominant_dtype(inv, voters)
     out: list[Finding] = []
     promoters = _Promoters(modules)
+    alike: dict[tuple[object, ...], Finding | None] = {}
     for m in modules:
         mix = _mix_finding(m, dominant) if mixes else None
-        outlier = _outlier_finding(m, dominant, promoters) if outliers else None
+        outlier = _alike_outlier(m, dominant, promoters, alike) if outliers else None
         out.extend(f for f in (mix, outlier) if f is not None)
     return out
 

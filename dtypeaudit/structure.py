@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from . import dtypes
-from .inventory import Inventory, TensorRecord
+from .inventory import Inventory, TensorRecord, slot_init
 
 ModuleKind = Literal["batchnorm", "linear", "conv", "embedding", "norm", "rnn", "unknown"]
 Confidence = Literal["fact", "high", "low"]
@@ -152,15 +152,19 @@ class Module:
 
     def __post_init__(self) -> None:
         # one pass over its tensors (``kernel_tensors`` and ``leaf`` in one): this runs once per module
-        wanted = "weight_ih_l0" if self.kind == "rnn" else "weight"
+        kind = self.kind
+        wanted = "weight_ih_l0" if kind == "rnn" else "weight"
+        leaves = _KERNEL_LEAVES.get(kind, _WEIGHT_AND_BIAS)
         weight = None
         found = set()
         for t in self.tensors:
             leaf = t.name.rpartition(".")[2]
             if weight is None and leaf == wanted:
                 weight = t
-            if t.dtype in _FLOATING and not t.layout.startswith("sparse") and _in_kernel(self.kind, leaf):
-                found.add(t.dtype)
+            if t.dtype in _FLOATING and not t.layout.startswith("sparse"):
+                # ``_in_kernel``, with its usual answer here: this runs for each of a header's million tensors
+                if leaf in leaves if kind != "unknown" and kind != "rnn" else _in_kernel(kind, leaf):
+                    found.add(t.dtype)
         dtypes_found = frozenset(found)
         object.__setattr__(self, "kernel_dtypes", _DTYPE_SETS.setdefault(dtypes_found, dtypes_found))  # one set per mix
         object.__setattr__(self, "weight", weight)
@@ -235,6 +239,9 @@ class Module:
         return f"guessed from names and shapes, {self.confidence} confidence"
 
 
+slot_init(Module)  # a header may hold a million modules
+
+
 def _guess(prefix: str, leaves: dict[str, TensorRecord]) -> tuple[ModuleKind, Confidence]:
     """Kind and confidence from the tensors' names and shapes alone."""
     if any(s in leaves for s in _STATS):
@@ -301,10 +308,10 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord], *, tagged: list[Tenso
         return [Module(*parts) for parts, _ in _module_parts(inv)]
     modules = []
     for (prefix, kind, type_name, conf, members, g, forward, cast), places in _module_parts(inv):
-        if any(t.module_guess != g for t in members):
-            members = tuple(t if t.module_guess == g else t.with_(module_guess=g) for t in members)
-            for i, t in zip(places, members, strict=True):
-                tagged[i] = t
+        # most records of a header are tagged (their guess was None): one pass, tagging each that is not yet
+        members = tuple([t if t.module_guess == g else t.with_guess(g) for t in members])
+        for i, t in zip(places, members, strict=True):
+            tagged[i] = t
         modules.append(Module(prefix, kind, type_name, conf, members, g, forward, cast))
     return modules
 
@@ -324,11 +331,20 @@ def _module_parts(inv: Inventory | Iterable[TensorRecord]) -> Iterator[tuple[_Pa
     groups: dict[str, list[int]] = {}
     for i, t in enumerate(tensors):
         if t.region == "model":
-            groups.setdefault(t.name.rpartition(".")[0], []).append(i)
+            prefix = t.name.rpartition(".")[0]
+            places = groups.get(prefix)
+            if places is None:
+                groups[prefix] = [i]  # not ``setdefault(prefix, [])``, which makes a list per tensor
+            else:
+                places.append(i)
     for prefix, places in groups.items():
         members = tuple(map(tensors.__getitem__, places))
         leaves = {t.name.rpartition(".")[2]: t for t in members}
-        type_name = next((t.module for t in members if t.module), None)
+        type_name = None
+        for t in members:  # the first type given (a loop, not a generator: this runs once per module)
+            if t.module:
+                type_name = t.module
+                break
         fact = _TYPE_KINDS.get(type_name) if type_name else None
         guessed: str | None = None
         forward: Mapping[str, str] | None = None

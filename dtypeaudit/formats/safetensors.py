@@ -256,11 +256,6 @@ def _code(name: str, raw: Any, path: str) -> str:
     return raw
 
 
-def _usizes(values: list[Any]) -> bool:
-    """``all(_usize(v) for v in values)``, in C calls: what nearly every shape and offset pair takes."""
-    return not values or (_ONLY_INT.issuperset(map(type, values)) and min(values) >= 0 and max(values) <= _U64_MAX)
-
-
 class _NotQuick(ValueError):
     """A header read the quick way (``_quick_pairs``) is not the plain form, or holds an entry that is not the usual kind."""
 
@@ -271,16 +266,10 @@ def _entry(name: str, raw: Any, path: str, *, quick: bool = False) -> HeaderEntr
         # depth), a known code, usize lists. Anything else takes the full path below, which says what is wrong,
         # or, in a header read the quick way, whose other fields may hold numbers read differently, is read again.
         code, shape, offsets = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
-        if (
-            type(code) is str
-            and code in _KNOWN_CODES
-            and type(shape) is list
-            and _usizes(shape)
-            and type(offsets) is list
-            and len(offsets) == 2
-            and _usizes(offsets)
-        ):
-            return HeaderEntry(name, code, tuple(shape), offsets[0], offsets[1])
+        if type(code) is str and code in _KNOWN_CODES and type(shape) is list and type(offsets) is list and len(offsets) == 2:
+            numbers = shape + offsets  # ``_usizes`` of both at once: this runs once per tensor
+            if _ONLY_INT.issuperset(map(type, numbers)) and min(numbers) >= 0 and max(numbers) <= _U64_MAX:
+                return HeaderEntry(name, code, tuple(shape), offsets[0], offsets[1])
     if quick:
         raise _NotQuick(name)
     if isinstance(raw, list):

@@ -84,18 +84,44 @@ def fold_label(names: list[str]) -> str:
     return ".".join(out)
 
 
+def _fold(pattern: str, names: list[str]) -> str:
+    """``fold_label(names)`` for names that all fold to ``pattern`` (``_NUMBER.sub("*", name)``): only its ``*``
+    components can differ between them (the others are the names' own), so only those are compared, where
+    ``fold_label`` compares every component of every name (a million-tensor header's groups hold a million)."""
+    if len(names) == 1:
+        return names[0]
+    out = pattern.split(".")
+    split = [n.split(".") for n in names]
+    for i, part in enumerate(out):
+        if part != "*":
+            continue
+        values = {s[i] for s in split}
+        if len(values) == 1:
+            out[i] = values.pop()
+        elif all(v.isdigit() for v in values):
+            nums = sorted(int(v) for v in values)
+            contiguous = nums == list(range(nums[0], nums[-1] + 1))
+            out[i] = f"{{{nums[0]}..{nums[-1]}}}" if contiguous else "*"
+    return ".".join(out)
+
+
 def group_tensors(tensors: Iterable[TensorRecord]) -> list[TensorGroup]:
     """Merge tensors whose names differ only in numeric components and share dtype, shape and kind."""
     buckets: dict[tuple[object, ...], list[TensorRecord]] = {}
+    fold = _NUMBER.sub
     for t in tensors:
-        key = (_NUMBER.sub("*", t.name), t.dtype, t.shape, t.kind, t.file)
-        buckets.setdefault(key, []).append(t)
+        key = (fold("*", t.name), t.dtype, t.shape, t.kind, t.file)
+        bucket = buckets.get(key)
+        if bucket is None:
+            buckets[key] = [t]  # not ``setdefault(key, [])``, which makes a list per tensor
+        else:
+            bucket.append(t)
     groups = []
-    for members in buckets.values():
+    for found, members in buckets.items():
         first = members[0]
         groups.append(
             TensorGroup(
-                label=fold_label([m.name for m in members]),
+                label=_fold(str(found[0]), [m.name for m in members]),
                 dtype=first.dtype,
                 shape=first.shape,
                 kind=first.kind,

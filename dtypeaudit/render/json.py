@@ -6,6 +6,7 @@ import json
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
+from itertools import islice
 from typing import TYPE_CHECKING, Any, Optional
 
 from .._version import __version__
@@ -215,6 +216,10 @@ def _encode(value: Any) -> str:
     return "".join(_c_encoder(value, 0))
 
 
+_BATCH = 4096
+"""Lines of a ONE_PER_LINE list joined at once by ``_pieces``."""
+
+
 def dumps(value: Any, indent: str = "") -> str:
     """JSON with two-space indentation, except that items of ONE_PER_LINE lists stay on one line each."""
     return "".join(_pieces(value, indent))
@@ -235,9 +240,14 @@ def _pieces(value: Any, indent: str) -> Iterator[str]:
                 rows = item if key in ONE_PER_LINE and isinstance(item, list) and item else None
             if rows is not None:
                 yield "[\n"
-                for j, x in enumerate(rows):
-                    line = x if encoded else _encode(x)
-                    yield f",\n{inner}  {line}" if j else f"{inner}  {line}"
+                # joined a batch at a time, not a piece per line (a million-tensor header's lines): a batch's text
+                # is held, never the whole list's
+                lines = iter(rows if encoded else map(_encode, rows))
+                sep = f",\n{inner}  "
+                lead = f"{inner}  "
+                while batch := list(islice(lines, _BATCH)):
+                    yield lead + sep.join(batch)
+                    lead = sep
                 yield f"\n{inner}]"
             else:
                 yield from _pieces(item, inner)
