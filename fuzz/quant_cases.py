@@ -337,9 +337,7 @@ def ours_converted(path: Path, out: Path) -> dict[str, Any] | str:
     return state
 
 
-_WAY_THROUGH = re.compile(
-    r"DeepSeek's reference.*to follow from_pretrained, set quantization_config\.weight_block_size to \[(\d+), (\d+)\]"
-)
+_WAY_THROUGH = re.compile(r"--fp8-reference transformers.*set quantization_config\.weight_block_size to \[(\d+), (\d+)\]")
 
 
 def told_block(converted: dict[str, Any] | str, found: list[str]) -> tuple[int, int] | None:
