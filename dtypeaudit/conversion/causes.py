@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..formats import hfload
-from ..inventory import Finding, Format, Inventory
-from ..policy import Policy
+from ..inventory import Finding, Inventory
+from ..policy import PRESET_DIR, Policy
 
 HALF_PRESETS = {"float16": "fp16", "bfloat16": "bf16"}
 """The preset that holds a whole model in one half dtype."""
@@ -44,7 +44,7 @@ def few(names: Sequence[str], shown: int = 3) -> str:
 def policy_ref(policy: Policy) -> str:
     """How ``dtypeaudit.apply`` is told the policy: a preset by its name, a file by its path."""
     path = Path(policy.source)
-    return path.stem if path.parent == Path(__file__).resolve().parent.parent / "presets" else str(path)
+    return path.stem if path.parent == PRESET_DIR else str(path)
 
 
 def plan_causes(
@@ -59,7 +59,7 @@ def plan_causes(
 
     ``output``: the planned output's inventory; ``written``: stored name -> the dtype the plan writes it in;
     ``passes(preset)``: whether the same conversion with that preset (None: no policy) would pass."""
-    load = hfload.from_metadata(output.metadata) if output.format == Format.HF_DIRECTORY else None
+    load = hfload.of_folder(output)
     loaded: dict[str, str] = {}
     stored_of: dict[str, str] = {}
     keeper: Callable[[str], str | None] | None = None

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from .. import dtypes
 from ..errors import ConversionError, DtypeAuditError, UsageError
-from ..formats.hfload import fp32_keeper, from_metadata, loaded_names
+from ..formats.hfload import fp32_keeper, loaded_names, of_folder
 from ..formats.training import is_training_state
 from ..inventory import Finding, Format, Inventory, TensorRecord, failing, floating_bytes, format_of, unique_tensors
 from ..options import effective, fail_on_for
@@ -123,7 +123,7 @@ class Plan:
     def config_json_dtype(self) -> str | None:
         """The dtype the output's config.json names: ``config_dtype``, or None where the folder has no config.json
         (an index alone), nothing then naming one."""
-        load = from_metadata(self.source.metadata) if self.source.format == Format.HF_DIRECTORY else None
+        load = of_folder(self.source)
         return None if load is not None and not load.config_json else self.config_dtype
 
     def failing(self, policy: Policy | None) -> list[Finding]:
@@ -228,7 +228,7 @@ def loader_keeps(inv: Inventory, target: str) -> Callable[[str], str | None]:
     """stored name -> why from_pretrained loads it in float32 once config.json's dtype is ``target`` (the class's
     ``_keep_in_fp32_modules``, ``_keep_in_fp32_modules_strict``, from the table: ``hfload``); None where it does not
     (every tensor but a Hugging Face folder's)."""
-    load = from_metadata(inv.metadata) if inv.format == Format.HF_DIRECTORY else None
+    load = of_folder(inv)
     if load is None:
         return lambda name: None
     load = replace(load, dtype=target)

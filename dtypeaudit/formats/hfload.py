@@ -390,6 +390,11 @@ def as_metadata(load: LoadDtype) -> dict[str, object]:
     }
 
 
+def of_folder(inv: Inventory) -> LoadDtype | None:
+    """The LoadDtype the folder reader stored in a Hugging Face folder's inventory; None for any other inventory."""
+    return from_metadata(inv.metadata) if inv.format == Format.HF_DIRECTORY else None
+
+
 def from_metadata(metadata: Mapping[str, object]) -> LoadDtype | None:
     """The LoadDtype a reader stored (``from_pretrained_dtype``), with config.json's dtype replaced where a
     conversion plans a new one (``config_dtype``)."""
