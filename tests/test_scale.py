@@ -4,6 +4,7 @@ benchmarks/bench_scale.py, not asserted here: these tests hold what the report s
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 import json
 import string
 from pathlib import Path
@@ -205,3 +206,100 @@ def test_each_tensor_line_is_what_the_encoder_writes_of_its_dict() -> None:
         TensorRecord("f", "float32", (1 << 70,), 4, region="optimizer"),
     ]
     assert [json_render._tensor_line(t) for t in records] == [json_render._encode(json_render.tensor_dict(t)) for t in records]
+
+
+def _respelled(source: Path, tmp_path: Path, edit: Callable[[str], str], label: str) -> Path:
+    raw = source.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    text = edit(raw[8 : 8 + n].decode().rstrip())
+    body = text.encode() + b" " * (-len(text.encode()) % 8)
+    path = tmp_path / f"{label}.safetensors"
+    path.write_bytes(len(body).to_bytes(8, "little") + body + raw[8 + n :])
+    return path
+
+
+def _swap_first_two(text: str) -> str:
+    header = json.loads(text)
+    names = [k for k in header if k != "__metadata__"]
+    header[names[0]], header[names[1]] = header.pop(names[1]), header.pop(names[0])  # other order, same offsets
+    return json.dumps(header, separators=(",", ":"))
+
+
+RESPELLINGS: dict[str, Callable[[str], str]] = {
+    "escaped name": lambda t: t.replace('"a.bias"', '"a.\\u0062ias"'),
+    "escaped quote in a name": lambda t: t.replace('"a.bias"', '"a.\\"bias"'),
+    "escaped newline in a name": lambda t: t.replace('"a.bias"', '"a.\\nbias"'),
+    "raw control character in a name": lambda t: t.replace('"a.bias"', '"a.\tbias"'),
+    "an unknown escape": lambda t: t.replace('"a.bias"', '"a.\\qbias"'),
+    "a leading zero in an offset": lambda t: t.replace(',"data_offsets":[0,', ',"data_offsets":[00,', 1),
+    "a leading zero in a shape": lambda t: t.replace('"shape":[2,3]', '"shape":[02,3]'),
+    "a negative zero in a shape": lambda t: t.replace('"shape":[2,3]', '"shape":[2,-0,3]'),
+    "a float in a shape": lambda t: t.replace('"shape":[2,3]', '"shape":[2,3.0]'),
+    "a 20-digit offset": lambda t: t.replace(',"data_offsets":[0,', ',"data_offsets":[18446744073709551615,', 1),
+    "spaces inside a shape": lambda t: t.replace('"shape":[2,3]', '"shape":[ 2 , 3 ]'),
+    "an empty shape spaced": lambda t: t.replace('"shape":[0]', '"shape":[ ]'),
+    "fields in another order": lambda t: t.replace('{"dtype":"F32","shape":[2,3],', '{"shape":[2,3],"dtype":"F32",'),
+    "an extra field": lambda t: t.replace('"shape":[2,3],', '"shape":[2,3],"extra":[1,{"x":null}],'),
+    "entries in another order than their data": _swap_first_two,
+    "an unknown code": lambda t: t.replace('"dtype":"F32"', '"dtype":"F33"', 1),
+    "metadata in the middle": lambda t: _swap_first_two(t).replace('{"__metadata__":{"k":"v"},', "{").replace('"a.bias"', '"__metadata__":{"k":"v"},"a.bias"'),
+    "metadata twice": lambda t: t.replace('{"__metadata__":{"k":"v"},', '{"__metadata__":{"k":"v"},"__metadata__":{"k":"w"},'),
+    "a key twice in the metadata": lambda t: t.replace('{"__metadata__":{"k":"v"}', '{"__metadata__":{"k":"v","k":"w"}'),
+    "a number in the metadata": lambda t: t.replace('{"__metadata__":{"k":"v"}', '{"__metadata__":{"k":1}'),
+    "a name twice": lambda t: t.replace('"b"', '"a.bias"'),
+    "a tensor called __metadata__": lambda t: t.replace('{"__metadata__":{"k":"v"},', "{").replace('"b"', '"__metadata__"'),
+    "trailing garbage": lambda t: t + "x",
+}
+
+
+REFUSED_ON_PURPOSE = {"a key twice in the metadata", "a name twice"}
+"""The crate keeps the last of two equal names; other JSON readers keep the first, so the header is refused, naming it."""
+
+
+@pytest.mark.parametrize("label", list(RESPELLINGS))
+def test_a_respelled_header_reads_as_the_crate_reads_it(tmp_path: Path, label: str) -> None:
+    """The crate's own reader decides: where safe_open refuses the header, the read is refused; where it reads it,
+    the inventory holds what it gives, whichever of the two readings (quick or careful) took the header."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from dtypeaudit.errors import CheckpointError
+
+    source = tmp_path / "a.safetensors"
+    save_file({"a.weight": torch.zeros(2, 3), "a.bias": torch.ones(2, dtype=torch.float16), "b": torch.zeros(0)}, str(source), {"k": "v"})
+    path = _respelled(source, tmp_path, RESPELLINGS[label], label.replace(" ", "-"))
+    assert path.read_bytes() != source.read_bytes() or label == "an empty shape spaced"
+    try:
+        with safe_open(str(path), "pt") as f:
+            loaded = {k: (str(f.get_tensor(k).dtype).removeprefix("torch."), tuple(f.get_tensor(k).shape)) for k in f.keys()}  # noqa: SIM118
+            metadata = f.metadata()
+    except Exception:  # the crate refuses it (SafetensorError, or a decode error raised through it)
+        with pytest.raises(CheckpointError):
+            read_checkpoint(path)
+        return
+    if label in REFUSED_ON_PURPOSE:
+        with pytest.raises(CheckpointError, match="twice"):
+            read_checkpoint(path)
+        return
+    inv = read_checkpoint(path)
+    assert {t.name: (t.dtype, t.shape) for t in inv.tensors} == loaded
+    assert inv.metadata["safetensors_metadata"] == metadata
+
+
+def test_the_crates_own_header_takes_the_quick_reading(tmp_path: Path) -> None:
+    """What keeps a million-tensor header cheap (benchmarks/SCALE.md): the crate's spelling, and json.dumps' default
+    spacing, are read by the one-pattern reading, not the careful one."""
+    from safetensors.torch import save_file
+
+    from dtypeaudit.formats import locate
+    from dtypeaudit.formats import safetensors as st
+
+    source = tmp_path / "a.safetensors"
+    save_file({"a.weight": torch.zeros(2, 3), "a.bias": torch.ones(2, dtype=torch.float16), "b": torch.zeros(0)}, str(source), {"k": "v"})
+    spaced = _respelled(source, tmp_path, lambda t: json.dumps(json.loads(t)), "spaced")
+    for path in (source, spaced):
+        with locate.opened(path) as src:
+            header = st._quick(src, *st._header_text(src))
+        assert header.names == ("a.weight", "b", "a.bias")  # in data order: the crate puts float32 first
+        assert header.shapes == ((2, 3), (0,), (2,))
+        assert header.metadata == {"k": "v"}

@@ -17,7 +17,7 @@ from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from json.decoder import scanstring  # type: ignore[attr-defined]  # typeshed leaves out what the decoder uses
-from operator import attrgetter
+from operator import attrgetter, sub
 from typing import Any
 
 from .. import dtypes
@@ -61,13 +61,23 @@ class HeaderEntry:
 
 @dataclass(frozen=True)
 class Header:
-    """A header the crate accepts."""
+    """A header the crate accepts, as columns in data order (a million entries' objects were a scan's cost)."""
 
-    entries: tuple[HeaderEntry, ...]
-    """In data order."""
+    names: tuple[str, ...]
+    codes: tuple[str, ...]
+    """The header's dtype codes (``F32``, ``F4``)."""
+    shapes: tuple[tuple[int, ...], ...]
+    """The header's shapes (for F4, a count of 4-bit values)."""
+    begins: array[int]
+    ends: array[int]
+    """Each tensor's data offsets, relative to the data area."""
     metadata: dict[str, str]
     start: int
     """Where the data area starts: 8 + the header's length."""
+
+    @property
+    def entries(self) -> Iterator[HeaderEntry]:
+        return map(HeaderEntry, self.names, self.codes, self.shapes, self.begins, self.ends)
 
 
 # -- JSON as serde_json reads it ------------------------------------------------------------------
@@ -188,57 +198,115 @@ def _read_header(src: Source) -> tuple[dict[str, Any], int]:
     return header, start
 
 
-_WHITESPACE = re.compile(r"[ \t\n\r]*")
-"""What ``json`` skips between tokens (its ``WHITESPACE``), as serde_json does."""
-_BLANKS = frozenset(" \t\n\r")
+_WS = r"[ \t\n\r]*"
+_NUMBER = r"(?:0|[1-9][0-9]{0,18})"
+"""A JSON integer of at most 19 digits: always a u64 (one of 20 digits is read the careful way)."""
+_NAME = r'"([^"\\\x00-\x1f]*(?:\\.[^"\\\x00-\x1f]*)*)"'
+_COMPACT_ENTRY = re.compile(
+    _NAME + rf':\{{"dtype":"([A-Z0-9_]{{1,16}})","shape":\[([0-9,]*)\],"data_offsets":\[({_NUMBER}),({_NUMBER})\]\}}([,}}])'
+)
+"""One tensor entry as the crate writes it (fields in its order, no whitespace), with the name, the code, the shape's
+text (checked by ``_shape_and_bytes``), the offsets and the separator after it: ``,`` or the header's closing ``}``."""
+_SPACED_ENTRY = re.compile(
+    _WS
+    + _NAME
+    + rf'{_WS}:{_WS}\{{{_WS}"dtype"{_WS}:{_WS}"([A-Z0-9_]{{1,16}})"{_WS},{_WS}"shape"{_WS}:{_WS}\[([0-9, \t\n\r]*)\]{_WS},'
+    + rf'{_WS}"data_offsets"{_WS}:{_WS}\[{_WS}({_NUMBER}){_WS},{_WS}({_NUMBER}){_WS}\]{_WS}\}}{_WS}([,}}])'
+)
+"""``_COMPACT_ENTRY`` with whitespace between its tokens (``json.dumps``' default spacing), tried where that fails."""
+_SHAPE_TEXT = re.compile(rf"{_WS}(?:{_NUMBER}{_WS}(?:,{_WS}{_NUMBER}{_WS})*)?")
+_OPEN = re.compile(rf"{_WS}\{{{_WS}")
+_METADATA_NAME = re.compile(rf'{_WS}"__metadata__"{_WS}:{_WS}')
+_AFTER_VALUE = re.compile(rf"{_WS}([,}}])")
+_CACHED_SHAPES = 4096
+"""At most this many shapes' texts remembered per header, parsed with their sizes in bytes by code."""
 
 
-def _quick_pairs(text: str) -> Iterator[tuple[str, Any]]:
-    """The top-level object's (name, value) pairs, each value parsed only when its turn comes, so that a million
-    entries are never held parsed at once (they were most of a million-tensor scan's memory). Integers are read as
-    Python reads them, without a call per number (``-0`` and integers beyond i64/u64 read differently, so what it
-    gives is only good where every integer is then found in range). Only the plain form: anything else (a name twice, a lone surrogate
-    escape, a syntax error) raises ``_NotQuick``, for the careful reading to refuse or accept."""
+def _quick(src: Source, text: str, start: int) -> Header:
+    """The header read entry by entry with one pattern (``_COMPACT_ENTRY``, the form the crate writes), each
+    checked as it is read, and never held parsed as a whole. Anything else (another field order, a name twice, a
+    20-digit number, an escape it cannot decode, a lone surrogate escape, offsets not in data order or not the size
+    their shapes say) raises ``_NotQuick``: the careful reading then refuses or accepts it, and says why."""
     if _ESCAPED_SURROGATE.search(text):
         raise _NotQuick("a surrogate escape")
-    parse_int = _parse_int if "-0" in text else None
-    scan = json.JSONDecoder(
-        object_pairs_hook=_unique, parse_int=parse_int, parse_float=_parse_float, parse_constant=_parse_constant
-    ).scan_once  # type: ignore[attr-defined]  # the C scanner json.loads runs
-    skip = _WHITESPACE.match
-    at = skip(text, 0).end()  # type: ignore[union-attr]  # matches everywhere, if only the empty string
-    if text[at : at + 1] != "{":
+    opened = _OPEN.match(text)
+    if opened is None:
         raise _NotQuick("not an object")
-    at = skip(text, at + 1).end()  # type: ignore[union-attr]
-    if text[at : at + 1] != "}":
+    at = opened.end()
+    names: list[str] = []
+    codes: list[str] = []
+    shapes: list[tuple[int, ...]] = []
+    begins = array("Q")
+    ends = array("Q")
+    metadata: Any = None
+    seen_shapes: dict[tuple[str, str], tuple[tuple[int, ...], int]] = {}
+    compact, spaced = _COMPACT_ENTRY.match, _SPACED_ENTRY.match
+    cursor = 0
+    if text.startswith("}", at):
+        at += 1
+    else:
         while True:
-            # the crate writes no whitespace between tokens: the pattern is tried only where some stands
-            if text[at : at + 1] != '"':
-                raise _NotQuick("a name expected")
-            name, at = scanstring(text, at + 1, True)
-            if text[at : at + 1] in _BLANKS:
-                at = skip(text, at).end()  # type: ignore[union-attr]
-            if text[at : at + 1] != ":":
-                raise _NotQuick("':' expected")
-            at += 1
-            if text[at : at + 1] in _BLANKS:
-                at = skip(text, at).end()  # type: ignore[union-attr]
-            try:
-                value, at = scan(text, at)
-            except StopIteration:
-                raise _NotQuick("a value expected") from None
-            yield name, value
-            if text[at : at + 1] in _BLANKS:
-                at = skip(text, at).end()  # type: ignore[union-attr]
-            if text[at : at + 1] == "}":
+            m = compact(text, at) or spaced(text, at)
+            if m is None:
+                named = _METADATA_NAME.match(text, at)
+                if named is None or metadata is not None:
+                    raise _NotQuick("not the usual entry")
+                metadata, at = _METADATA_SCAN(text, named.end())
+                after = _AFTER_VALUE.match(text, at)
+                if after is None:
+                    raise _NotQuick("',' expected")
+                at, sep = after.end(), after.group(1)
+            else:
+                name, code, shape_text, begin_text, end_text, sep = m.groups()
+                at = m.end()
+                if "\\" in name:
+                    name = scanstring(text, m.start(1), True)[0]
+                known = seen_shapes.get((code, shape_text))
+                if known is None:
+                    known = _shape_and_bytes(code, shape_text)
+                    if len(seen_shapes) < _CACHED_SHAPES:
+                        seen_shapes[code, shape_text] = known
+                begin, end = int(begin_text), int(end_text)
+                if begin != cursor or end - begin != known[1]:
+                    raise _NotQuick("offsets not in data order, or not the size the shape says")
+                cursor = end
+                names.append(name)
+                codes.append(code)
+                shapes.append(known[0])
+                begins.append(begin)
+                ends.append(end)
+            if sep == "}":
                 break
-            if text[at : at + 1] != ",":
-                raise _NotQuick("',' expected")
-            at += 1
-            if text[at : at + 1] in _BLANKS:
-                at = skip(text, at).end()  # type: ignore[union-attr]
-    if skip(text, at + 1).end() != len(text):  # type: ignore[union-attr]
+    if _WHITESPACE.match(text, at).end() != len(text):  # type: ignore[union-attr]  # matches everywhere
         raise _NotQuick("trailing data")
+    if cursor != src.size - start or len(set(names)) != len(names) or "__metadata__" in names:
+        raise _NotQuick("a name twice, a tensor called __metadata__, or data the header does not cover")
+    _check_metadata(metadata, src.name)
+    return Header(tuple(names), tuple(codes), tuple(shapes), begins, ends, dict(metadata or {}), start)
+
+
+def _shape_and_bytes(code: str, shape_text: str) -> tuple[tuple[int, ...], int]:
+    """The shape a quick entry's text gives and the bytes the crate takes its code and shape to need; ``_NotQuick``
+    where the careful reading is the one to judge (an unknown code, a size beyond u64, bits that do not fill bytes)."""
+    if not _SHAPE_TEXT.fullmatch(shape_text):
+        raise _NotQuick("a shape the careful reading judges")
+    shape = tuple(map(int, shape_text.split(","))) if shape_text.strip() else ()
+    bits = _BITS.get(code)
+    numel = 1
+    for dim in shape:  # as ``_check_size``: the crate's product, left to right, refused where one overflows
+        numel *= dim
+        if numel > _U64_MAX:
+            raise _NotQuick("a size the careful reading refuses")
+    if bits is None or numel * bits > _U64_MAX or numel * bits % 8:
+        raise _NotQuick("an entry the careful reading judges")
+    return shape, numel * bits // 8
+
+
+_WHITESPACE = re.compile(_WS)
+_METADATA_SCAN = json.JSONDecoder(
+    object_pairs_hook=_unique, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant
+).scan_once  # type: ignore[attr-defined]
+"""The C scanner json.loads runs, with the careful reading's hooks: for ``__metadata__``, the one value not a tensor."""
 
 
 def _usize(value: Any) -> bool:
@@ -260,18 +328,15 @@ class _NotQuick(ValueError):
     """A header read the quick way (``_quick_pairs``) is not the plain form, or holds an entry that is not the usual kind."""
 
 
-def _entry(name: str, raw: Any, path: str, *, quick: bool = False) -> HeaderEntry:
+def _entry(name: str, raw: Any, path: str) -> HeaderEntry:
     if type(raw) is dict and len(raw) == 3:
         # The usual entry, checked in a few C calls: exactly the three fields (so nothing else to parse for
-        # depth), a known code, usize lists. Anything else takes the full path below, which says what is wrong,
-        # or, in a header read the quick way, whose other fields may hold numbers read differently, is read again.
+        # depth), a known code, usize lists. Anything else takes the full path below, which says what is wrong.
         code, shape, offsets = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
         if type(code) is str and code in _KNOWN_CODES and type(shape) is list and type(offsets) is list and len(offsets) == 2:
             numbers = shape + offsets  # ``_usizes`` of both at once: this runs once per tensor
             if _ONLY_INT.issuperset(map(type, numbers)) and min(numbers) >= 0 and max(numbers) <= _U64_MAX:
                 return HeaderEntry(name, code, tuple(shape), offsets[0], offsets[1])
-    if quick:
-        raise _NotQuick(name)
     if isinstance(raw, list):
         # serde reads a struct from an array of its fields, in order: [dtype, shape, data_offsets].
         if len(raw) != len(_FIELDS):
@@ -339,38 +404,20 @@ def parse(path: AnyPath | Source) -> Header:
 
 
 def _parse(src: Source) -> Header:
-    # First the quick way (``_quick_pairs``: integers read as Python reads them, each entry checked as it is parsed,
-    # only the usual entries); where that header is not accepted as it stands, again the careful way, whose refusal
-    # is the one reported. The two readings differ only for -0 (a float to serde_json, refused in a shape; read
-    # carefully anyway) and for integers beyond u64, which a header read the quick way cannot hold once accepted:
-    # every number in it is then a shape or an offset, checked to be a usize (no field of other names), and the
-    # metadata holds only strings.
+    # First the quick way (``_quick``: one pattern per entry, integers of at most 19 digits, offsets in data order);
+    # where that header is not accepted as it stands, again the careful way, whose refusal is the one reported. The
+    # quick way accepts only headers the careful way reads alike: its numbers are usizes by their pattern, its
+    # entries have exactly the three fields, and the metadata is read with the careful way's hooks.
     try:
         text, start = _header_text(src)
         return _quick(src, text, start)
-    except (CheckpointError, ValueError, RecursionError):
+    except (CheckpointError, ValueError, RecursionError, StopIteration):
         pass
     header, start = _read_header(src)
     metadata = header.pop("__metadata__", None)
     _check_metadata(metadata, src.name)
     # each raw entry dropped as soon as it is checked: the parsed JSON and the entries are never held whole together
     entries = [_entry(name, header.pop(name), src.name) for name in list(header)]
-    return _validated(src, entries, metadata, start)
-
-
-def _quick(src: Source, text: str, start: int) -> Header:
-    path = src.name
-    metadata = None
-    entries = []
-    for name, raw in _quick_pairs(text):
-        if name == "__metadata__":
-            metadata = raw
-        else:
-            entries.append(_entry(name, raw, path, quick=True))
-    del text
-    if len({e.name for e in entries}) != len(entries) or (metadata is not None and any(e.name == "__metadata__" for e in entries)):
-        raise _NotQuick("a name twice")
-    _check_metadata(metadata, path)
     return _validated(src, entries, metadata, start)
 
 
@@ -399,7 +446,15 @@ def _validated(src: Source, entries: list[HeaderEntry], metadata: dict[str, str]
     if cursor != data_size:
         what = "trailing bytes" if cursor < data_size else "a data area shorter than the header says (truncated?)"
         raise CheckpointError(f"{what}: header covers {cursor} bytes, the file holds {data_size}", path=str(path))
-    return Header(tuple(entries), dict(metadata or {}), start)
+    return Header(
+        tuple(e.name for e in entries),
+        tuple(e.code for e in entries),
+        tuple(e.shape for e in entries),
+        array("Q", [e.begin for e in entries]),
+        array("Q", [e.end for e in entries]),
+        dict(metadata or {}),
+        start,
+    )
 
 
 def accepts(path: AnyPath | Source) -> bool:
@@ -474,12 +529,20 @@ def read(path: AnyPath | Source, *, file_label: str = "") -> Inventory:
     with locate.opened(path) as src:
         header = _parse(src)
         name = src.name
-    tensors = tuple(_record(e, name, file_label) for e in header.entries)
-    start = header.start
-    entries = header.entries
-    spans = _Spans(
-        tuple(e.name for e in entries), array("Q", [start + e.begin for e in entries]), array("Q", [e.end - e.begin for e in entries])
-    )
+    tensors = _records(header, name, file_label)
+    spans = _Spans(header.names, array("Q", map(header.start.__add__, header.begins)), array("Q", map(sub, header.ends, header.begins)))
     layout = Layout("safetensors", spans)
     meta: dict[str, object] = {"safetensors_metadata": header.metadata}
     return Inventory(name, "safetensors", tensors, (), meta, layout=layout)
+
+
+def _records(header: Header, path: str, file: str) -> tuple[TensorRecord, ...]:
+    plain = _PLAIN_CODES
+    out = []
+    for name, code, shape, begin, end in zip(header.names, header.codes, header.shapes, header.begins, header.ends, strict=True):
+        dtype = plain.get(code)
+        if dtype is not None and (not shape or max(shape) <= _I64_MAX):  # nearly every tensor: ``_record``'s first case
+            out.append(TensorRecord(name, dtype, shape, end - begin, "unknown", file, None, begin))
+        else:
+            out.append(_record(HeaderEntry(name, code, shape, begin, end), path, file))
+    return tuple(out)
