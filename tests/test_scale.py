@@ -4,9 +4,9 @@ benchmarks/bench_scale.py, not asserted here: these tests hold what the report s
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 import json
 import string
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -242,7 +242,9 @@ RESPELLINGS: dict[str, Callable[[str], str]] = {
     "an extra field": lambda t: t.replace('"shape":[2,3],', '"shape":[2,3],"extra":[1,{"x":null}],'),
     "entries in another order than their data": _swap_first_two,
     "an unknown code": lambda t: t.replace('"dtype":"F32"', '"dtype":"F33"', 1),
-    "metadata in the middle": lambda t: _swap_first_two(t).replace('{"__metadata__":{"k":"v"},', "{").replace('"a.bias"', '"__metadata__":{"k":"v"},"a.bias"'),
+    "metadata in the middle": lambda t: (
+        _swap_first_two(t).replace('{"__metadata__":{"k":"v"},', "{").replace('"a.bias"', '"__metadata__":{"k":"v"},"a.bias"')
+    ),
     "metadata twice": lambda t: t.replace('{"__metadata__":{"k":"v"},', '{"__metadata__":{"k":"v"},"__metadata__":{"k":"w"},'),
     "a key twice in the metadata": lambda t: t.replace('{"__metadata__":{"k":"v"}', '{"__metadata__":{"k":"v","k":"w"}'),
     "a number in the metadata": lambda t: t.replace('{"__metadata__":{"k":"v"}', '{"__metadata__":{"k":1}'),
