@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple, Union
 
-from ..inventory import CheckpointReport, Report, TensorRecord, dtype_summary, unique_tensors
+from ..inventory import CheckpointReport, DtypeTotals, Report, TensorRecord, dtype_summary
 from . import quant_view
 from .humanize import FindingGroup, group_findings, group_tensors, human_bytes, human_count, name_parts, shape_text, wrap_name
 
@@ -93,15 +93,15 @@ def checkpoint_blocks(c: CheckpointReport, *, width: int, verbose: bool, quiet: 
     if c.error:
         return [line(title, "  ", Styled("unreadable", "bold red")), line(Styled(f"  {c.error}", "red"))]
     tensors = c.tensors
-    unique = unique_tensors(tensors)
+    by_dtype = dtype_summary(tensors)  # each tensor once (``unique_tensors``), as the totals count them
     read = f"  ({human_bytes(c.inventory.bytes_read)} read)" if verbose and c.inventory and c.inventory.bytes_read is not None else ""
-    size = f"{human_count(sum(t.numel for t in unique))} elements · {human_bytes(sum(t.nbytes for t in unique))}"
+    size = f"{human_count(sum(r.numel for r in by_dtype))} elements · {human_bytes(sum(r.nbytes for r in by_dtype))}"
     blocks: list[Block] = [line(title, Styled(f"  {c.format}", "dim"), f"  {len(tensors)} tensors · {size}", Styled(read, "dim"))]
     if c.findings:
         blocks += [BLANK, *findings_blocks(c, width=width, verbose=verbose, all_rows=all_rows)]
     if tensors and not quiet:
         quant = quant_view(c.inventory)
-        blocks += [BLANK, _summary(c)]
+        blocks += [BLANK, _summary(by_dtype)]
         if quant:
             blocks += [BLANK, _scheme_summary(c, quant)]
         blocks += [BLANK, *_tensors(c, width=width, verbose=verbose, quant=quant, all_rows=all_rows)]
@@ -169,14 +169,14 @@ def _findings_list(groups: list[FindingGroup], places: dict[FindingGroup, tuple[
     return blocks
 
 
-def _summary(c: CheckpointReport) -> Grid:
+def _summary(by_dtype: list[DtypeTotals]) -> Grid:
     columns = (Column("dtype"), *(Column(name, justify="right") for name in ("tensors", "elements", "bytes", "share")))
     rows = [
         (
             Styled(row.dtype, DTYPE_STYLE.get(row.dtype, "")),
             *_spans(str(row.tensors), human_count(row.numel), human_bytes(row.nbytes), f"{row.share:.1%}"),
         )
-        for row in dtype_summary(c.tensors)
+        for row in by_dtype
     ]
     return Grid("By dtype", columns, rows)
 

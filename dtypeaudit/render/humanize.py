@@ -64,6 +64,25 @@ class TensorGroup:
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)")
 
 
+_DOTTED_NUMBER = re.compile(r"\.(\d+)(?=\.)")
+"""``_NUMBER`` in names each written with a leading dot (``_dotted``), where it needs no lookbehind and no anchor."""
+
+
+def _dotted(names: list[str]) -> str | None:
+    """The names joined by newlines, each with a leading dot, for one regex call over all of them (a call per name was
+    most of a million-tensor table's grouping); None where a name holds a newline itself."""
+    joined = "\n.".join(names)
+    return None if joined.count("\n") != max(len(names) - 1, 0) else "." + joined
+
+
+def _folded(names: list[str]) -> list[str]:
+    """``"." + _NUMBER.sub("*", name)`` of each name."""
+    dotted = _dotted(names)
+    if dotted is None:
+        return ["." + _NUMBER.sub("*", n) for n in names]
+    return _DOTTED_NUMBER.sub(".*", dotted).split("\n") if names else []
+
+
 def fold_label(names: list[str]) -> str:
     if len(names) == 1:
         return names[0]
@@ -91,11 +110,15 @@ def _fold(pattern: str, names: list[str]) -> str:
     if len(names) == 1:
         return names[0]
     out = pattern.split(".")
-    split = [n.split(".") for n in names]
-    for i, part in enumerate(out):
-        if part != "*":
-            continue
-        values = {s[i] for s in split}
+    stars = [i for i, part in enumerate(out) if part == "*"]
+    dotted = _dotted(names)
+    numbers = _DOTTED_NUMBER.findall(dotted) if dotted is not None else []
+    if len(numbers) != len(stars) * len(names):  # a name with a ``*`` of its own, or a newline
+        split = [n.split(".") for n in names]
+        columns = [{s[i] for s in split} for i in stars]
+    else:  # each name's numbers, in order, are its ``*`` components
+        columns = [set(numbers[j :: len(stars)]) for j in range(len(stars))]
+    for i, values in zip(stars, columns, strict=True):
         if len(values) == 1:
             out[i] = values.pop()
         elif all(v.isdigit() for v in values):
@@ -108,9 +131,9 @@ def _fold(pattern: str, names: list[str]) -> str:
 def group_tensors(tensors: Iterable[TensorRecord]) -> list[TensorGroup]:
     """Merge tensors whose names differ only in numeric components and share dtype, shape and kind."""
     buckets: dict[tuple[object, ...], list[TensorRecord]] = {}
-    fold = _NUMBER.sub
-    for t in tensors:
-        key = (fold("*", t.name), t.dtype, t.shape, t.kind, t.file)
+    records = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
+    for t, folded in zip(records, _folded([t.name for t in records]), strict=True):
+        key = (folded, t.dtype, t.shape, t.kind, t.file)
         bucket = buckets.get(key)
         if bucket is None:
             buckets[key] = [t]  # not ``setdefault(key, [])``, which makes a list per tensor
@@ -121,7 +144,7 @@ def group_tensors(tensors: Iterable[TensorRecord]) -> list[TensorGroup]:
         first = members[0]
         groups.append(
             TensorGroup(
-                label=_fold(str(found[0]), [m.name for m in members]),
+                label=_fold(str(found[0])[1:], [m.name for m in members]),
                 dtype=first.dtype,
                 shape=first.shape,
                 kind=first.kind,

@@ -10,7 +10,7 @@ from itertools import islice
 from typing import TYPE_CHECKING, Any, Optional
 
 from .._version import __version__
-from ..inventory import CheckpointReport, Finding, Report, TensorRecord, dtype_summary, unique_tensors
+from ..inventory import CheckpointReport, Finding, Report, TensorRecord, dtype_summary
 from . import quant_view
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ def checkpoint_dict(c: CheckpointReport) -> dict[str, Any]:
 
 def _checkpoint_doc(c: CheckpointReport) -> dict[str, Any]:
     tensors = c.tensors
-    unique = unique_tensors(tensors)
+    by_dtype = dtype_summary(tensors)  # over each tensor once (``unique_tensors``), as the totals are
     quant = quant_view(c.inventory)
     return {
         "path": c.path,
@@ -171,11 +171,10 @@ def _checkpoint_doc(c: CheckpointReport) -> dict[str, Any]:
         "bytes_read": c.inventory.bytes_read if c.inventory else None,
         "summary": {
             "tensors": len(tensors),
-            "numel": sum(t.numel for t in unique),
-            "nbytes": sum(t.nbytes for t in unique),
+            "numel": sum(r.numel for r in by_dtype),
+            "nbytes": sum(r.nbytes for r in by_dtype),
             "by_dtype": [
-                {"dtype": r.dtype, "tensors": r.tensors, "numel": r.numel, "nbytes": r.nbytes, "share": round(r.share, 6)}
-                for r in dtype_summary(tensors)
+                {"dtype": r.dtype, "tensors": r.tensors, "numel": r.numel, "nbytes": r.nbytes, "share": round(r.share, 6)} for r in by_dtype
             ],
         },
         "tensors": _Later(len(tensors), lambda: _tensor_dicts(tensors, quant), None if quant else lambda: map(_tensor_line, tensors)),
