@@ -462,8 +462,8 @@ def _alike_outlier(
     if dominant not in _MEASURED or p is None or p == dominant or m.input_cast or m.forward is not None:
         return _outlier_finding(m, dominant, promoters)  # no finding, at once; or a measured forward, its own
     promoted = _promoted_back(m, p, dominant, promoters)
-    leaves = [(t.name.rpartition(".")[2], t.dtype, t.layout) for t in m.tensors]
-    key = (m.kind, m.type_name, m.confidence, m.guessed_type, promoted, *leaves)
+    alike_tensors = m.signature if m.signature is not None else tuple((t.name.rpartition(".")[2], t.dtype, t.layout) for t in m.tensors)
+    key = (m.kind, m.type_name, m.confidence, m.guessed_type, promoted, alike_tensors)
     if key in alike:
         first = alike[key]
         if first is None:

@@ -101,6 +101,8 @@ def split_name(name: str) -> tuple[str, str]:
 
 
 _DTYPE_SETS: dict[frozenset[str], frozenset[str]] = {}
+_DERIVED: dict[tuple[object, ...], tuple[frozenset[str], int | None]] = {}
+"""(kind, signature) -> what ``Module`` derives from its tensors (``Module._derived``), for at most ``_SIGNATURES``."""
 _FLOATING = frozenset(name for name in dtypes.DTYPES if dtypes.is_floating(name))
 
 
@@ -145,29 +147,44 @@ class Module:
     input_cast: bool = False
     """Whether its parent's forward casts its input to its weight's dtype, as ``--model``'s factory measured
     (T5's ``wo``): it runs in its own dtype whatever the model's."""
+    signature: tuple[object, ...] | None = field(default=None, repr=False, compare=False)
+    """What its guess was made from (``_module_parts``): its prefix's last part and each tensor's leaf, dtype, shape
+    and layout, in order; two modules of one kind and signature answer every check alike. None where its kind is a
+    fact (``--model``)."""
     kernel_dtypes: frozenset[str] = field(init=False, repr=False, compare=False)
     """The dtypes of its ``kernel_tensors``."""
     weight: TensorRecord | None = field(init=False, repr=False, compare=False)
     """Its ``weight`` (an RNN's first input weight, ``weight_ih_l0``)."""
 
     def __post_init__(self) -> None:
-        # one pass over its tensors (``kernel_tensors`` and ``leaf`` in one): this runs once per module
+        # worked out once per kind and signature, which repeat layer after layer: this runs once per module
+        key = (self.kind, self.signature) if self.signature is not None else None
+        derived = _DERIVED.get(key) if key is not None else None
+        if derived is None:
+            derived = self._derived()
+            if key is not None and len(_DERIVED) < _SIGNATURES:
+                _DERIVED[key] = derived
+        kernel_dtypes, at = derived
+        object.__setattr__(self, "kernel_dtypes", kernel_dtypes)
+        object.__setattr__(self, "weight", None if at is None else self.tensors[at])
+
+    def _derived(self) -> tuple[frozenset[str], int | None]:
+        """``kernel_dtypes``, and where ``weight`` stands in ``tensors``: one pass over its tensors."""
         kind = self.kind
         wanted = "weight_ih_l0" if kind == "rnn" else "weight"
         leaves = _KERNEL_LEAVES.get(kind, _WEIGHT_AND_BIAS)
         weight = None
         found = set()
-        for t in self.tensors:
+        for i, t in enumerate(self.tensors):
             leaf = t.name.rpartition(".")[2]
             if weight is None and leaf == wanted:
-                weight = t
+                weight = i
             if t.dtype in _FLOATING and not t.layout.startswith("sparse"):
-                # ``_in_kernel``, with its usual answer here: this runs for each of a header's million tensors
+                # ``_in_kernel``, with its usual answer here
                 if leaf in leaves if kind != "unknown" and kind != "rnn" else _in_kernel(kind, leaf):
                     found.add(t.dtype)
         dtypes_found = frozenset(found)
-        object.__setattr__(self, "kernel_dtypes", _DTYPE_SETS.setdefault(dtypes_found, dtypes_found))  # one set per mix
-        object.__setattr__(self, "weight", weight)
+        return _DTYPE_SETS.setdefault(dtypes_found, dtypes_found), weight  # one set per mix
 
     @property
     def name(self) -> str:
@@ -307,16 +324,19 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord], *, tagged: list[Tenso
     if tagged is None:
         return [Module(*parts) for parts, _ in _module_parts(inv)]
     modules = []
-    for (prefix, kind, type_name, conf, members, g, forward, cast), places in _module_parts(inv):
+    for (prefix, kind, type_name, conf, members, g, forward, cast, signature), places in _module_parts(inv):
         # most records of a header are tagged (their guess was None): one pass, tagging each that is not yet
         members = tuple([t if t.module_guess == g else t.with_guess(g) for t in members])
         for i, t in zip(places, members, strict=True):
             tagged[i] = t
-        modules.append(Module(prefix, kind, type_name, conf, members, g, forward, cast))
+        modules.append(Module(prefix, kind, type_name, conf, members, g, forward, cast, signature))
     return modules
 
 
-_Parts = tuple[str, ModuleKind, "str | None", Confidence, tuple[TensorRecord, ...], "str | None", "Mapping[str, str] | None", bool]
+_Parts = tuple[
+    str, ModuleKind, "str | None", Confidence, tuple[TensorRecord, ...], "str | None", "Mapping[str, str] | None", bool,
+    "tuple[object, ...] | None",
+]  # fmt: skip
 
 
 def _module_parts(inv: Inventory | Iterable[TensorRecord]) -> Iterator[tuple[_Parts, list[int]]]:
@@ -327,7 +347,7 @@ def _module_parts(inv: Inventory | Iterable[TensorRecord]) -> Iterator[tuple[_Pa
     probes: Mapping[str, Mapping[str, str]] = measured if isinstance(measured, Mapping) else {}
     cast_list = inv.metadata.get("input_casts") if isinstance(inv, Inventory) else None
     casts = frozenset(cast_list) if isinstance(cast_list, list) else frozenset()
-    seen: dict[tuple[object, ...], tuple[ModuleKind, Confidence, str | None]] = {}
+    seen: dict[tuple[object, ...], tuple[ModuleKind, Confidence, str | None, tuple[object, ...]]] = {}
     groups: dict[str, list[int]] = {}
     for i, t in enumerate(tensors):
         if t.region == "model":
@@ -339,7 +359,8 @@ def _module_parts(inv: Inventory | Iterable[TensorRecord]) -> Iterator[tuple[_Pa
                 places.append(i)
     for prefix, places in groups.items():
         members = tuple(map(tensors.__getitem__, places))
-        leaves = {t.name.rpartition(".")[2]: t for t in members}
+        names = [t.name.rpartition(".")[2] for t in members]
+        leaves = dict(zip(names, members, strict=True))
         type_name = None
         for t in members:  # the first type given (a loop, not a generator: this runs once per module)
             if t.module:
@@ -348,27 +369,28 @@ def _module_parts(inv: Inventory | Iterable[TensorRecord]) -> Iterator[tuple[_Pa
         fact = _TYPE_KINDS.get(type_name) if type_name else None
         guessed: str | None = None
         forward: Mapping[str, str] | None = None
+        signature: tuple[object, ...] | None = None
         if fact is not None:
             kind: ModuleKind = fact
             conf: Confidence = "fact"
         else:
             # what names and shapes say depends on the prefix's last part and the tensors' leaves, dtypes and
             # shapes alone, which repeat layer after layer: guessed once per signature
-            signature = (prefix.rpartition(".")[2], *[(leaf, t.dtype, t.shape) for leaf, t in leaves.items()])
+            signature = (prefix.rpartition(".")[2], *[(n, t.dtype, t.shape, t.layout) for n, t in zip(names, members, strict=True)])
             known = seen.get(signature)
             if known is None:
                 kind, conf = _guess(prefix, leaves)
-                known = kind, conf, _type_guess(kind, leaves) if conf == "high" else None
+                known = kind, conf, _type_guess(kind, leaves) if conf == "high" else None, signature
                 if len(seen) < _SIGNATURES:
                     seen[signature] = known
-            kind, conf, guessed = known
+            kind, conf, guessed, signature = known  # the first module's signature: one held, not one per module
             if type_name and kind == "norm" and "norm" in type_name.lower() and conf == "low":
                 conf = "high"  # the factory says it is a norm of its own making (LlamaRMSNorm)
                 guessed = _type_guess(kind, leaves)
             table = probes.get(type_name) if type_name else None
             if kind == "norm" and isinstance(table, Mapping) and set(leaves) == {"weight"}:
                 forward, conf = table, "fact"  # its own forward, measured by the factory
-        yield (prefix, kind, type_name, conf, members, guessed, forward, prefix in casts), places
+        yield (prefix, kind, type_name, conf, members, guessed, forward, prefix in casts, signature), places
 
 
 @dataclass(frozen=True)
