@@ -208,6 +208,20 @@ def test_each_tensor_line_is_what_the_encoder_writes_of_its_dict() -> None:
     assert [json_render._tensor_line(t) for t in records] == [json_render._encode(json_render.tensor_dict(t)) for t in records]
 
 
+def test_each_finding_line_is_what_the_encoder_writes_of_its_dict() -> None:
+    """Alike findings share their text but for the tensor and the file; every line is still the encoder's."""
+    findings = [
+        Finding("dtype-outlier", "warning", "same words", tensor="a", file="x.safetensors", expected=("float16",), actual="float32"),
+        Finding("dtype-outlier", "warning", "same words", tensor='odd "b"\\ é\n', file=None, expected=("float16",), actual="float32"),
+        Finding("dtype-outlier", "warning", "same words", tensor=None, file="y", expected=("float16",), actual="float32"),
+        Finding("dtype-outlier", "error", "same words", tensor="c", file="x.safetensors", expected=("float16",), actual="float32"),
+        Finding("other", "info", "other words", expected=None, actual=None),
+        Finding("other", "info", "other words", tensor=7, expected=None, actual=None),  # type: ignore[arg-type]  # the encoder's path
+        Finding("other", "info", "other words", tensor="d"),
+    ]
+    assert list(json_render._finding_lines(findings)) == [json_render._encode(json_render.finding_dict(f)) for f in findings]
+
+
 def _respelled(source: Path, tmp_path: Path, edit: Callable[[str], str], label: str) -> Path:
     raw = source.read_bytes()
     n = int.from_bytes(raw[:8], "little")

@@ -77,6 +77,34 @@ def finding_dict(f: Finding) -> dict[str, Any]:
     }
 
 
+_FINDING_PARTS = 1 << 12
+"""At most this many kinds of finding (rule, severity, message, expected, actual) remembered by ``_finding_lines``."""
+
+
+def _finding_lines(findings: Iterable[Finding]) -> Iterator[str]:
+    """``_encode(finding_dict(f))`` of each finding: alike findings (thousands of modules' with one message) share their
+    text but for the tensor and the file, so only those are written for each; any field of another type than the
+    usual goes through the encoder."""
+    parts: dict[tuple[object, ...], tuple[str, str, str]] = {}
+    for f in findings:
+        tensor, file = f.tensor, f.file
+        key = (f.rule, f.severity, f.message, f.expected, f.actual)
+        known = parts.get(key) if (tensor is None or type(tensor) is str) and (file is None or type(file) is str) else None
+        if known is None:
+            line = _encode(finding_dict(f))
+            if (tensor is None or type(tensor) is str) and (file is None or type(file) is str) and len(parts) < _FINDING_PARTS:
+                expected = list(f.expected) if f.expected is not None else None
+                parts[key] = (
+                    f'{{"rule": {_encode(f.rule)}, "severity": {_encode(f.severity)}, "tensor": ',
+                    f', "message": {_encode(f.message)}, "file": ',
+                    f', "expected": {_encode(expected)}, "actual": {_encode(f.actual)}}}',
+                )
+            yield line
+        else:
+            head, mid, tail = known
+            yield head + _maybe(tensor) + mid + _maybe(file) + tail
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
@@ -179,7 +207,7 @@ def _checkpoint_doc(c: CheckpointReport) -> dict[str, Any]:
         },
         "tensors": _Later(len(tensors), lambda: _tensor_dicts(tensors, quant), None if quant else lambda: map(_tensor_line, tensors)),
         **_quant_fields(c, quant),
-        "findings": _Later(len(c.findings), lambda: map(finding_dict, c.findings)),
+        "findings": _Later(len(c.findings), lambda: map(finding_dict, c.findings), lambda: _finding_lines(c.findings)),
         "metadata": _jsonable(dict(c.inventory.metadata)) if c.inventory else {},
     }
 
