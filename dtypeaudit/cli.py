@@ -286,6 +286,12 @@ def scan(
         from .conversion import value_findings
 
         extra.append(functools.partial(value_findings, include_optimizer=include_optimizer))
+    # No cyclic collection from here to the exit: what a scan makes are records and tuples, freed by reference counts,
+    # and the report lives until exit. The collector's passes walked all of it again each time the renderer allocated
+    # (a tenth of a 10,000-checkpoint scan's time), and a million-tensor header's first pass after its read, once the
+    # pipeline let the collector run again, took a second (benchmarks/SCALE.md).
+    gc.freeze()
+    gc.disable()
     report = run_scan(
         named,
         settings=chosen,
@@ -298,11 +304,6 @@ def scan(
         progress=scan_progress(),
     )
     shown = chosen_format(fmt, output)
-    # The report lives until exit: the collector need not walk it again each time the renderer allocates
-    # (a tenth of a 10,000-checkpoint scan's time went to that), nor walk what the renderer makes (a
-    # million-tensor header's table builds a million groups, freed by reference counts: 3 of its 5.6 s).
-    gc.freeze()
-    gc.disable()
     emit(writer_for(shown, width=terminal_width(), verbose=verbose, quiet=quiet, all_rows=all_rows)(report), output)
     log_unreadable(report, shown, output)
     return exitcodes.for_report(report)
