@@ -15,6 +15,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import Literal
 
 from . import dtypes
@@ -148,13 +149,15 @@ class Module:
     """Whether its parent's forward casts its input to its weight's dtype, as ``--model``'s factory measured
     (T5's ``wo``): it runs in its own dtype whatever the model's."""
     signature: tuple[object, ...] | None = field(default=None, repr=False, compare=False)
-    """What its guess was made from (``_module_parts``): its prefix's last part and each tensor's leaf, dtype, shape
-    and layout, in order; two modules of one kind and signature answer every check alike. None where its kind is a
+    """What its guess was made from (``_module_parts``): its prefix's last part, its tensors' leaves, and each one's
+    dtype, shape and layout, in order; two modules of one kind and signature answer every check alike. None where its kind is a
     fact (``--model``)."""
     kernel_dtypes: frozenset[str] = field(init=False, repr=False, compare=False)
     """The dtypes of its ``kernel_tensors``."""
     weight: TensorRecord | None = field(init=False, repr=False, compare=False)
     """Its ``weight`` (an RNN's first input weight, ``weight_ih_l0``)."""
+    dtype: str | None = field(init=False, repr=False, compare=False)
+    """The one floating dtype its kernel tensors share; None when they mix dtypes or there are none."""
 
     def __post_init__(self) -> None:
         # worked out once per kind and signature, which repeat layer after layer: this runs once per module
@@ -167,6 +170,7 @@ class Module:
         kernel_dtypes, at = derived
         object.__setattr__(self, "kernel_dtypes", kernel_dtypes)
         object.__setattr__(self, "weight", None if at is None else self.tensors[at])
+        object.__setattr__(self, "dtype", next(iter(kernel_dtypes)) if len(kernel_dtypes) == 1 else None)
 
     def _derived(self) -> tuple[frozenset[str], int | None]:
         """``kernel_dtypes``, and where ``weight`` stands in ``tensors``: one pass over its tensors."""
@@ -208,12 +212,6 @@ class Module:
         rules; for a module of unknown kind every floating tensor is.
         """
         return tuple(t for t in self.floating if _in_kernel(self.kind, t.name.rpartition(".")[2]))
-
-    @property
-    def dtype(self) -> str | None:
-        """The one floating dtype its kernel tensors share; None when they mix dtypes or there are none."""
-        found = self.kernel_dtypes
-        return next(iter(found)) if len(found) == 1 else None
 
     @property
     def file(self) -> str | None:
@@ -306,6 +304,8 @@ def _type_guess(kind: ModuleKind, leaves: dict[str, TensorRecord]) -> str | None
     return {"batchnorm": "BatchNorm", "linear": "Linear", "embedding": "Embedding"}.get(kind)
 
 
+_SIGNED = attrgetter("dtype", "shape", "layout")
+"""What of each tensor a module's signature holds, besides its leaf name."""
 _SIGNATURES = 1 << 16
 """At most this many module signatures remembered per inference: a header of a million different ones costs no more."""
 
@@ -376,7 +376,7 @@ def _module_parts(inv: Inventory | Iterable[TensorRecord]) -> Iterator[tuple[_Pa
         else:
             # what names and shapes say depends on the prefix's last part and the tensors' leaves, dtypes and
             # shapes alone, which repeat layer after layer: guessed once per signature
-            signature = (prefix.rpartition(".")[2], *[(n, t.dtype, t.shape, t.layout) for n, t in zip(names, members, strict=True)])
+            signature = (prefix.rpartition(".")[2], tuple(names), *map(_SIGNED, members))
             known = seen.get(signature)
             if known is None:
                 kind, conf = _guess(prefix, leaves)
