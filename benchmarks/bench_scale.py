@@ -125,7 +125,10 @@ def main() -> None:
         commands[f"{label}, -q"] = ([str(target), "-q", "-f", "plain"], None)
         commands[f"{label}, table"] = ([str(target), "-f", "plain"], None)
         commands[f"{label}, --format json"] = ([str(target), "--format", "json", "-o", str(out)], out)
+    # issue 31's own file: a million F32 [1] tensors, no findings, in every format as well
     commands["1M F32 [1] header, no findings, -q"] = ([str(plain), "-q", "-f", "plain"], None)
+    commands["1M F32 [1] header, no findings, table"] = ([str(plain), "-f", "plain"], None)
+    commands["1M F32 [1] header, no findings, --format json"] = ([str(plain), "--format", "json", "-o", str(out)], out)
     here = Path(__file__).resolve().parent.parent  # this checkout's package, whatever the working directory
     trees = {"this": here, "baseline": args.baseline.resolve()} if args.baseline else {"this": here}
     load_before = os.getloadavg()

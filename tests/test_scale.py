@@ -205,7 +205,12 @@ def test_each_tensor_line_is_what_the_encoder_writes_of_its_dict() -> None:
         TensorRecord("e", "int8", (True, 2), 2),  # type: ignore[arg-type]  # no plain integer: the encoder's path
         TensorRecord("f", "float32", (1 << 70,), 4, region="optimizer"),
     ]
-    assert [json_render._tensor_line(t) for t in records] == [json_render._encode(json_render.tensor_dict(t)) for t in records]
+    encoded = [json_render._encode(json_render.tensor_dict(t)) for t in records]
+    assert [json_render._tensor_line(t) for t in records] == encoded
+    records.insert(4, TensorRecord("e0", "int8", (1, 2), 2))  # equal to (True, 2) as a tuple: the encoder writes each its way
+    encoded = [json_render._encode(json_render.tensor_dict(t)) for t in records]
+    twice = records + records[::-1]  # each kind of record met before, and not
+    assert list(json_render._tensor_lines(twice)) == encoded + encoded[::-1]
 
 
 def test_each_finding_line_is_what_the_encoder_writes_of_its_dict() -> None:

@@ -61,6 +61,42 @@ def _tensor_line(t: TensorRecord) -> str:
         return _encode(tensor_dict(t))
 
 
+_CACHED_TEXTS = 1 << 12
+"""At most this many distinct field strings (dtypes, kinds, files, module types...) remembered by ``_tensor_lines``."""
+
+
+def _tensor_lines(tensors: Iterable[TensorRecord]) -> Iterator[str]:
+    """``_tensor_line`` of each record, with each shape's text and each field string's JSON made once, not once per
+    record: the fields other than the name and the offset repeat across a million-tensor header."""
+    shapes: dict[tuple[int, ...], tuple[str, int] | None] = {}  # a shape of another type than int is not kept
+    texts: dict[str | None, str] = {None: "null"}
+    string = _string
+    for t in tensors:
+        shape = t.shape
+        known = shapes.get(shape)
+        if known is None or not _ONLY_INT.issuperset(map(type, shape)):  # (True, 2) == (1, 2): the types, each time
+            known = shapes[shape] = (", ".join(map(str, shape)), math.prod(shape)) if _ONLY_INT.issuperset(map(type, shape)) else None
+        nbytes, offset = t.nbytes, t.offset
+        if known is None or t.stride is not None or t.shares_with or type(nbytes) is not int or type(offset) is not int:
+            yield _tensor_line(t)
+            continue
+        dtype, kind, file, storage, layout, region, module, guess = (
+            t.dtype, t.kind, t.file or None, t.storage, t.layout, t.region, t.module, t.module_guess,
+        )  # fmt: skip
+        try:
+            yield (
+                f'{{"name": {string(t.name)}, "dtype": {texts[dtype]}, "shape": [{known[0]}], "kind": {texts[kind]}, '
+                f'"nbytes": {nbytes}, "numel": {known[1]}, "file": {texts[file]}, "storage": {texts[storage]}, '
+                f'"offset": {offset}, "stride": null, "layout": {texts[layout]}, "region": {texts[region]}, '
+                f'"module": {texts[module]}, "shares_with": [], "module_guess": {texts[guess]}}}'
+            )
+        except (KeyError, TypeError):  # a field string not met yet (or no string: the encoder's path, every time)
+            for value in (dtype, kind, file, storage, layout, region, module, guess):
+                if type(value) is str and value not in texts and len(texts) < _CACHED_TEXTS:
+                    texts[value] = string(value)
+            yield _tensor_line(t)
+
+
 def _maybe(value: str | None) -> str:
     return "null" if value is None else _string(value)
 
@@ -205,7 +241,7 @@ def _checkpoint_doc(c: CheckpointReport) -> dict[str, Any]:
                 {"dtype": r.dtype, "tensors": r.tensors, "numel": r.numel, "nbytes": r.nbytes, "share": round(r.share, 6)} for r in by_dtype
             ],
         },
-        "tensors": _Later(len(tensors), lambda: _tensor_dicts(tensors, quant), None if quant else lambda: map(_tensor_line, tensors)),
+        "tensors": _Later(len(tensors), lambda: _tensor_dicts(tensors, quant), None if quant else lambda: _tensor_lines(tensors)),
         **_quant_fields(c, quant),
         "findings": _Later(len(c.findings), lambda: map(finding_dict, c.findings), lambda: _finding_lines(c.findings)),
         "metadata": _jsonable(dict(c.inventory.metadata)) if c.inventory else {},
