@@ -292,17 +292,21 @@ def scan(
     # pipeline let the collector run again, took a second (benchmarks/SCALE.md).
     gc.freeze()
     gc.disable()
-    report = run_scan(
-        named,
-        settings=chosen,
-        checks=extra,
-        model=model,
-        jobs=jobs,
-        cluster=cluster,
-        raise_errors=debug,
-        exclude=tuple(exclude or ()),
-        progress=scan_progress(),
-    )
+    try:
+        report = run_scan(
+            named,
+            settings=chosen,
+            checks=extra,
+            model=model,
+            jobs=jobs,
+            cluster=cluster,
+            raise_errors=debug,
+            exclude=tuple(exclude or ()),
+            progress=scan_progress(),
+        )
+    except BaseException:
+        gc.enable()  # no report to keep: the collector is back for whatever the process does next
+        raise
     shown = chosen_format(fmt, output)
     emit(writer_for(shown, width=terminal_width(), verbose=verbose, quiet=quiet, all_rows=all_rows)(report), output)
     log_unreadable(report, shown, output)

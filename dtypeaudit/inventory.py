@@ -433,7 +433,10 @@ def dtype_summary(tensors: Iterable[TensorRecord]) -> list[DtypeTotals]:
     counts: dict[str, list[int]] = {}
     unique = unique_tensors(tensors)
     # counted by (dtype, shape, bytes) in C calls, then summed over the few distinct ones: a header may hold a million
-    alike = Counter(map(_DTYPE_SHAPE_BYTES, unique))
+    try:
+        alike = Counter(map(_DTYPE_SHAPE_BYTES, unique))
+    except TypeError:  # a shape that is no tuple (a list, from the Python API)
+        alike = Counter((t.dtype, tuple(t.shape), t.nbytes) for t in unique)
     for (dtype, shape, nbytes), n in alike.items():
         c = counts.setdefault(dtype, [0, 0, 0])
         c[0] += n

@@ -103,7 +103,8 @@ def split_name(name: str) -> tuple[str, str]:
 
 _DTYPE_SETS: dict[frozenset[str], frozenset[str]] = {}
 _DERIVED: dict[tuple[object, ...], tuple[frozenset[str], int | None]] = {}
-"""(kind, signature) -> what ``Module`` derives from its tensors (``Module._derived``), for at most ``_SIGNATURES``."""
+"""(kind, signature) -> what ``Module`` derives from its tensors (``Module._derived``): at most ``_SIGNATURES`` of
+them, emptied when full."""
 _FLOATING = frozenset(name for name in dtypes.DTYPES if dtypes.is_floating(name))
 
 
@@ -152,6 +153,9 @@ class Module:
     """What its guess was made from (``_module_parts``): its prefix's last part, its tensors' leaves, and each one's
     dtype, shape and layout, in order; two modules of one kind and signature answer every check alike. None where its kind is a
     fact (``--model``)."""
+    signed: tuple[TensorRecord, ...] | None = field(default=None, repr=False, compare=False)
+    """The tensors ``signature`` was made for: a module made again with other tensors (``dataclasses.replace``) drops
+    it, and derives what it needs from its own."""
     kernel_dtypes: frozenset[str] = field(init=False, repr=False, compare=False)
     """The dtypes of its ``kernel_tensors``."""
     weight: TensorRecord | None = field(init=False, repr=False, compare=False)
@@ -161,11 +165,15 @@ class Module:
 
     def __post_init__(self) -> None:
         # worked out once per kind and signature, which repeat layer after layer: this runs once per module
+        if self.signature is not None and self.signed is not self.tensors:
+            object.__setattr__(self, "signature", None)
         key = (self.kind, self.signature) if self.signature is not None else None
         derived = _DERIVED.get(key) if key is not None else None
         if derived is None:
             derived = self._derived()
-            if key is not None and len(_DERIVED) < _SIGNATURES:
+            if key is not None:
+                if len(_DERIVED) >= _SIGNATURES:
+                    _DERIVED.clear()  # a new run of modules' kinds: the old ones are not asked again
                 _DERIVED[key] = derived
         kernel_dtypes, at = derived
         object.__setattr__(self, "kernel_dtypes", kernel_dtypes)
@@ -322,14 +330,14 @@ def infer_modules(inv: Inventory | Iterable[TensorRecord], *, tagged: list[Tenso
     module's guessed type is replaced by one that is; the modules are then made over those, each once.
     """
     if tagged is None:
-        return [Module(*parts) for parts, _ in _module_parts(inv)]
+        return [Module(*parts, parts[4]) for parts, _ in _module_parts(inv)]  # signed for its own tensors
     modules = []
     for (prefix, kind, type_name, conf, members, g, forward, cast, signature), places in _module_parts(inv):
         # most records of a header are tagged (their guess was None): one pass, tagging each that is not yet
         members = tuple([t if t.module_guess == g else t.with_guess(g) for t in members])
         for i, t in zip(places, members, strict=True):
             tagged[i] = t
-        modules.append(Module(prefix, kind, type_name, conf, members, g, forward, cast, signature))
+        modules.append(Module(prefix, kind, type_name, conf, members, g, forward, cast, signature, members))
     return modules
 
 

@@ -209,6 +209,8 @@ def test_each_tensor_line_is_what_the_encoder_writes_of_its_dict() -> None:
     assert [json_render._tensor_line(t) for t in records] == encoded
     records.insert(4, TensorRecord("e0", "int8", (1, 2), 2))  # equal to (True, 2) as a tuple: the encoder writes each its way
     encoded = [json_render._encode(json_render.tensor_dict(t)) for t in records]
+    records.append(TensorRecord("g", "float32", [2], 8))  # type: ignore[arg-type]  # a list: the encoder's path
+    encoded = [json_render._encode(json_render.tensor_dict(t)) for t in records]
     twice = records + records[::-1]  # each kind of record met before, and not
     assert list(json_render._tensor_lines(twice)) == encoded + encoded[::-1]
 
@@ -223,6 +225,9 @@ def test_each_finding_line_is_what_the_encoder_writes_of_its_dict() -> None:
         Finding("other", "info", "other words", expected=None, actual=None),
         Finding("other", "info", "other words", tensor=7, expected=None, actual=None),  # type: ignore[arg-type]  # the encoder's path
         Finding("other", "info", "other words", tensor="d"),
+        Finding("odd", "info", "odd words", expected=(1,), actual=1),  # type: ignore[arg-type]  # equal values, two encodings
+        Finding("odd", "info", "odd words", expected=(True,), actual=1.0),  # type: ignore[arg-type]
+        Finding("odd", "info", "odd words", expected=["x"]),  # type: ignore[arg-type]  # unhashable: the encoder's path
     ]
     assert list(json_render._finding_lines(findings)) == [json_render._encode(json_render.finding_dict(f)) for f in findings]
 
@@ -265,6 +270,7 @@ RESPELLINGS: dict[str, Callable[[str], str]] = {
         _swap_first_two(t).replace('{"__metadata__":{"k":"v"},', "{").replace('"a.bias"', '"__metadata__":{"k":"v"},"a.bias"')
     ),
     "metadata twice": lambda t: t.replace('{"__metadata__":{"k":"v"},', '{"__metadata__":{"k":"v"},"__metadata__":{"k":"w"},'),
+    "metadata twice, the first null": lambda t: t.replace('{"__metadata__":{"k":"v"},', '{"__metadata__":null,"__metadata__":{"k":"v"},'),
     "a key twice in the metadata": lambda t: t.replace('{"__metadata__":{"k":"v"}', '{"__metadata__":{"k":"v","k":"w"}'),
     "a number in the metadata": lambda t: t.replace('{"__metadata__":{"k":"v"}', '{"__metadata__":{"k":1}'),
     "a name twice": lambda t: t.replace('"b"', '"a.bias"'),
@@ -273,7 +279,7 @@ RESPELLINGS: dict[str, Callable[[str], str]] = {
 }
 
 
-REFUSED_ON_PURPOSE = {"a key twice in the metadata", "a name twice"}
+REFUSED_ON_PURPOSE = {"a key twice in the metadata", "a name twice"}  # and where the crate refuses as well
 """The crate keeps the last of two equal names; other JSON readers keep the first, so the header is refused, naming it."""
 
 

@@ -270,3 +270,19 @@ def test_module_types_are_matched_by_identity_not_name() -> None:
 
     owners = {t.name: t.module for t in factory.inventory_of_model(model).tensors}
     assert owners == {"0.weight": f"{__name__}.RMSNorm", "1.weight": "RMSNorm"}
+
+
+def test_a_module_made_again_with_other_tensors_derives_from_its_own() -> None:
+    """What a module derives is worked out once per kind and signature; ``dataclasses.replace`` with other tensors must
+    not answer from the signature of the tensors it had."""
+    from dtypeaudit.inventory import TensorRecord
+    from dtypeaudit.structure import infer_modules
+
+    weight, bias = TensorRecord("l.0.weight", "float32", (4, 4), 64), TensorRecord("l.0.bias", "float32", (4,), 16)
+    (m,) = infer_modules([weight, bias])
+    assert (m.kind, m.dtype, m.weight) == ("linear", "float32", weight)
+    half = tuple(t.with_(dtype="bfloat16", nbytes=t.nbytes // 2) for t in m.tensors)
+    assert (replace(m, tensors=half).dtype, replace(m, tensors=half).kernel_dtypes) == ("bfloat16", frozenset({"bfloat16"}))
+    assert replace(m, tensors=(bias,)).weight is None
+    assert replace(m, tensors=(bias, weight)).weight is weight
+    assert replace(m, input_cast=True).signature == m.signature  # the same tensors keep it

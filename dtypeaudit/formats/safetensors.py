@@ -179,10 +179,9 @@ def _header_text(src: Source) -> tuple[str, int]:
         raise CheckpointError("safetensors header is not UTF-8", path=str(path)) from None
 
 
-def _read_header(src: Source) -> tuple[dict[str, Any], int]:
-    """The parsed header, read the careful way, and the offset where the data area starts."""
+def _read_header(src: Source, text: str) -> dict[str, Any]:
+    """The header ``text`` parsed the careful way."""
     path = src.name
-    text, start = _header_text(src)
     try:
         header = _loads(text)
     except json.JSONDecodeError as exc:
@@ -195,7 +194,7 @@ def _read_header(src: Source) -> tuple[dict[str, Any], int]:
         raise CheckpointError("safetensors header nests too deeply", path=str(path)) from None
     if not isinstance(header, dict):
         raise CheckpointError("safetensors header is not a JSON object", path=str(path))
-    return header, start
+    return header
 
 
 _WS = r"[ \t\n\r]*"
@@ -239,6 +238,7 @@ def _quick(src: Source, text: str, start: int) -> Header:
     begins = array("Q")
     ends = array("Q")
     metadata: Any = None
+    metadata_seen = False
     seen_shapes: dict[tuple[str, str], tuple[tuple[int, ...], int]] = {}
     compact, spaced = _COMPACT_ENTRY.match, _SPACED_ENTRY.match
     cursor = 0
@@ -249,8 +249,9 @@ def _quick(src: Source, text: str, start: int) -> Header:
             m = compact(text, at) or spaced(text, at)
             if m is None:
                 named = _METADATA_NAME.match(text, at)
-                if named is None or metadata is not None:
+                if named is None or metadata_seen:  # ``"__metadata__": null`` twice is a name twice too
                     raise _NotQuick("not the usual entry")
+                metadata_seen = True
                 metadata, at = _METADATA_SCAN(text, named.end())
                 after = _AFTER_VALUE.match(text, at)
                 if after is None:
@@ -408,12 +409,13 @@ def _parse(src: Source) -> Header:
     # where that header is not accepted as it stands, again the careful way, whose refusal is the one reported. The
     # quick way accepts only headers the careful way reads alike: its numbers are usizes by their pattern, its
     # entries have exactly the three fields, and the metadata is read with the careful way's hooks.
+    text, start = _header_text(src)  # read once: a remote header's bytes are fetched once, and counted once
     try:
-        text, start = _header_text(src)
         return _quick(src, text, start)
     except (CheckpointError, ValueError, RecursionError, StopIteration):
         pass
-    header, start = _read_header(src)
+    header = _read_header(src, text)
+    del text  # the parsed header and its text are not held together longer than they must be
     metadata = header.pop("__metadata__", None)
     _check_metadata(metadata, src.name)
     # each raw entry dropped as soon as it is checked: the parsed JSON and the entries are never held whole together

@@ -41,6 +41,7 @@ def tensor_dict(t: TensorRecord) -> dict[str, Any]:
 
 _string = json.encoder.encode_basestring
 _ONLY_INT = frozenset({int})
+_ONLY_STR = frozenset({str})
 
 
 def _tensor_line(t: TensorRecord) -> str:
@@ -73,6 +74,9 @@ def _tensor_lines(tensors: Iterable[TensorRecord]) -> Iterator[str]:
     string = _string
     for t in tensors:
         shape = t.shape
+        if type(shape) is not tuple:  # a list, say, from the Python API: the encoder's path
+            yield _tensor_line(t)
+            continue
         known = shapes.get(shape)
         if known is None or not _ONLY_INT.issuperset(map(type, shape)):  # (True, 2) == (1, 2): the types, each time
             known = shapes[shape] = (", ".join(map(str, shape)), math.prod(shape)) if _ONLY_INT.issuperset(map(type, shape)) else None
@@ -123,17 +127,23 @@ def _finding_lines(findings: Iterable[Finding]) -> Iterator[str]:
     usual goes through the encoder."""
     parts: dict[tuple[object, ...], tuple[str, str, str]] = {}
     for f in findings:
-        tensor, file = f.tensor, f.file
-        key = (f.rule, f.severity, f.message, f.expected, f.actual)
-        known = parts.get(key) if (tensor is None or type(tensor) is str) and (file is None or type(file) is str) else None
+        tensor, file, expected, actual = f.tensor, f.file, f.expected, f.actual
+        # only strings (or None) where values meet: (1,) and (True,) are one key, and encode two ways
+        plain = (
+            (tensor is None or type(tensor) is str)
+            and (file is None or type(file) is str)
+            and (actual is None or type(actual) is str)
+            and (expected is None or (type(expected) is tuple and _ONLY_STR.issuperset(map(type, expected))))
+        )
+        key = (f.rule, f.severity, f.message, expected, actual)
+        known = parts.get(key) if plain else None
         if known is None:
             line = _encode(finding_dict(f))
-            if (tensor is None or type(tensor) is str) and (file is None or type(file) is str) and len(parts) < _FINDING_PARTS:
-                expected = list(f.expected) if f.expected is not None else None
+            if plain and len(parts) < _FINDING_PARTS:
                 parts[key] = (
                     f'{{"rule": {_encode(f.rule)}, "severity": {_encode(f.severity)}, "tensor": ',
                     f', "message": {_encode(f.message)}, "file": ',
-                    f', "expected": {_encode(expected)}, "actual": {_encode(f.actual)}}}',
+                    f', "expected": {_encode(list(expected) if expected is not None else None)}, "actual": {_encode(actual)}}}',
                 )
             yield line
         else:
