@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -75,12 +75,19 @@ def _dotted(names: list[str]) -> str | None:
     return None if joined.count("\n") != max(len(names) - 1, 0) else "." + joined
 
 
-def _folded(names: list[str]) -> list[str]:
-    """``"." + _NUMBER.sub("*", name)`` of each name."""
-    dotted = _dotted(names)
-    if dotted is None:
-        return ["." + _NUMBER.sub("*", n) for n in names]
-    return _DOTTED_NUMBER.sub(".*", dotted).split("\n") if names else []
+_FOLD_BATCH = 1 << 16
+"""Names folded per regex call by ``_folded``: the joined text of a batch is held, never a million names' at once."""
+
+
+def _folded(records: Sequence[TensorRecord]) -> Iterator[str]:
+    """``"." + _NUMBER.sub("*", name)`` of each record's name."""
+    for at in range(0, len(records), _FOLD_BATCH):
+        names = [t.name for t in records[at : at + _FOLD_BATCH]]
+        dotted = _dotted(names)
+        if dotted is None:
+            yield from ("." + _NUMBER.sub("*", n) for n in names)
+        else:
+            yield from _DOTTED_NUMBER.sub(".*", dotted).split("\n")
 
 
 def fold_label(names: list[str]) -> str:
@@ -132,8 +139,11 @@ def group_tensors(tensors: Iterable[TensorRecord]) -> list[TensorGroup]:
     """Merge tensors whose names differ only in numeric components and share dtype, shape and kind."""
     buckets: dict[tuple[object, ...], list[TensorRecord]] = {}
     records = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
-    for t, folded in zip(records, _folded([t.name for t in records]), strict=True):
-        key = (folded, t.dtype, t.shape, t.kind, t.file)
+    for t, folded in zip(records, _folded(records), strict=True):
+        name = t.name
+        # a name with no number to fold is its own pattern: the record's string, not a copy of it per tensor
+        pattern = name if len(folded) == len(name) + 1 and folded.endswith(name) else folded[1:]
+        key = (pattern, t.dtype, t.shape, t.kind, t.file)
         bucket = buckets.get(key)
         if bucket is None:
             buckets[key] = [t]  # not ``setdefault(key, [])``, which makes a list per tensor
@@ -144,7 +154,7 @@ def group_tensors(tensors: Iterable[TensorRecord]) -> list[TensorGroup]:
         first = members[0]
         groups.append(
             TensorGroup(
-                label=_fold(str(found[0])[1:], [m.name for m in members]),
+                label=_fold(str(found[0]), [m.name for m in members]),
                 dtype=first.dtype,
                 shape=first.shape,
                 kind=first.kind,
