@@ -75,10 +75,6 @@ class Header:
     start: int
     """Where the data area starts: 8 + the header's length."""
 
-    @property
-    def entries(self) -> Iterator[HeaderEntry]:
-        return map(HeaderEntry, self.names, self.codes, self.shapes, self.begins, self.ends)
-
 
 # -- JSON as serde_json reads it ------------------------------------------------------------------
 
@@ -198,6 +194,8 @@ def _read_header(src: Source, text: str) -> dict[str, Any]:
 
 
 _WS = r"[ \t\n\r]*"
+"""What ``json`` skips between tokens (its ``WHITESPACE``), as serde_json does."""
+_WHITESPACE = re.compile(_WS)
 _NUMBER = r"(?:0|[1-9][0-9]{0,18})"
 """A JSON integer of at most 19 digits: always a u64 (one of 20 digits is read the careful way)."""
 _NAME = r'"([^"\\\x00-\x1f]*(?:\\.[^"\\\x00-\x1f]*)*)"'
@@ -303,7 +301,6 @@ def _shape_and_bytes(code: str, shape_text: str) -> tuple[tuple[int, ...], int]:
     return shape, numel * bits // 8
 
 
-_WHITESPACE = re.compile(_WS)
 _METADATA_SCAN = json.JSONDecoder(
     object_pairs_hook=_unique, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant
 ).scan_once  # type: ignore[attr-defined]
@@ -326,7 +323,7 @@ def _code(name: str, raw: Any, path: str) -> str:
 
 
 class _NotQuick(ValueError):
-    """A header read the quick way (``_quick_pairs``) is not the plain form, or holds an entry that is not the usual kind."""
+    """A header read the quick way (``_quick``) is not the plain form, or holds an entry that is not the usual kind."""
 
 
 def _entry(name: str, raw: Any, path: str) -> HeaderEntry:
@@ -473,11 +470,11 @@ def accepts(path: AnyPath | Source) -> bool:
 # -- tensors as torch gets them -------------------------------------------------------------------
 
 
-def _record(entry: HeaderEntry, path: str, file: str) -> TensorRecord:
+def _unusual_record(entry: HeaderEntry, path: str, file: str) -> TensorRecord:
+    """The record of an entry ``_records`` does not make itself: a code torch has no dtype for, a dimension beyond
+    i64, or a packed code (F4)."""
     nbytes = entry.end - entry.begin
     shape = entry.shape
-    if entry.code in _PLAIN_CODES and (not shape or max(shape) <= _I64_MAX):  # nearly every tensor
-        return TensorRecord(entry.name, _PLAIN_CODES[entry.code], shape, nbytes, file=file, offset=entry.begin)
     if entry.code in dtypes.SAFETENSORS_TORCHLESS:
         raise CheckpointError(
             f"tensor '{entry.name}' is {entry.code}, which safetensors can store but torch has no dtype for", path=str(path)
@@ -543,8 +540,8 @@ def _records(header: Header, path: str, file: str) -> tuple[TensorRecord, ...]:
     out = []
     for name, code, shape, begin, end in zip(header.names, header.codes, header.shapes, header.begins, header.ends, strict=True):
         dtype = plain.get(code)
-        if dtype is not None and (not shape or max(shape) <= _I64_MAX):  # nearly every tensor: ``_record``'s first case
+        if dtype is not None and (not shape or max(shape) <= _I64_MAX):  # nearly every tensor
             out.append(TensorRecord(name, dtype, shape, end - begin, "unknown", file, None, begin))
         else:
-            out.append(_record(HeaderEntry(name, code, shape, begin, end), path, file))
+            out.append(_unusual_record(HeaderEntry(name, code, shape, begin, end), path, file))
     return tuple(out)

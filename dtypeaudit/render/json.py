@@ -45,44 +45,34 @@ _ONLY_STR = frozenset({str})
 
 
 def _tensor_line(t: TensorRecord) -> str:
-    """``_encode(tensor_dict(t))``, written out for the usual record (no stride, no shared storage, plain integers):
-    a million-tensor header's lines were most of its JSON report's time."""
-    shape = t.shape
-    plain = t.stride is None and not t.shares_with and type(t.nbytes) is int and type(t.offset) is int
-    if not plain or not _ONLY_INT.issuperset(map(type, shape)):
-        return _encode(tensor_dict(t))
-    try:
-        return (
-            f'{{"name": {_string(t.name)}, "dtype": {_string(t.dtype)}, "shape": [{", ".join(map(str, shape))}], '
-            f'"kind": {_string(t.kind)}, "nbytes": {t.nbytes}, "numel": {math.prod(shape)}, "file": {_maybe(t.file or None)}, '
-            f'"storage": {_maybe(t.storage)}, "offset": {t.offset}, "stride": null, "layout": {_string(t.layout)}, '
-            f'"region": {_string(t.region)}, "module": {_maybe(t.module)}, "shares_with": [], "module_guess": {_maybe(t.module_guess)}}}'
-        )
-    except TypeError:  # a field that is no string: the encoder says what it makes of it
-        return _encode(tensor_dict(t))
+    """``_encode(tensor_dict(t))`` of one record (``_tensor_lines``)."""
+    return next(_tensor_lines((t,)))
 
 
 _CACHED_TEXTS = 1 << 12
-"""At most this many distinct field strings (dtypes, kinds, files, module types...) remembered by ``_tensor_lines``."""
+"""At most this many shapes' texts, and this many distinct field strings (dtypes, kinds, files, module types...),
+remembered by ``_tensor_lines``."""
 
 
 def _tensor_lines(tensors: Iterable[TensorRecord]) -> Iterator[str]:
-    """``_tensor_line`` of each record, with each shape's text and each field string's JSON made once, not once per
-    record: the fields other than the name and the offset repeat across a million-tensor header."""
-    shapes: dict[tuple[int, ...], tuple[str, int] | None] = {}  # a shape of another type than int is not kept
+    """``_encode(tensor_dict(t))`` of each record, written out for the usual record (no stride, no shared storage, plain
+    integers, string fields), each shape's text and each field string's JSON made once, not once per record: a
+    million-tensor header's lines were most of its JSON report's time. Any other record goes through the encoder."""
+    shapes: dict[tuple[int, ...], tuple[str, int]] = {}
     texts: dict[str | None, str] = {None: "null"}
     string = _string
     for t in tensors:
         shape = t.shape
-        if type(shape) is not tuple:  # a list, say, from the Python API: the encoder's path
-            yield _tensor_line(t)
-            continue
-        known = shapes.get(shape)
-        if known is None or not _ONLY_INT.issuperset(map(type, shape)):  # (True, 2) == (1, 2): the types, each time
-            known = shapes[shape] = (", ".join(map(str, shape)), math.prod(shape)) if _ONLY_INT.issuperset(map(type, shape)) else None
+        # the types each time, not only the first: (True, 2) == (1, 2), and the encoder writes each its own way
+        plain_shape = type(shape) is tuple and _ONLY_INT.issuperset(map(type, shape))
+        known = shapes.get(shape) if plain_shape else None
+        if plain_shape and known is None:
+            known = (", ".join(map(str, shape)), math.prod(shape))
+            if len(shapes) < _CACHED_TEXTS:
+                shapes[shape] = known
         nbytes, offset = t.nbytes, t.offset
         if known is None or t.stride is not None or t.shares_with or type(nbytes) is not int or type(offset) is not int:
-            yield _tensor_line(t)
+            yield _encode(tensor_dict(t))
             continue
         dtype, kind, file, storage, layout, region, module, guess = (
             t.dtype, t.kind, t.file or None, t.storage, t.layout, t.region, t.module, t.module_guess,
@@ -98,7 +88,7 @@ def _tensor_lines(tensors: Iterable[TensorRecord]) -> Iterator[str]:
             for value in (dtype, kind, file, storage, layout, region, module, guess):
                 if type(value) is str and value not in texts and len(texts) < _CACHED_TEXTS:
                     texts[value] = string(value)
-            yield _tensor_line(t)
+            yield _encode(tensor_dict(t))
 
 
 def _maybe(value: str | None) -> str:
