@@ -31,7 +31,8 @@ CASTS = frozenset(_STORAGE)
 """The dtypes this module casts between (any pair)."""
 
 _F32_MAX = 3.4028234663852886e38
-_LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": _F32_MAX, "float64": float("inf")}
+LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": _F32_MAX, "float64": float("inf")}
+"""Each dtype's largest finite value: what ``clamp`` saturates to."""
 
 
 def storage_dtype(dtype: str) -> Any:
@@ -126,8 +127,8 @@ class NumpyCaster:
         # Every cast but a widening goes through float32 (torch rounds float64 to float32 first).
         self._f32 = np.empty(capacity, np.float32)
         self._scratch = np.empty(capacity, np.uint16 if target == "bfloat16" else np.uint32)
-        limit = _LARGEST[target]
-        self._limit = limit if clamp and limit < _LARGEST[source] else None
+        limit = LARGEST[target]
+        self._limit = limit if clamp and limit < LARGEST[source] else None
 
     def __call__(self, x: Any, looked: Any = None) -> Any:
         """``looked``: a value check's ``values.Looked`` of these same values (from float32, unclamped)."""

@@ -1,15 +1,11 @@
 """torch's cast, a chunk at a time: the one place conversion loads torch to make the bytes it writes, for the
 casts whose errors are measured as they are made (float64, bfloat16 and float16 sources) and views that must be
-gathered; float32 to float16/bfloat16 is npcast's (its errors measured before writing by values.py). Where torch
-is installed, verification recasts samples of the output with it (``installed``), whoever made them: imported
-then, after the last byte is made, while the output's fsync waits for the disk (on a thread beside the writers,
-its import would hold the GIL that they take back after every numpy call).
+gathered; float32 to float16/bfloat16 is npcast's (its errors measured before writing by values.py). Verification
+recasts its samples with a second implementation, not torch (conversion/verify.py ``reference_cast``).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 import warnings
 from collections.abc import Iterator
@@ -22,18 +18,6 @@ from .values import CHUNK_BYTES, ValueStats
 def load_torch() -> None:
     """Import torch, which makes every cast: about a second, worth overlapping with other work."""
     import torch  # noqa: F401
-
-
-@functools.cache
-def installed() -> Any:
-    """torch, imported, or None where it is not installed (the light install) or cannot be imported."""
-    if importlib.util.find_spec("torch") is None:
-        return None
-    try:
-        import torch
-    except Exception:  # a broken install: verification says it recast with numpy instead
-        return None
-    return torch
 
 
 @contextmanager

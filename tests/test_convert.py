@@ -330,9 +330,9 @@ def test_interrupt_leaves_source_and_no_partial_output(tmp_path: Path, monkeypat
 
 
 @pytest.mark.parametrize("target", ["fp16", "bf16"])
-def test_verification_catches_a_wrong_write_whatever_numpy_casts(target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The writer's casts made wrong, and numpy's one-shot cast too: verification recasts its samples with torch's
-    own cast (torch is installed here), so a bug shared by the writer and npcast is still caught."""
+def test_verification_catches_a_wrong_write_in_the_writers_casts(target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer's casts made wrong, and npcast's one-shot cast too: verification recasts its samples with a
+    second implementation (``reference_cast``), so a bug in the writer's casting code is caught, torch or not."""
     import numpy as np
 
     from dtypeaudit import npcast
@@ -342,8 +342,8 @@ def test_verification_catches_a_wrong_write_whatever_numpy_casts(target: str, tm
     torch.save({"w": torch.randn(8)}, src)
     real = NumpyCaster._cast
     monkeypatch.setattr(NumpyCaster, "_cast", lambda self, x, looked=None: np.add(real(self, x, looked), 1, casting="unsafe"))
-    assert npcast.cast(np.ones(2, np.float32), "float32", "float16").tolist() != [1.0, 1.0]  # numpy's recast shares the bug
-    with pytest.raises(ConversionError, match="differs from torch's cast of the source"):
+    assert npcast.cast(np.ones(2, np.float32), "float32", "float16").tolist() != [1.0, 1.0]  # npcast shares the bug
+    with pytest.raises(ConversionError, match="differs from a second cast of the source"):
         convert(src, target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dtypeaudit import npcast
+from dtypeaudit.conversion.verify import reference_cast
 from dtypeaudit.values import CHUNK_BYTES, ValueCheck, ValueStats
 
 TORCH = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -74,6 +75,17 @@ def test_cast_is_bit_equal_to_torch(source: str, target: str, clamp: bool) -> No
     assert ours.dtype == npcast.storage_dtype(target)
     # torch's casts from float16 go through other loops (a signalling NaN quieted on widening, 0x7FC0 for bfloat16)
     assert_same(ours, torch_bits(x, source, target, clamp), target, nan_bits=source != "float16")
+
+
+@pytest.mark.parametrize("clamp", [False, True], ids=["plain", "clamp"])
+@pytest.mark.parametrize(("source", "target"), PAIRS, ids=[f"{s}-{t}" for s, t in PAIRS])
+def test_verifications_second_cast_is_bit_equal_to_torch(source: str, target: str, clamp: bool) -> None:
+    """Verification's ``reference_cast`` (numpy's own float16 conversion, bfloat16 by integer rounding) gives
+    torch's bits for every value but a NaN's, which only has to stay a NaN."""
+    x = source_values(source)
+    ours = reference_cast(x, source, target, clamp=clamp)
+    assert ours.dtype == npcast.storage_dtype(target)
+    assert_same(ours, torch_bits(x, source, target, clamp), target, nan_bits=False)
 
 
 def test_reused_buffers_give_each_chunk_its_own_result() -> None:

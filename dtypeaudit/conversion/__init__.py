@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .. import torchcast
 from ..errors import DtypeAuditError, UsageError
 from ..formats import Format, read_checkpoint
 from ..formats.locate import TargetRef, as_target, parse_target
@@ -219,7 +218,7 @@ def convert(
         if s.dry_run or unsafe:
             return Result(plan, None, unsafe, dry_run=s.dry_run)
         if plan.casts_with_torch:
-            stack.enter_context(one_thread())  # torch's casts and verification's recasts (see one_thread)
+            stack.enter_context(one_thread())  # torch's casts (see one_thread)
         with written(plan):
             pass
     return Result(plan, dest, [], written=records)
@@ -292,7 +291,6 @@ def _written_and_verified(
     """Write ``plan``'s output to a temporary beside ``dest`` and verify it, each file's ``Written`` left in
     ``records`` (see ``Result.written``); on leaving, fsync and rename it into place."""
     check_destination(src_path, dest, force=force, in_place=in_place)
-    _torch_for_verification_meanwhile(plan)
     records.clear()  # a speculative write abandoned before this one left its files' records
     total = sum(p.tensor.nbytes for p in plan.tensors if p.action != "drop")
     progress = progress_factory("writing", total) if progress_factory else None
@@ -332,17 +330,6 @@ def _written_and_verified(
                 verify_written(tmp, record)
             records[dest.name] = record
             yield
-
-
-def _torch_for_verification_meanwhile(plan: Plan) -> None:
-    """Verification recasts its samples with torch where it is installed: torch's import (a second of CPU, mostly
-    the interpreter's, while the writer's numpy loops release it) starts now, beside the writing, instead of
-    after the last piece (benchmarks/CONVERT.md, round 7)."""
-    import importlib.util
-    import threading
-
-    if any(p.action == "cast" for p in plan.tensors) and importlib.util.find_spec("torch") is not None:
-        threading.Thread(target=torchcast.installed, name="dtypeaudit-torch-import", daemon=True).start()
 
 
 def _hold_unsafe(plan: Plan, inv: Inventory, to: str, options: dict[str, Any], sources: dict[str, MappedCheckpoint]) -> Plan:

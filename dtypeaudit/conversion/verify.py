@@ -1,8 +1,11 @@
 """Read a written file back once and prove it holds what its writer says it wrote (a ``Written`` record):
 names, shapes, dtypes, sharing, each record's bytes (CRC-32 of what was handed to the file) and, where the
-writer says where they came from, samples of each record recast from the source independently of the writer:
-by torch's own cast where torch is installed, else by numpy's (``Written.recast_with`` says which, and
-``verified_line`` says it to the user)."""
+writer says where they came from, samples of each record recast from the source by a second implementation,
+not the writer's (``reference_cast``: numpy's own float16 conversion, bfloat16 by integer rounding), the same
+on every install; ``Written.recast_with`` says what the samples were compared with, ``verified_line`` says it
+to the user. The writer and ``reference_cast`` are both held to torch's own cast in the tests
+(tests/test_npcast.py); here no torch is imported for it (its import would be half of a small conversion's
+time and more memory than its largest tensor: benchmarks/CONVERT.md, round 10)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import dtypes, npcast, torchcast
+from .. import dtypes, npcast
 from ..crc import crc32
 from ..errors import CheckpointError, ConversionError
 from ..formats import read_checkpoint
@@ -56,8 +59,9 @@ class Written:
     clamp: bool = False
     """The cast clamped to the target's range (``--clamp``)."""
     recast_with: str | None = None
-    """What verification compared the records' samples with: ``"torch"``'s cast or ``"numpy"``'s (torch is not
-    installed), or, when no record was cast, the ``"source"``'s bytes; None: no record came from a source."""
+    """What verification compared the records' samples with: ``"numpy"``'s ``reference_cast``, ``"torch"``'s cast
+    (a view that had to be gathered), or, when no record was cast, the ``"source"``'s bytes; None: no record came
+    from a source."""
 
     @classmethod
     def planned(cls, plan: Plan, *, sharing: bool = False) -> Written:
@@ -101,7 +105,7 @@ def verify_written(out: Path, written: Written) -> None:
             for name, origin in written.origins.items():
                 if name in crcs:
                     if origin.dtype != origin.target:
-                        written.recast_with = "torch" if origin.span is None or torchcast.installed() is not None else "numpy"
+                        written.recast_with = "torch" if origin.span is None or written.recast_with == "torch" else "numpy"
                     elif written.recast_with is None:
                         written.recast_with = "source"
                     try:
@@ -179,13 +183,12 @@ def _pread_crc(fd: int, span: Span, crc: int = 0) -> int:
 
 
 def _matches_cast(fd: int, span: Span, origin: Origin, clamp: bool) -> bool:
-    """Whether the bytes at ``span`` equal the source's cast, recomputed here independently of the writer: by
-    torch's own ``tensor.to(target)`` where torch is installed, else by numpy's (``npcast``: bit-equal to torch's,
-    tests/test_npcast.py, but the code that made the bytes).
+    """Whether the bytes at ``span`` equal the source's cast, recomputed here by ``reference_cast``, an
+    implementation other than the writer's (which is npcast's bit rounding, ml_dtypes or torch).
 
     The whole record is covered by the CRC check against what the writer produced; this recomputes the cast
     for its first, middle and last 64 KiB, which catches a wrong offset, dtype or clamp without paying for a
-    second full cast. A view that had to be gathered (``materialize``) is recast whole, by torch.
+    second full cast. A view that had to be gathered (``materialize``, by torch) is recast whole, by torch.
     """
     if origin.span is None:
         return _matches_gathered(fd, span, origin, clamp)
@@ -195,7 +198,6 @@ def _matches_cast(fd: int, span: Span, origin: Origin, clamp: bool) -> bool:
     numel = origin.span.length // itemsize
     if span.length != numel * out_itemsize:
         return False
-    torch = None if copied else torchcast.installed()
     for first, count in _samples(numel, itemsize):
         got = _pread(fd, span.offset + first * out_itemsize, count * out_itemsize)
         raw = origin.src.bytes_at(origin.span.offset + first * itemsize, count * itemsize)
@@ -203,18 +205,43 @@ def _matches_cast(fd: int, span: Span, origin: Origin, clamp: bool) -> bool:
             if got != bytes(raw):
                 return False
             continue
-        if torch is not None:
-            x = torchcast.frombuffer(bytearray(raw), origin.dtype, count, 0)  # a copy: aligned, whatever the source's offset
-            expected = _torch_cast(x, origin.target, clamp).view(torch.uint8).numpy().tobytes()
-        else:
-            import numpy as np
+        import numpy as np
 
-            with np.errstate(over="ignore", invalid="ignore"):
-                x = np.frombuffer(raw, npcast.storage_dtype(origin.dtype))
-                expected = npcast.cast(x, origin.dtype, origin.target, clamp=clamp).tobytes()
-        if got != expected and not _equal_but_nan_bits(got, expected, origin.target):
+        expected = reference_cast(np.frombuffer(raw, npcast.storage_dtype(origin.dtype)), origin.dtype, origin.target, clamp=clamp)
+        if got != expected.tobytes() and not _equal_but_nan_bits(got, expected.tobytes(), origin.target):
             return False
     return True
+
+
+def reference_cast(x: Any, source: str, target: str, *, clamp: bool = False) -> Any:
+    """``x`` (``source``'s stored form, as ``npcast.storage_dtype``) cast to ``target``'s stored form as torch's
+    CPU cast does it, by code that shares nothing with the writer's: numpy's own float16 conversion (a C loop,
+    where the writer rounds the bits in integer passes), bfloat16 by the integer round-to-nearest-even c10
+    spells out (where the writer uses ml_dtypes), float64 through float32 as torch rounds it, and ``clamp``
+    as torch.clamp in the source's precision (bfloat16 widened, as it cannot hold float16's largest). A NaN
+    stays a NaN; its bits are not promised (``_equal_but_nan_bits``). Bit-equal to torch's for every other
+    value: tests/test_npcast.py."""
+    import numpy as np
+
+    with np.errstate(all="ignore"):
+        if source == "bfloat16":
+            wide: Any = (x.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        else:
+            wide = x
+        if clamp:
+            limit = npcast.LARGEST[target]
+            if limit < npcast.LARGEST[source]:
+                wide = np.clip(wide, -limit, limit)
+        if target == "float64":
+            return wide.astype(np.float64)
+        f32 = wide.astype(np.float32)  # float64 rounds to float32 first, as torch's kernels do
+        if target == "float32":
+            return f32
+        if target == "float16":
+            return f32.astype(np.float16)
+        bits = f32.view(np.uint32)
+        rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+        return np.where(np.isnan(f32), np.uint16(0x7FC0), rounded)
 
 
 def _equal_but_nan_bits(got: bytes, expected: bytes, target: str) -> bool:
@@ -235,7 +262,7 @@ def _equal_but_nan_bits(got: bytes, expected: bytes, target: str) -> bool:
 def _recast_by(origin: Origin) -> str:
     if origin.dtype == origin.target:
         return "the source's bytes"
-    return "torch's cast of the source" if origin.span is None or torchcast.installed() is not None else "numpy's cast of the source"
+    return "torch's cast of the source" if origin.span is None else "a second cast of the source"
 
 
 def verified_line(written: list[Written]) -> str:
@@ -246,7 +273,7 @@ def verified_line(written: list[Written]) -> str:
     if "torch" in engines:
         return f"{line}; sampled records equal torch's own cast of the source"
     if "numpy" in engines:
-        return f"{line}; sampled records equal numpy's cast of the source (torch is not installed)"
+        return f"{line}; sampled records equal a second cast of the source, by numpy, apart from the writer"
     if "source" in engines:
         return f"{line}; sampled records equal the source's bytes"
     return line
