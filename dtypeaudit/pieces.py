@@ -34,7 +34,7 @@ T = TypeVar("T")
 CHUNK_ELEMENTS = CHUNK_BYTES // 4
 """Values per chunk, whatever their dtype: the value checks' step (``values.float32_chunks``), so that a piece's
 chunks are the chunks one pass over the record would make."""
-PIECE_ELEMENTS = 16 * CHUNK_ELEMENTS
+PIECE_ELEMENTS = 4 * CHUNK_ELEMENTS
 """Values per piece (16 MB of float32): small enough that the threads finish together, large enough that
 handing a piece over costs nothing next to making it."""
 COPY_CHUNK_BYTES = 8 << 20
