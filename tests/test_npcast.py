@@ -170,6 +170,14 @@ def test_every_float32_value(target: str) -> None:
         assert_same(ours, torch_bits(x, "float32", target, False), target)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_verifications_second_cast_of_every_float32_value(target: str) -> None:
+    for start in range(0, 1 << 32, 1 << 24):
+        x = np.arange(start, start + (1 << 24), dtype=np.uint64).astype(np.uint32).view(np.float32)
+        assert_same(reference_cast(x, "float32", target), torch_bits(x, "float32", target, False), target, nan_bits=False)
+
+
 # -- the engine's float32 casts, NaN bits included, against torch's on this CPU -----------------------------------
 
 
