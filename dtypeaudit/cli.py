@@ -973,8 +973,12 @@ def only_the_invoked_command(args: list[str]) -> None:
 
 
 def main() -> None:
-    """The console entry point (after entry.py's answer to ``--version``)."""
+    """The console entry point (after entry.py's answer to ``--version``, and its start-up without the collector)."""
+    import gc
+
     only_the_invoked_command(sys.argv[1:])
+    gc.freeze()  # what start-up loaded stays to the end: later collections need not walk it
+    gc.enable()
     leave_fast_after_torch(app)
 
 
