@@ -14,7 +14,7 @@ from pathlib import Path
 from ..errors import CheckpointError, DtypeAuditError
 from ..inventory import Format, Inventory, format_of
 from ..redact import redact
-from . import gguf, locate, safetensors, source, torchzip
+from . import gguf, locate, source, torchzip
 from .locate import AnyPath, TargetRef
 from .sniff import sniff_kind
 from .source import Source
@@ -31,6 +31,8 @@ def read_file(path: AnyPath | Source) -> Inventory:
         if kind == "legacy":
             return torchzip.read_legacy(src)
         if kind == "safetensors":
+            from . import safetensors
+
             return safetensors.read(src)
         if kind == "gguf":
             return gguf.read(src)

@@ -1,4 +1,5 @@
-"""Name a file's format from its content, the way the loaders that read it afterwards decide.
+"""Name a file's format from its content, the way the loaders that read it afterwards decide. The safetensors reader
+is imported only for a file that may be one: a .pt scan's start-up does without it.
 
 ``torch.load`` (torch/serialization.py) takes a file whose first four bytes are ``PK\\x03\\x04`` as a zip
 archive; otherwise it opens it with ``tarfile.open(mode="r:")`` (the pre-0.4 tar format); otherwise it
@@ -13,7 +14,7 @@ import struct
 from typing import IO, Any
 
 from ..errors import CheckpointError, LimitExceeded
-from . import gguf, locate, safetensors
+from . import gguf, locate
 from .legacy import LEGACY_MAGIC, is_legacy_magic
 from .locate import AnyPath
 from .remote import RemoteError
@@ -200,6 +201,12 @@ def _first_pickle(src: Source, head: bytes, size: int) -> tuple[Any, int] | _NoP
             src.note_span(0, vm.pos)
 
 
+def _safetensors_accepts(src: Source) -> bool:
+    from . import safetensors
+
+    return safetensors.accepts(src)
+
+
 def _safetensors_plausible(head: bytes, size: int) -> bool:
     """Where the safetensors reader should say what is wrong: a ``{`` at byte 8 (today's rule), or a
     header length that fits the file and a header that opens, after JSON whitespace, with ``{``."""
@@ -208,7 +215,11 @@ def _safetensors_plausible(head: bytes, size: int) -> bool:
     if head[8:9] == b"{":
         return True
     (n,) = struct.unpack("<Q", head[:8])
-    if n > safetensors.MAX_HEADER_BYTES or 8 + n > size:
+    if 8 + n > size:
+        return False  # a zip's or a pickle's first eight bytes read as a length past the end of any file of ordinary size
+    from .safetensors import MAX_HEADER_BYTES
+
+    if n > MAX_HEADER_BYTES:
         return False
     text = head[8 : 8 + n].lstrip(_JSON_WS)
     return text.startswith(b"{") or (not text and len(head) < 8 + n)
@@ -247,7 +258,7 @@ def sniff_kind(path: AnyPath | Source) -> str:
     if not isinstance(first, _NoPickle) and is_legacy_magic(first[0]):
         formats.append("legacy")
     plausible = _safetensors_plausible(head, size)
-    if plausible and formats and safetensors.accepts(src):
+    if plausible and formats and _safetensors_accepts(src):
         formats.append("safetensors")
     if len(formats) > 1:
         raise _both(name, formats)
