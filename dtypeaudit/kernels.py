@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 RAISE = "raise"
 TABLE = Path(__file__).resolve().parent / "data" / "kernels.json"
@@ -54,8 +53,7 @@ def measured_kernels(type_name: str) -> tuple[str, ...]:
     return ()
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(NamedTuple):
     """What a forward does on every backend the table knows for one row."""
 
     result: str
@@ -73,8 +71,7 @@ class Verdict:
         return f"it raises on {describe(self.raising)} though it runs on {describe(self.running)}; the strictest backend decides"
 
 
-@dataclass(frozen=True)
-class Table:
+class Table(NamedTuple):
     """The measurements, one full row set per backend."""
 
     backends: dict[str, dict[str, str]]

@@ -26,7 +26,7 @@ import re
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import CheckpointError, LimitExceeded
 from . import allowlist
@@ -94,8 +94,7 @@ Builder = Callable[[Any, Any], bool]
 """Applies BUILD's state to a value a reducer made; False when it does not own that value."""
 
 
-@dataclass(frozen=True)
-class Limits:
+class Limits(NamedTuple):
     """Caps on what one pickle may cost. Real checkpoints stay far below each."""
 
     max_opcodes: int = 50_000_000

@@ -25,9 +25,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from ..errors import CheckpointError, LimitExceeded, UsageError
 from ..redact import redact
@@ -90,8 +89,7 @@ class RemoteError(CheckpointError):
     content, so readers that take a malformed file for "not this format" let it through."""
 
 
-@dataclass(frozen=True)
-class _Problem:
+class _Problem(NamedTuple):
     what: str
     transient: bool
 
@@ -673,8 +671,7 @@ def _join(base: str, name: str) -> str:
     return posixpath.normpath(base.rstrip("/") + "/" + name)
 
 
-@dataclass(frozen=True)
-class _Stat:
+class _Stat(NamedTuple):
     st_size: int
 
 
