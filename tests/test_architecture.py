@@ -130,6 +130,33 @@ def test_version_answers_before_the_command_line_is_imported():
     assert out[0].startswith("dtypeaudit ") and out[1] == "[]"
 
 
+def test_start_up_pauses_the_collector_and_the_command_runs_with_it():
+    """entry.main loads the command line with the cyclic collector off; the command itself runs with it on, and
+    what start-up loaded frozen (a long convert or tune must still collect its cycles). ``policy presets`` is a
+    command that does not pause the collector itself (scan does, for its whole run)."""
+    code = (
+        "import gc, sys\n"
+        "seen = {}\n"
+        "class Watch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name in ('dtypeaudit.cli', 'typer'):\n"
+        "            seen[name] = gc.isenabled()\n"
+        "sys.meta_path.insert(0, Watch())\n"
+        "import dtypeaudit.policy\n"
+        "real = dtypeaudit.policy.presets\n"
+        "def presets(*a, **k):\n"
+        "    seen['command'] = (gc.isenabled(), gc.get_freeze_count() > 0)\n"
+        "    return real(*a, **k)\n"
+        "dtypeaudit.policy.presets = presets\n"
+        "sys.argv = ['dtypeaudit', 'policy', 'presets']\n"
+        "from dtypeaudit.entry import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print(sorted(seen.items()), file=sys.stderr)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stderr.strip().splitlines()[-1] == "[('command', (True, True)), ('dtypeaudit.cli', False), ('typer', False)]"
+
+
 def test_only_the_invoked_command_is_built(monkeypatch):
     from dtypeaudit import cli
 
