@@ -493,3 +493,38 @@ def test_scan_of_an_hf_folder_imports_no_torch_nor_transformers(hf_folders: dict
     imported = sorted(m for m in modules if m.partition(".")[0] in ("torch", "transformers", "dask", "distributed"))
     assert not imported, imported
     assert "dtypeaudit.formats.hftable" in modules and "dtypeaudit.formats.hfload" in modules  # the table was read
+
+
+def test_the_wheel_is_pure_python_and_builds_without_a_compiler(tmp_path: Path) -> None:
+    """`pip install .` needs no compiler (issue 28): built with every compiler pointing at /bin/false, the wheel is
+    py3-none-any, holds no extension module or C source, and its package files are the tree's, byte for byte."""
+    pytest.importorskip("setuptools", minversion="68")  # the build backend, used in place (no index needed)
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        (src / name).write_bytes((ROOT / name).read_bytes())
+    tree = {
+        p.relative_to(ROOT).as_posix(): p.read_bytes()
+        for p in sorted((ROOT / "dtypeaudit").rglob("*"))  # rglob follows presets/, a link to ../configs
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    for name, data in tree.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(data)
+    env = {**os.environ, "CC": "/bin/false", "CXX": "/bin/false", "LDSHARED": "/bin/false"}
+    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--disable-pip-version-check"]
+    proc = subprocess.run([*pip, "-w", str(tmp_path / "out"), str(src)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = (tmp_path / "out").glob("*.whl")
+    assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        files = {n: z.read(n) for n in z.namelist() if not n.endswith("/")}
+    (meta,) = [n for n in files if n.endswith(".dist-info/WHEEL")]
+    assert "Root-Is-Purelib: true" in files[meta].decode()
+    assert not [n for n in files if n.endswith((".so", ".pyd", ".dylib", ".c", ".h"))]
+    shipped = {n: data for n, data in files.items() if n.startswith("dtypeaudit/")}
+    wanted = {n: data for n, data in tree.items() if n.endswith((".py", ".yaml", ".json", "py.typed"))}
+    assert shipped.keys() == wanted.keys(), sorted(shipped.keys() ^ wanted.keys())
+    assert all(shipped[n] == wanted[n] for n in wanted)
