@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -517,8 +518,6 @@ def test_the_wheel_is_pure_python_and_builds_without_a_compiler(tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr
     (wheel,) = (tmp_path / "out").glob("*.whl")
     assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
-    import zipfile
-
     with zipfile.ZipFile(wheel) as z:
         files = {n: z.read(n) for n in z.namelist() if not n.endswith("/")}
     (meta,) = [n for n in files if n.endswith(".dist-info/WHEEL")]

@@ -201,12 +201,6 @@ def _first_pickle(src: Source, head: bytes, size: int) -> tuple[Any, int] | _NoP
             src.note_span(0, vm.pos)
 
 
-def _safetensors_accepts(src: Source) -> bool:
-    from . import safetensors
-
-    return safetensors.accepts(src)
-
-
 def _safetensors_plausible(head: bytes, size: int) -> bool:
     """Where the safetensors reader should say what is wrong: a ``{`` at byte 8 (today's rule), or a
     header length that fits the file and a header that opens, after JSON whitespace, with ``{``."""
@@ -258,8 +252,11 @@ def sniff_kind(path: AnyPath | Source) -> str:
     if not isinstance(first, _NoPickle) and is_legacy_magic(first[0]):
         formats.append("legacy")
     plausible = _safetensors_plausible(head, size)
-    if plausible and formats and _safetensors_accepts(src):
-        formats.append("safetensors")
+    if plausible and formats:
+        from . import safetensors
+
+        if safetensors.accepts(src):
+            formats.append("safetensors")
     if len(formats) > 1:
         raise _both(name, formats)
     if formats == ["tar"]:
